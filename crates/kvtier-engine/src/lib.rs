@@ -1,1 +1,33 @@
-//! placeholder during bootstrap
+//! kvtier's single-host store.
+//!
+//! Objects are byte strings under byte-string keys, stored in tiers behind one index:
+//! - [`config`] — [`EngineConfig`] and its validation;
+//! - [`error`] — [`EngineError`];
+//! - [`stats`] — lock-free counters and the [`EngineStats`] snapshot;
+//! - `dram` — the pre-faulted arena (the crate's only `unsafe`) and its block allocator;
+//! - `index` — the sharded key → object map;
+//! - `object` — stored objects and read pins ([`PinnedObject`]);
+//! - [`eviction`] — the [`EvictionPolicy`] trait with [`Lru`] and [`PrefixDepth`];
+//! - `engine` — [`Engine`], which ties them together.
+//!
+//! Guarantees: put-if-absent, nothing visible before it is fully written, a read either gets
+//! the exact stored bytes or fails cleanly, and eviction never frees memory under a reader.
+
+#![deny(unsafe_op_in_unsafe_fn)]
+
+pub mod config;
+mod dram;
+mod engine;
+pub mod error;
+pub mod eviction;
+mod index;
+mod object;
+pub mod stats;
+
+pub use config::{EngineConfig, EvictionPolicyKind};
+pub use dram::{Allocator, Extent};
+pub use engine::{Engine, PutMeta, PutOutcome};
+pub use error::EngineError;
+pub use eviction::{EvictionPolicy, Lru, PrefixDepth};
+pub use object::PinnedObject;
+pub use stats::EngineStats;

@@ -1,0 +1,91 @@
+//! Stored objects and read pins.
+//!
+//! Owns: [`Object`] (an object's length and where its bytes live) and [`PinnedObject`], the
+//! handle a reader holds while copying.
+//!
+//! Invariant: an `Object` is immutable once published in the index; its bytes were fully
+//! written before publication. Its memory is released when the last `Arc<Object>` drops —
+//! the index holds one, each pin holds one — so unlinking an object that is being read never
+//! frees memory under the copy.
+
+use std::sync::Arc;
+
+use crate::dram::DramAllocation;
+use crate::error::EngineError;
+use crate::stats::{add, Counters};
+
+/// Where an object's bytes live. The SSD tier adds a variant here.
+pub(crate) enum Location {
+    Dram(DramAllocation),
+}
+
+/// One stored object.
+pub(crate) struct Object {
+    pub(crate) location: Location,
+}
+
+impl Object {
+    pub(crate) fn len(&self) -> u64 {
+        match &self.location {
+            Location::Dram(a) => a.len(),
+        }
+    }
+
+    /// DRAM blocks held (0 for objects in other tiers).
+    pub(crate) fn dram_blocks(&self) -> u64 {
+        match &self.location {
+            Location::Dram(a) => a.blocks(),
+        }
+    }
+
+    /// Copy the whole object into `dst`; the length must already have been checked.
+    pub(crate) fn copy_to(&self, dst: &mut [u8]) {
+        match &self.location {
+            Location::Dram(a) => a.read(dst),
+        }
+    }
+}
+
+/// A read pin: while it lives, the object's memory cannot be evicted or reused, even if the
+/// object is removed from the index meanwhile. Drop it as soon as the copy is done: a pinned
+/// object cannot make room for new puts.
+pub struct PinnedObject {
+    pub(crate) object: Arc<Object>,
+    pub(crate) counters: Arc<Counters>,
+}
+
+impl PinnedObject {
+    /// Stored length in bytes.
+    pub fn len(&self) -> u64 {
+        self.object.len()
+    }
+
+    /// Whether the object is empty (zero bytes).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Copy the whole object into `dst`, whose length must equal [`Self::len`]; otherwise
+    /// `SizeMismatch` and `dst` is untouched. Counts `bytes_out` / `size_mismatches`.
+    pub fn read_into(&self, dst: &mut [u8]) -> Result<(), EngineError> {
+        let stored = self.len();
+        if dst.len() as u64 != stored {
+            add(&self.counters.size_mismatches, 1);
+            return Err(EngineError::SizeMismatch {
+                stored,
+                requested: dst.len() as u64,
+            });
+        }
+        self.object.copy_to(dst);
+        add(&self.counters.bytes_out, stored);
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for PinnedObject {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinnedObject")
+            .field("len", &self.len())
+            .finish()
+    }
+}
