@@ -24,8 +24,10 @@ pub enum EvictionPolicyKind {
     Lru,
 }
 
-/// Configuration of one [`crate::Engine`].
-#[derive(Clone, Debug)]
+/// Configuration of one [`crate::Engine`]. Deserializes from a partial table (missing fields
+/// take their defaults), e.g. the `[engine]` section of a server's TOML.
+#[derive(Clone, Debug, serde::Deserialize, serde::Serialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct EngineConfig {
     /// Size of the one DRAM arena; rounded down to whole blocks.
     pub dram_capacity_bytes: u64,

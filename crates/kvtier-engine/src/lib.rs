@@ -13,6 +13,8 @@
 //! Guarantees: put-if-absent, nothing visible before it is fully written, a read either gets
 //! the exact stored bytes or fails cleanly, and eviction never frees memory under a reader.
 
+// Every `unsafe` block lives in `dram/arena.rs`, the one module allowed to opt out.
+#![deny(unsafe_code)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod config;

@@ -15,6 +15,8 @@
 //!   is published, so no reader exists), and read only through `&DramAllocation`; Rust's borrow
 //!   rules then guarantee no write overlaps any other access to the same bytes.
 
+#![allow(unsafe_code)]
+
 use std::io;
 
 use memmap2::MmapMut;
