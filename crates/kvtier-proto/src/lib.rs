@@ -4,7 +4,31 @@
 //! evaluates them directly, the local server and the cluster master receive them as frames —
 //! so that a whole SGLang v2 existence query (every pool, every hit policy, narrowing) is one
 //! value and therefore one round trip. It depends on nothing but `thiserror`.
+//!
+//! - [`query`]: the v2 existence query model and its fold.
+//! - [`messages`]: the other request/reply bodies (batches, handshake, error reply).
+//! - [`codec`]: the binary encoding of every body ([`Encode`] / [`Decode`]).
+//! - [`frame`]: length-prefixed frames over any `Read` / `Write`.
+//! - [`opcode`]: what a frame asks for.
+//! - [`limits`]: the limits every encoder and decoder enforces.
+//! - [`error`]: [`ProtoError`], the one error type.
+//!
+//! Nothing here panics on peer input or uses `unsafe`.
 
+#![forbid(unsafe_code)]
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
+
+pub mod codec;
+pub mod error;
+pub mod frame;
+pub mod limits;
+pub mod messages;
+pub mod opcode;
 pub mod query;
 
+pub use codec::{Decode, Encode, Reader};
+pub use error::ProtoError;
+pub use frame::{encode_frame, read_frame, read_frame_limited, write_frame, FrameHeader};
+pub use messages::{BatchResult, ErrorReply, Handshake, KeyBatch, PutBatchHeader};
+pub use opcode::Opcode;
 pub use query::{ExistsV2Answer, ExistsV2Query, HitPolicy, KvComponents, PoolQuery};

@@ -1,0 +1,102 @@
+//! Request opcodes: what a frame asks for, and therefore which message its body holds.
+//!
+//! A response reuses its request's opcode and request id and sets
+//! [`crate::frame::FLAG_RESPONSE`]; a failed request is answered with
+//! [`crate::frame::FLAG_ERROR`] as well and an [`crate::ErrorReply`] body. Value 0 is never an
+//! opcode, so an all-zero header is rejected. Numbers are wire values: never reuse one.
+
+use crate::error::ProtoError;
+
+/// What a frame asks for. The request and response bodies are listed per variant.
+#[repr(u16)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Opcode {
+    /// Request: [`crate::Handshake`]. Response: [`crate::Handshake`] with the version the
+    /// server will speak and its own name.
+    Handshake = 1,
+    /// Request and response: empty body. Liveness check.
+    Ping = 2,
+    /// Request: [`crate::ExistsV2Query`]. Response: [`crate::ExistsV2Answer`]. The whole v2
+    /// existence query in one round trip.
+    ExistsV2 = 3,
+    /// Request: [`crate::KeyBatch`]. Response: [`crate::BatchResult`], one `ok` per key.
+    BatchExists = 4,
+    /// Request: [`crate::KeyBatch`]. Response: [`crate::BatchResult`]; page bytes move out of
+    /// band (shared memory or the peer data port).
+    BatchGet = 5,
+    /// Request: [`crate::PutBatchHeader`]. Response: [`crate::BatchResult`]; page bytes move out
+    /// of band.
+    BatchPut = 6,
+    /// Request: [`crate::KeyBatch`]. Response: [`crate::BatchResult`].
+    BatchDelete = 7,
+}
+
+impl Opcode {
+    /// Every opcode, in wire-value order.
+    pub const ALL: [Opcode; 7] = [
+        Opcode::Handshake,
+        Opcode::Ping,
+        Opcode::ExistsV2,
+        Opcode::BatchExists,
+        Opcode::BatchGet,
+        Opcode::BatchPut,
+        Opcode::BatchDelete,
+    ];
+
+    /// The wire value.
+    pub const fn as_u16(self) -> u16 {
+        self as u16
+    }
+}
+
+impl From<Opcode> for u16 {
+    fn from(opcode: Opcode) -> u16 {
+        opcode.as_u16()
+    }
+}
+
+impl TryFrom<u16> for Opcode {
+    type Error = ProtoError;
+
+    fn try_from(value: u16) -> Result<Self, ProtoError> {
+        Ok(match value {
+            1 => Opcode::Handshake,
+            2 => Opcode::Ping,
+            3 => Opcode::ExistsV2,
+            4 => Opcode::BatchExists,
+            5 => Opcode::BatchGet,
+            6 => Opcode::BatchPut,
+            7 => Opcode::BatchDelete,
+            other => return Err(ProtoError::UnknownOpcode(other)),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_opcode_round_trips_through_its_wire_value() {
+        for opcode in Opcode::ALL {
+            let wire: u16 = opcode.into();
+            assert_eq!(Opcode::try_from(wire).ok(), Some(opcode));
+        }
+    }
+
+    #[test]
+    fn wire_values_are_dense_from_one() {
+        for (i, opcode) in Opcode::ALL.iter().enumerate() {
+            assert_eq!(opcode.as_u16() as usize, i + 1);
+        }
+    }
+
+    #[test]
+    fn unknown_values_are_rejected_by_name() {
+        for value in [0, 8, 0x0100, u16::MAX] {
+            let err = Opcode::try_from(value).unwrap_err();
+            assert!(matches!(err, ProtoError::UnknownOpcode(v) if v == value));
+            assert!(err.to_string().contains(&value.to_string()));
+        }
+    }
+}
