@@ -1,1 +1,23 @@
-//! placeholder during bootstrap
+//! kvtier's client layer: what every front end (the Python module, the CLI, later the server)
+//! uses to reach a store.
+//!
+//! - [`config`] is the one configuration schema, fed by a TOML file, `KVTIER_*` environment
+//!   variables and SGLang's `extra_config`, parsed strictly.
+//! - [`memory`] owns the registry of caller memory regions and the only raw-pointer access in
+//!   this crate: every (pointer, size) a caller hands in is checked against a registered region
+//!   before a byte is touched.
+//! - [`batch`] describes page batches (`prefix ++ page_key ++ suffix` keys) and their results.
+//! - [`client`] is the [`Client`]: it resolves memory, composes keys and calls the mode's store.
+//!   Embedded mode (the engine in this process) is the one mode so far; the local-server and
+//!   cluster modes plug in behind the same methods.
+
+pub mod batch;
+pub mod client;
+pub mod config;
+pub mod error;
+pub mod memory;
+
+pub use batch::{BatchResult, MemRef, PageBatch};
+pub use client::Client;
+pub use config::{ConfigError, ConfigSources, KvtierConfig};
+pub use error::ClientError;

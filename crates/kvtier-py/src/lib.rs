@@ -1,1 +1,437 @@
-//! placeholder during bootstrap
+//! `kvtier._native`: the Python face of [`kvtier_client::Client`].
+//!
+//! Every batch call extracts its arguments while holding the GIL, then releases it
+//! (`Python::detach`) for the whole store operation, so SGLang's scheduler and I/O threads run
+//! while pages move. Errors are mapped once here: configuration errors become `ValueError`
+//! naming the key; per-item failures come back as `(ok_list, error_messages)` so that the
+//! adapter can fail closed and log the reason.
+
+mod buffer_access;
+
+use std::sync::Arc;
+
+use kvtier_client::config::ConfigSources;
+use kvtier_client::{BatchResult, Client, ClientError, KvtierConfig, MemRef, PageBatch};
+use kvtier_proto::{ExistsV2Query, HitPolicy, KvComponents, PoolQuery};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use buffer_access::HeldBuffer;
+
+type BatchReply = (Vec<bool>, Vec<String>);
+
+fn reply(r: BatchResult) -> BatchReply {
+    let mut errors = r.errors;
+    if r.suppressed_errors > 0 {
+        errors.push(format!(
+            "... and {} more distinct errors",
+            r.suppressed_errors
+        ));
+    }
+    (r.ok, errors)
+}
+
+fn map_error(e: ClientError) -> PyErr {
+    match e {
+        ClientError::Config(c) => PyValueError::new_err(c.to_string()),
+        other => PyRuntimeError::new_err(other.to_string()),
+    }
+}
+
+fn parse_extra(extra_config_json: &str) -> PyResult<serde_json::Map<String, serde_json::Value>> {
+    match serde_json::from_str::<serde_json::Value>(extra_config_json) {
+        Ok(serde_json::Value::Object(m)) => Ok(m),
+        Ok(serde_json::Value::Null) => Ok(Default::default()),
+        Ok(_) => Err(PyValueError::new_err(
+            "kvtier extra_config must be a JSON object",
+        )),
+        Err(e) => Err(PyValueError::new_err(format!(
+            "kvtier extra_config is not JSON: {e}"
+        ))),
+    }
+}
+
+fn load_config(extra_config_json: &str, use_environment: bool) -> PyResult<KvtierConfig> {
+    let extra = parse_extra(extra_config_json)?;
+    let sources = if use_environment {
+        ConfigSources::from_process(extra)
+    } else {
+        ConfigSources {
+            env: Vec::new(),
+            extra,
+        }
+    };
+    KvtierConfig::load(sources).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+fn mem_refs(ptrs: &[usize], sizes: &[usize]) -> Result<Vec<MemRef>, String> {
+    if ptrs.len() != sizes.len() {
+        return Err(format!("{} pointers but {} sizes", ptrs.len(), sizes.len()));
+    }
+    Ok(ptrs
+        .iter()
+        .zip(sizes)
+        .map(|(&ptr, &len)| MemRef { ptr, len })
+        .collect())
+}
+
+fn hit_policy(name: &str, policy: &str, param: u32) -> PyResult<HitPolicy> {
+    match policy {
+        "all_pages" => Ok(HitPolicy::AllPages),
+        "trailing_pages" => Ok(HitPolicy::TrailingPages { window: param }),
+        "block_groups" => Ok(HitPolicy::BlockGroups { group_pages: param }),
+        other => Err(PyValueError::new_err(format!(
+            "pool {name}: unknown hit policy {other:?}"
+        ))),
+    }
+}
+
+fn bytes_list(v: Vec<String>) -> Vec<Vec<u8>> {
+    v.into_iter().map(String::into_bytes).collect()
+}
+
+/// A kvtier store opened from SGLang's extra_config (JSON) plus `KVTIER_*` variables.
+#[pyclass(frozen, module = "kvtier._native")]
+struct Store {
+    client: Arc<Client>,
+}
+
+#[pymethods]
+impl Store {
+    #[new]
+    #[pyo3(signature = (extra_config_json = "{}", use_environment = true))]
+    fn new(py: Python<'_>, extra_config_json: &str, use_environment: bool) -> PyResult<Store> {
+        let config = load_config(extra_config_json, use_environment)?;
+        // Pre-faulting the arena takes a while for large capacities: do it without the GIL.
+        let client = py.detach(|| Client::open(config)).map_err(map_error)?;
+        Ok(Store {
+            client: Arc::new(client),
+        })
+    }
+
+    /// The effective configuration as TOML; raises ValueError naming a bad key.
+    #[staticmethod]
+    #[pyo3(signature = (extra_config_json = "{}", use_environment = true))]
+    fn check_config(extra_config_json: &str, use_environment: bool) -> PyResult<String> {
+        Ok(load_config(extra_config_json, use_environment)?.to_toml())
+    }
+
+    /// Every configuration key kvtier accepts.
+    #[staticmethod]
+    fn known_config_keys() -> Vec<String> {
+        KvtierConfig::known_keys()
+    }
+
+    fn config_toml(&self) -> String {
+        self.client.config().to_toml()
+    }
+
+    /// Register `[ptr, ptr+size)` for zero-copy batches. The caller must keep that memory
+    /// alive (hold the tensor) until `unregister_region` or `close`; kvtier's SGLang adapter
+    /// holds every registered pool for the store's lifetime.
+    fn register_region(&self, ptr: usize, size: usize, label: &str) -> PyResult<u64> {
+        // SAFETY: the documented contract of this method: Python passes the storage extent of
+        // a tensor it keeps alive until unregistering or closing the store.
+        let id = unsafe { self.client.register_region(ptr, size, label) }.map_err(map_error)?;
+        Ok(id.0)
+    }
+
+    fn unregister_region(&self, region_id: u64) -> bool {
+        self.client
+            .unregister_region(kvtier_client::memory::RegionId(region_id))
+    }
+
+    /// `[(id, start, size, label)]` of the registered regions.
+    fn regions(&self) -> Vec<(u64, usize, usize, String)> {
+        self.client
+            .regions()
+            .into_iter()
+            .map(|r| (r.id.0, r.start, r.len, r.label))
+            .collect()
+    }
+
+    /// Put `pages x components` objects from registered memory; one bool per page.
+    #[pyo3(signature = (prefix, page_keys, suffixes, ptrs, sizes, depths = None))]
+    fn put_pages(
+        &self,
+        py: Python<'_>,
+        prefix: &str,
+        page_keys: Vec<String>,
+        suffixes: Vec<String>,
+        ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+        depths: Option<Vec<u32>>,
+    ) -> BatchReply {
+        let client = &self.client;
+        py.detach(|| {
+            let bufs = match mem_refs(&ptrs, &sizes) {
+                Ok(b) => b,
+                Err(e) => return reply(BatchResult::all_failed(page_keys.len(), e)),
+            };
+            let batch = PageBatch {
+                prefix: prefix.as_bytes(),
+                page_keys: &page_keys,
+                suffixes: &suffixes,
+            };
+            reply(client.put_pages(&batch, &bufs, depths.as_deref()))
+        })
+    }
+
+    /// Get `pages x components` objects into registered memory; one bool per page.
+    fn get_pages(
+        &self,
+        py: Python<'_>,
+        prefix: &str,
+        page_keys: Vec<String>,
+        suffixes: Vec<String>,
+        ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+    ) -> BatchReply {
+        let client = &self.client;
+        py.detach(|| {
+            let bufs = match mem_refs(&ptrs, &sizes) {
+                Ok(b) => b,
+                Err(e) => return reply(BatchResult::all_failed(page_keys.len(), e)),
+            };
+            let batch = PageBatch {
+                prefix: prefix.as_bytes(),
+                page_keys: &page_keys,
+                suffixes: &suffixes,
+            };
+            reply(client.get_pages(&batch, &bufs))
+        })
+    }
+
+    /// Put whole keys from registered memory; one bool per key.
+    #[pyo3(signature = (keys, ptrs, sizes, depths = None))]
+    fn put_keys(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+        depths: Option<Vec<u32>>,
+    ) -> BatchReply {
+        let client = &self.client;
+        py.detach(|| match mem_refs(&ptrs, &sizes) {
+            Ok(bufs) => reply(client.put_keys(&keys, &bufs, depths.as_deref())),
+            Err(e) => reply(BatchResult::all_failed(keys.len(), e)),
+        })
+    }
+
+    /// Get whole keys into registered memory; one bool per key.
+    fn get_keys(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+    ) -> BatchReply {
+        let client = &self.client;
+        py.detach(|| match mem_refs(&ptrs, &sizes) {
+            Ok(bufs) => reply(client.get_keys(&keys, &bufs)),
+            Err(e) => reply(BatchResult::all_failed(keys.len(), e)),
+        })
+    }
+
+    /// Put objects from buffer-protocol objects (contiguous uint8 views); one bool per key.
+    #[pyo3(signature = (keys, buffers, depths = None))]
+    fn put_buffers(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        buffers: Vec<Bound<'_, PyAny>>,
+        depths: Option<Vec<u32>>,
+    ) -> PyResult<BatchReply> {
+        if keys.len() != buffers.len() || depths.as_ref().is_some_and(|d| d.len() != keys.len()) {
+            return Ok(reply(BatchResult::all_failed(
+                keys.len(),
+                format!(
+                    "{} keys, {} buffers, {:?} depths",
+                    keys.len(),
+                    buffers.len(),
+                    depths.as_ref().map(Vec::len)
+                ),
+            )));
+        }
+        let held = buffers
+            .iter()
+            .enumerate()
+            .map(|(i, b)| HeldBuffer::take(b, false, &format!("buffer {i}")))
+            .collect::<PyResult<Vec<_>>>()?;
+        let client = &self.client;
+        Ok(py.detach(|| {
+            let mut result = BatchResult::with_capacity(keys.len());
+            for (i, (key, buf)) in keys.iter().zip(&held).enumerate() {
+                let depth = depths.as_ref().map(|d| d[i]);
+                match client.put_slice(key.as_bytes(), buf.as_bytes(), depth) {
+                    Ok(_) => result.ok.push(true),
+                    Err(e) => {
+                        result.note_error(format!("{key}: {e}"));
+                        result.ok.push(false);
+                    }
+                }
+            }
+            reply(result)
+        }))
+    }
+
+    /// Get objects into writable buffer-protocol objects; one bool per key.
+    fn get_buffers(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        buffers: Vec<Bound<'_, PyAny>>,
+    ) -> PyResult<BatchReply> {
+        if keys.len() != buffers.len() {
+            return Ok(reply(BatchResult::all_failed(
+                keys.len(),
+                format!("{} keys but {} buffers", keys.len(), buffers.len()),
+            )));
+        }
+        let held = buffers
+            .iter()
+            .enumerate()
+            .map(|(i, b)| HeldBuffer::take(b, true, &format!("buffer {i}")))
+            .collect::<PyResult<Vec<_>>>()?;
+        let client = &self.client;
+        Ok(py.detach(|| {
+            let mut result = BatchResult::with_capacity(keys.len());
+            for (key, buf) in keys.iter().zip(&held) {
+                match client.get_into_slice(key.as_bytes(), buf.as_bytes_mut()) {
+                    Ok(()) => result.ok.push(true),
+                    Err(ClientError::Engine(kvtier_engine::EngineError::NotFound)) => {
+                        result.ok.push(false)
+                    }
+                    Err(e) => {
+                        result.note_error(format!("{key}: {e}"));
+                        result.ok.push(false);
+                    }
+                }
+            }
+            reply(result)
+        }))
+    }
+
+    fn exists_keys(&self, py: Python<'_>, keys: Vec<String>) -> Vec<bool> {
+        let client = &self.client;
+        py.detach(|| client.exists_keys(&keys))
+    }
+
+    /// Leading pages whose every component exists.
+    fn exists_pages_prefix(
+        &self,
+        py: Python<'_>,
+        prefix: &str,
+        page_keys: Vec<String>,
+        suffixes: Vec<String>,
+    ) -> usize {
+        let client = &self.client;
+        py.detach(|| {
+            let batch = PageBatch {
+                prefix: prefix.as_bytes(),
+                page_keys: &page_keys,
+                suffixes: &suffixes,
+            };
+            client.exists_pages_prefix(&batch)
+        })
+    }
+
+    /// One v2 existence query. `kv_suffixes=None` is a logical anchor. `pools` is a list of
+    /// `(name, suffixes, policy, param)` with policy `all_pages`, `trailing_pages` (param =
+    /// window) or `block_groups` (param = group pages). Returns
+    /// `(kv_hit_pages, [(pool, boundary)], restorable_prefix_pages)`.
+    fn exists_v2(
+        &self,
+        py: Python<'_>,
+        prefix: &str,
+        page_keys: Vec<String>,
+        kv_suffixes: Option<Vec<String>>,
+        pools: Vec<(String, Vec<String>, String, u32)>,
+    ) -> PyResult<(u32, Vec<(String, u32)>, Vec<u32>)> {
+        let pools = pools
+            .into_iter()
+            .map(|(name, suffixes, policy, param)| {
+                let policy = hit_policy(&name, &policy, param)?;
+                Ok(PoolQuery {
+                    name,
+                    suffixes: bytes_list(suffixes),
+                    policy,
+                })
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let query = ExistsV2Query {
+            key_prefix: prefix.as_bytes().to_vec(),
+            page_keys: bytes_list(page_keys),
+            kv: kv_suffixes.map_or(KvComponents::Logical, |s| {
+                KvComponents::Suffixes(bytes_list(s))
+            }),
+            pools,
+        };
+        let client = &self.client;
+        let answer = py.detach(|| client.exists_v2(&query));
+        Ok((
+            answer.kv_hit_pages,
+            answer.pool_hit_pages,
+            answer.restorable_prefix_pages,
+        ))
+    }
+
+    fn object_len(&self, key: &str) -> Option<u64> {
+        self.client.object_len(key.as_bytes())
+    }
+
+    fn remove_keys(&self, py: Python<'_>, keys: Vec<String>) -> usize {
+        let client = &self.client;
+        py.detach(|| client.remove_keys(&keys))
+    }
+
+    fn clear(&self, py: Python<'_>) {
+        let client = &self.client;
+        py.detach(|| client.clear())
+    }
+
+    fn flush(&self, py: Python<'_>) -> PyResult<()> {
+        let client = &self.client;
+        py.detach(|| client.flush()).map_err(map_error)
+    }
+
+    fn close(&self) {
+        self.client.close()
+    }
+
+    #[getter]
+    fn closed(&self) -> bool {
+        self.client.is_closed()
+    }
+
+    /// Counters as a dict of int.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let dict = PyDict::new(py);
+        if let Ok(serde_json::Value::Object(map)) = serde_json::to_value(self.client.stats()) {
+            for (k, v) in map {
+                match v {
+                    serde_json::Value::Number(n) => {
+                        if let Some(u) = n.as_u64() {
+                            dict.set_item(k, u)?;
+                        } else if let Some(f) = n.as_f64() {
+                            dict.set_item(k, f)?;
+                        }
+                    }
+                    serde_json::Value::Bool(b) => dict.set_item(k, b)?,
+                    serde_json::Value::String(s) => dict.set_item(k, s)?,
+                    _ => {}
+                }
+            }
+        }
+        Ok(dict)
+    }
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Store>()?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,350 @@
+//! [`Client`]: the store as every front end sees it.
+//!
+//! It owns the mode's store (embedded: a [`kvtier_engine::Engine`] in this process), the
+//! registry of caller memory, and the key composition of page batches. Every method is safe to
+//! call from many threads at once and never panics on caller input: a bad buffer, a size
+//! mismatch or a full store is a `false` for that item plus a reason in the result.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use kvtier_engine::{Engine, EngineError, EngineStats, PutMeta, PutOutcome};
+use kvtier_proto::query::compose_key;
+use kvtier_proto::{ExistsV2Answer, ExistsV2Query};
+use serde::Serialize;
+
+use crate::batch::{BatchResult, MemRef, PageBatch};
+use crate::config::KvtierConfig;
+use crate::error::ClientError;
+use crate::memory::{RegionId, RegionInfo, RegionRegistry};
+
+/// Counters the client keeps on top of the engine's.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ClientStats {
+    #[serde(flatten)]
+    pub engine: EngineStats,
+    /// Buffers refused because they were outside registered memory.
+    pub rejected_buffers: u64,
+    /// Batches refused whole because their shape was inconsistent.
+    pub rejected_batches: u64,
+    pub registered_regions: u64,
+    pub registered_bytes: u64,
+}
+
+pub struct Client {
+    config: KvtierConfig,
+    engine: Engine,
+    regions: RegionRegistry,
+    closed: AtomicBool,
+    rejected_buffers: AtomicU64,
+    rejected_batches: AtomicU64,
+}
+
+impl Client {
+    /// Open the store the configuration describes (embedded mode).
+    pub fn open(config: KvtierConfig) -> Result<Client, ClientError> {
+        let engine = Engine::open(config.engine_config())?;
+        Ok(Client {
+            config,
+            engine,
+            regions: RegionRegistry::new(),
+            closed: AtomicBool::new(false),
+            rejected_buffers: AtomicU64::new(0),
+            rejected_batches: AtomicU64::new(0),
+        })
+    }
+
+    pub fn config(&self) -> &KvtierConfig {
+        &self.config
+    }
+
+    /// Register caller memory that later batches may read or write.
+    ///
+    /// # Safety
+    /// See [`RegionRegistry::register`]: the range must stay valid until unregistered or until
+    /// this client is dropped.
+    pub unsafe fn register_region(
+        &self,
+        ptr: usize,
+        len: usize,
+        label: &str,
+    ) -> Result<RegionId, ClientError> {
+        // SAFETY: forwarded contract, see the function docs.
+        unsafe { self.regions.register(ptr, len, label) }
+    }
+
+    pub fn unregister_region(&self, id: RegionId) -> bool {
+        self.regions.unregister(id)
+    }
+
+    pub fn regions(&self) -> Vec<RegionInfo> {
+        self.regions.regions()
+    }
+
+    fn ensure_open(&self) -> Result<(), ClientError> {
+        if self.closed.load(Ordering::Acquire) {
+            Err(ClientError::Closed)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Check a page batch's buffers and depths against its shape.
+    fn check_page_shape<K: AsRef<[u8]>, S: AsRef<[u8]>>(
+        &self,
+        batch: &PageBatch<'_, K, S>,
+        buffers: &[MemRef],
+        depths: Option<&[u32]>,
+    ) -> Result<(), String> {
+        let (pages, comps) = (batch.pages(), batch.components());
+        if comps == 0 && pages > 0 {
+            return Err("a page batch needs at least one component suffix".into());
+        }
+        if buffers.len() != pages * comps {
+            return Err(format!(
+                "{} buffers for {pages} pages x {comps} components (want {})",
+                buffers.len(),
+                pages * comps
+            ));
+        }
+        if let Some(d) = depths {
+            if d.len() != pages {
+                return Err(format!("{} depths for {pages} pages", d.len()));
+            }
+        }
+        Ok(())
+    }
+
+    fn reject_batch(&self, items: usize, reason: String) -> BatchResult {
+        self.rejected_batches.fetch_add(1, Ordering::Relaxed);
+        BatchResult::all_failed(items, reason)
+    }
+
+    fn note(&self, result: &mut BatchResult, key: &[u8], err: &ClientError) {
+        if matches!(err, ClientError::OutsideRegisteredMemory { .. }) {
+            self.rejected_buffers.fetch_add(1, Ordering::Relaxed);
+        }
+        result.note_error(format!("{}: {err}", String::from_utf8_lossy(key)));
+    }
+
+    /// Store one object from caller memory (put-if-absent).
+    fn put_one(
+        &self,
+        key: &[u8],
+        buf: MemRef,
+        depth: Option<u32>,
+    ) -> Result<PutOutcome, ClientError> {
+        let meta = PutMeta { depth };
+        self.regions
+            .with_source(buf.ptr, buf.len, |src| self.engine.put(key, src, meta))?
+            .map_err(Into::into)
+    }
+
+    fn get_one(&self, key: &[u8], buf: MemRef) -> Result<(), ClientError> {
+        self.regions
+            .with_destination(buf.ptr, buf.len, |dst| self.engine.get_into(key, dst))?
+            .map_err(Into::into)
+    }
+
+    /// Put every component of every page; `ok[i]` is true when page `i` is fully stored
+    /// (newly or already). Components this call stored for a page that then failed are removed
+    /// again, so a failed page leaves nothing behind.
+    pub fn put_pages<K: AsRef<[u8]>, S: AsRef<[u8]>>(
+        &self,
+        batch: &PageBatch<'_, K, S>,
+        buffers: &[MemRef],
+        depths: Option<&[u32]>,
+    ) -> BatchResult {
+        let pages = batch.pages();
+        if let Err(e) = self.ensure_open() {
+            return BatchResult::all_failed(pages, e.to_string());
+        }
+        if let Err(reason) = self.check_page_shape(batch, buffers, depths) {
+            return self.reject_batch(pages, reason);
+        }
+        let comps = batch.components();
+        let mut result = BatchResult::with_capacity(pages);
+        let mut key = Vec::new();
+        let mut stored_now: Vec<Vec<u8>> = Vec::new();
+        for (i, page_key) in batch.page_keys.iter().enumerate() {
+            let depth = depths.map(|d| d[i]);
+            stored_now.clear();
+            let mut page_ok = true;
+            for (j, suffix) in batch.suffixes.iter().enumerate() {
+                compose_key(batch.prefix, page_key.as_ref(), suffix.as_ref(), &mut key);
+                match self.put_one(&key, buffers[i * comps + j], depth) {
+                    Ok(PutOutcome::Stored) => stored_now.push(key.clone()),
+                    Ok(PutOutcome::AlreadyPresent) => {}
+                    Err(err) => {
+                        self.note(&mut result, &key, &err);
+                        page_ok = false;
+                        break;
+                    }
+                }
+            }
+            if !page_ok {
+                for k in &stored_now {
+                    self.engine.remove(k);
+                }
+            }
+            result.ok.push(page_ok);
+        }
+        result
+    }
+
+    /// Get every component of every page into caller memory; `ok[i]` is true when all of page
+    /// `i` was copied. A page stops at its first failing component.
+    pub fn get_pages<K: AsRef<[u8]>, S: AsRef<[u8]>>(
+        &self,
+        batch: &PageBatch<'_, K, S>,
+        buffers: &[MemRef],
+    ) -> BatchResult {
+        let pages = batch.pages();
+        if let Err(e) = self.ensure_open() {
+            return BatchResult::all_failed(pages, e.to_string());
+        }
+        if let Err(reason) = self.check_page_shape(batch, buffers, None) {
+            return self.reject_batch(pages, reason);
+        }
+        let comps = batch.components();
+        let mut result = BatchResult::with_capacity(pages);
+        let mut key = Vec::new();
+        for (i, page_key) in batch.page_keys.iter().enumerate() {
+            let mut page_ok = true;
+            for (j, suffix) in batch.suffixes.iter().enumerate() {
+                compose_key(batch.prefix, page_key.as_ref(), suffix.as_ref(), &mut key);
+                if let Err(err) = self.get_one(&key, buffers[i * comps + j]) {
+                    // A miss is the normal answer for a cold page; only real problems are noted.
+                    if !matches!(err, ClientError::Engine(EngineError::NotFound)) {
+                        self.note(&mut result, &key, &err);
+                    }
+                    page_ok = false;
+                    break;
+                }
+            }
+            result.ok.push(page_ok);
+        }
+        result
+    }
+
+    /// Put whole keys from caller memory, one buffer per key.
+    pub fn put_keys<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        buffers: &[MemRef],
+        depths: Option<&[u32]>,
+    ) -> BatchResult {
+        let batch = PageBatch {
+            prefix: &[],
+            page_keys: keys,
+            suffixes: &[[0u8; 0]],
+        };
+        self.put_pages(&batch, buffers, depths)
+    }
+
+    /// Get whole keys into caller memory, one buffer per key.
+    pub fn get_keys<K: AsRef<[u8]>>(&self, keys: &[K], buffers: &[MemRef]) -> BatchResult {
+        let batch = PageBatch {
+            prefix: &[],
+            page_keys: keys,
+            suffixes: &[[0u8; 0]],
+        };
+        self.get_pages(&batch, buffers)
+    }
+
+    /// Store bytes the caller owns as a slice (the legacy tensor path).
+    pub fn put_slice(
+        &self,
+        key: &[u8],
+        value: &[u8],
+        depth: Option<u32>,
+    ) -> Result<PutOutcome, ClientError> {
+        self.ensure_open()?;
+        Ok(self.engine.put(key, value, PutMeta { depth })?)
+    }
+
+    /// Copy an object into a slice the caller owns; its length must match exactly.
+    pub fn get_into_slice(&self, key: &[u8], dst: &mut [u8]) -> Result<(), ClientError> {
+        self.ensure_open()?;
+        Ok(self.engine.get_into(key, dst)?)
+    }
+
+    pub fn object_len(&self, key: &[u8]) -> Option<u64> {
+        self.engine.object_len(key)
+    }
+
+    pub fn exists_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> Vec<bool> {
+        if self.ensure_open().is_err() {
+            return vec![false; keys.len()];
+        }
+        keys.iter()
+            .map(|k| self.engine.contains(k.as_ref()))
+            .collect()
+    }
+
+    /// Number of leading pages whose every component exists.
+    pub fn exists_pages_prefix<K: AsRef<[u8]>, S: AsRef<[u8]>>(
+        &self,
+        batch: &PageBatch<'_, K, S>,
+    ) -> usize {
+        if self.ensure_open().is_err() || batch.components() == 0 {
+            return 0;
+        }
+        let mut key = Vec::new();
+        batch
+            .page_keys
+            .iter()
+            .position(|page_key| {
+                !batch.suffixes.iter().all(|s| {
+                    compose_key(batch.prefix, page_key.as_ref(), s.as_ref(), &mut key);
+                    self.engine.contains(&key)
+                })
+            })
+            .unwrap_or(batch.pages())
+    }
+
+    /// One whole v2 existence query (see `kvtier_proto::query`).
+    pub fn exists_v2(&self, query: &ExistsV2Query) -> ExistsV2Answer {
+        if self.ensure_open().is_err() {
+            return ExistsV2Answer::default();
+        }
+        self.engine.exists_v2(query)
+    }
+
+    pub fn remove_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> usize {
+        keys.iter()
+            .filter(|k| self.engine.remove(k.as_ref()))
+            .count()
+    }
+
+    pub fn clear(&self) {
+        self.engine.clear();
+    }
+
+    /// Make every acknowledged put as durable as the configuration promises. The DRAM tier has
+    /// nothing to flush; the SSD tier's copy pipeline drains here.
+    pub fn flush(&self) -> Result<(), ClientError> {
+        self.ensure_open()
+    }
+
+    /// Close the store: later calls fail cleanly. Idempotent.
+    pub fn close(&self) {
+        if !self.closed.swap(true, Ordering::AcqRel) {
+            self.regions.clear();
+        }
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    pub fn stats(&self) -> ClientStats {
+        let regions = self.regions.regions();
+        ClientStats {
+            engine: self.engine.stats(),
+            rejected_buffers: self.rejected_buffers.load(Ordering::Relaxed),
+            rejected_batches: self.rejected_batches.load(Ordering::Relaxed),
+            registered_regions: regions.len() as u64,
+            registered_bytes: regions.iter().map(|r| r.len as u64).sum(),
+        }
+    }
+}

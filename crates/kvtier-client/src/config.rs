@@ -1,0 +1,564 @@
+//! The one configuration schema of kvtier.
+//!
+//! Values come from three sources, later ones winning: a TOML file (`config_file` in
+//! `extra_config`, or `KVTIER_CONFIG_FILE`), `KVTIER_*` environment variables, and SGLang's
+//! `--hicache-storage-backend-extra-config` dictionary. Parsing is strict: an unknown key, a
+//! value of the wrong type, an out-of-range number or a boolean that is not one of
+//! `true/false/1/0/yes/no/on/off` is a [`ConfigError`] naming the key and where it came from.
+//! Sizes accept plain integers or binary suffixes (`64KiB`, `512MiB`, `4GiB`, `1TiB`).
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use kvtier_engine::{EngineConfig, EvictionPolicyKind};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+/// Prefix of every environment variable kvtier reads.
+pub const ENV_PREFIX: &str = "KVTIER_";
+/// The key (and `KVTIER_CONFIG_FILE`) naming a TOML file; not itself a setting.
+pub const CONFIG_FILE_KEY: &str = "config_file";
+
+/// Every setting kvtier accepts. Field names are the keys in all three sources.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KvtierConfig {
+    /// Size of the pre-faulted DRAM arena, in bytes.
+    #[serde(deserialize_with = "strict::size")]
+    pub dram_capacity_bytes: u64,
+    /// Allocation unit of the DRAM arena; objects of any size are stored exactly.
+    #[serde(deserialize_with = "strict::size")]
+    pub dram_block_size: u64,
+    /// Touch every arena page at start so the first puts do not pay page faults.
+    #[serde(deserialize_with = "strict::boolean")]
+    pub dram_prefault: bool,
+    /// `prefix_depth` (evict the tail of a prefix chain before its head) or `lru`.
+    pub eviction_policy: EvictionPolicyKind,
+    /// How many of the coldest objects the eviction policy chooses among.
+    #[serde(deserialize_with = "strict::count")]
+    pub eviction_candidate_window: u64,
+    /// Namespace (tenant) prefixed to every key this client writes or reads.
+    #[serde(deserialize_with = "strict::optional_string")]
+    pub extra_backend_tag: Option<String>,
+}
+
+impl Default for KvtierConfig {
+    fn default() -> Self {
+        let engine = EngineConfig::default();
+        KvtierConfig {
+            dram_capacity_bytes: engine.dram_capacity_bytes,
+            dram_block_size: u64::from(engine.dram_block_size),
+            dram_prefault: engine.prefault,
+            eviction_policy: engine.eviction_policy,
+            eviction_candidate_window: engine.eviction_candidate_window as u64,
+            extra_backend_tag: None,
+        }
+    }
+}
+
+/// Where a value came from, for error messages and `config check`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Origin {
+    Default,
+    File(PathBuf),
+    Env(String),
+    ExtraConfig,
+}
+
+impl fmt::Display for Origin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Origin::Default => write!(f, "default"),
+            Origin::File(p) => write!(f, "config file {}", p.display()),
+            Origin::Env(var) => write!(f, "environment variable {var}"),
+            Origin::ExtraConfig => write!(f, "extra_config"),
+        }
+    }
+}
+
+/// A configuration problem, always naming the key.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("kvtier config key `{key}` (from {origin}): {reason}")]
+pub struct ConfigError {
+    pub key: String,
+    pub origin: String,
+    pub reason: String,
+}
+
+impl ConfigError {
+    fn new(key: impl Into<String>, origin: &Origin, reason: impl Into<String>) -> Self {
+        ConfigError {
+            key: key.into(),
+            origin: origin.to_string(),
+            reason: reason.into(),
+        }
+    }
+}
+
+/// The raw inputs of [`KvtierConfig::load`].
+#[derive(Clone, Debug, Default)]
+pub struct ConfigSources {
+    /// `(name, value)` pairs of the process environment; only `KVTIER_*` names are read.
+    pub env: Vec<(String, String)>,
+    /// SGLang's extra_config with SGLang's own keys already removed.
+    pub extra: Map<String, Value>,
+}
+
+impl ConfigSources {
+    /// The current process environment plus `extra`.
+    pub fn from_process(extra: Map<String, Value>) -> Self {
+        ConfigSources {
+            env: std::env::vars().collect(),
+            extra,
+        }
+    }
+}
+
+impl KvtierConfig {
+    /// Keys the schema knows, in declaration order.
+    pub fn known_keys() -> Vec<String> {
+        match serde_json::to_value(KvtierConfig::default()) {
+            Ok(Value::Object(map)) => map.keys().cloned().collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Merge file < env < extra_config and parse strictly.
+    pub fn load(sources: ConfigSources) -> Result<Self, ConfigError> {
+        Ok(Self::load_with_origins(sources)?.0)
+    }
+
+    /// As [`load`](Self::load), also returning where every non-default value came from.
+    pub fn load_with_origins(
+        sources: ConfigSources,
+    ) -> Result<(Self, BTreeMap<String, Origin>), ConfigError> {
+        let known = Self::known_keys();
+        let mut merged: Map<String, Value> = Map::new();
+        let mut origins: BTreeMap<String, Origin> = BTreeMap::new();
+
+        let mut env: Vec<(String, Value, Origin)> = Vec::new();
+        let mut file_path: Option<(PathBuf, Origin)> = None;
+        for (name, value) in &sources.env {
+            let Some(rest) = name.strip_prefix(ENV_PREFIX) else {
+                continue;
+            };
+            let key = rest.to_ascii_lowercase();
+            let origin = Origin::Env(name.clone());
+            if key == CONFIG_FILE_KEY {
+                file_path = Some((PathBuf::from(value), origin));
+                continue;
+            }
+            env.push((key, Value::String(value.clone()), origin));
+        }
+        let mut extra = sources.extra;
+        if let Some(v) = extra.remove(CONFIG_FILE_KEY) {
+            match v {
+                Value::String(s) => file_path = Some((PathBuf::from(s), Origin::ExtraConfig)),
+                other => {
+                    return Err(ConfigError::new(
+                        CONFIG_FILE_KEY,
+                        &Origin::ExtraConfig,
+                        format!("must be a path string, got {other}"),
+                    ))
+                }
+            }
+        }
+
+        if let Some((path, origin)) = file_path {
+            for (key, value) in read_toml(&path, &origin)? {
+                origins.insert(key.clone(), Origin::File(path.clone()));
+                merged.insert(key, value);
+            }
+        }
+        for (key, value, origin) in env {
+            origins.insert(key.clone(), origin);
+            merged.insert(key, value);
+        }
+        for (key, value) in extra {
+            origins.insert(key.clone(), Origin::ExtraConfig);
+            merged.insert(key, value);
+        }
+
+        for key in merged.keys() {
+            if !known.iter().any(|k| k == key) {
+                let origin = origins.get(key).cloned().unwrap_or(Origin::Default);
+                return Err(ConfigError::new(
+                    key.clone(),
+                    &origin,
+                    format!("unknown key; known keys are: {}", known.join(", ")),
+                ));
+            }
+        }
+        // Parse one key at a time so a bad value is reported against its own key and origin.
+        for (key, value) in &merged {
+            let mut single = Map::new();
+            single.insert(key.clone(), value.clone());
+            if let Err(err) = serde_json::from_value::<KvtierConfig>(Value::Object(single)) {
+                let origin = origins.get(key).cloned().unwrap_or(Origin::Default);
+                return Err(ConfigError::new(key.clone(), &origin, err.to_string()));
+            }
+        }
+        let config: KvtierConfig = serde_json::from_value(Value::Object(merged))
+            .map_err(|err| ConfigError::new("<config>", &Origin::Default, err.to_string()))?;
+        config.validate(&origins)?;
+        Ok((config, origins))
+    }
+
+    /// Range checks that need more than the type.
+    fn validate(&self, origins: &BTreeMap<String, Origin>) -> Result<(), ConfigError> {
+        let origin = |key: &str| origins.get(key).cloned().unwrap_or(Origin::Default);
+        if self.dram_capacity_bytes < self.dram_block_size {
+            return Err(ConfigError::new(
+                "dram_capacity_bytes",
+                &origin("dram_capacity_bytes"),
+                format!(
+                    "{} bytes is smaller than one block ({} bytes)",
+                    self.dram_capacity_bytes, self.dram_block_size
+                ),
+            ));
+        }
+        let block = self.dram_block_size;
+        if !block.is_power_of_two() || !(4096..=16 << 20).contains(&block) {
+            return Err(ConfigError::new(
+                "dram_block_size",
+                &origin("dram_block_size"),
+                format!("{block} must be a power of two from 4KiB to 16MiB"),
+            ));
+        }
+        if self.eviction_candidate_window == 0 {
+            return Err(ConfigError::new(
+                "eviction_candidate_window",
+                &origin("eviction_candidate_window"),
+                "must be at least 1",
+            ));
+        }
+        if let Some(tag) = &self.extra_backend_tag {
+            if tag.is_empty() || tag.len() > 128 || tag.contains('\0') {
+                return Err(ConfigError::new(
+                    "extra_backend_tag",
+                    &origin("extra_backend_tag"),
+                    "must be 1 to 128 bytes without NUL",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The engine settings of this configuration.
+    pub fn engine_config(&self) -> EngineConfig {
+        EngineConfig {
+            dram_capacity_bytes: self.dram_capacity_bytes,
+            // validate() bounds the block size to 16 MiB, so it fits in u32.
+            dram_block_size: u32::try_from(self.dram_block_size).unwrap_or(u32::MAX),
+            eviction_policy: self.eviction_policy,
+            eviction_candidate_window: usize::try_from(self.eviction_candidate_window)
+                .unwrap_or(usize::MAX),
+            prefault: self.dram_prefault,
+            ..EngineConfig::default()
+        }
+    }
+
+    /// The effective configuration as TOML (for `config check`).
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).unwrap_or_default()
+    }
+}
+
+fn read_toml(path: &Path, origin: &Origin) -> Result<Map<String, Value>, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        ConfigError::new(
+            CONFIG_FILE_KEY,
+            origin,
+            format!("cannot read {}: {e}", path.display()),
+        )
+    })?;
+    let table: toml::Table = toml::from_str(&text).map_err(|e| {
+        ConfigError::new(
+            CONFIG_FILE_KEY,
+            origin,
+            format!("{} is not valid TOML: {e}", path.display()),
+        )
+    })?;
+    let value = serde_json::to_value(table).map_err(|e| {
+        ConfigError::new(CONFIG_FILE_KEY, origin, format!("{}: {e}", path.display()))
+    })?;
+    match value {
+        Value::Object(map) => Ok(map),
+        _ => Ok(Map::new()),
+    }
+}
+
+/// Strict deserializers shared by every field: they accept a typed value or its string form
+/// (environment variables are always strings) and nothing else.
+mod strict {
+    use serde::de::{self, Deserializer, Visitor};
+    use std::fmt;
+
+    pub fn boolean<'de, D: Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = bool;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a boolean (true/false, 1/0, yes/no, on/off)")
+            }
+            fn visit_bool<E: de::Error>(self, v: bool) -> Result<bool, E> {
+                Ok(v)
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<bool, E> {
+                match v {
+                    0 => Ok(false),
+                    1 => Ok(true),
+                    _ => Err(E::custom(format!("{v} is not a boolean (use 0 or 1)"))),
+                }
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<bool, E> {
+                u64::try_from(v)
+                    .map_err(|_| E::custom(format!("{v} is not a boolean")))
+                    .and_then(|v| self.visit_u64(v))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<bool, E> {
+                match v.trim().to_ascii_lowercase().as_str() {
+                    "1" | "true" | "yes" | "on" => Ok(true),
+                    "0" | "false" | "no" | "off" => Ok(false),
+                    _ => Err(E::custom(format!(
+                        "{v:?} is not a boolean (true/false, 1/0, yes/no, on/off)"
+                    ))),
+                }
+            }
+        }
+        d.deserialize_any(V)
+    }
+
+    /// A byte size: integer, or a string with an optional KiB/MiB/GiB/TiB suffix.
+    pub fn size<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+        d.deserialize_any(Unsigned { sizes: true })
+    }
+
+    /// A plain non-negative count.
+    pub fn count<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+        d.deserialize_any(Unsigned { sizes: false })
+    }
+
+    pub fn optional_string<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = Option<String>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(Some(v.to_string()))
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+                Ok(None)
+            }
+            fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+                Ok(None)
+            }
+        }
+        d.deserialize_any(V)
+    }
+
+    struct Unsigned {
+        sizes: bool,
+    }
+
+    impl Visitor<'_> for Unsigned {
+        type Value = u64;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            if self.sizes {
+                f.write_str("a byte size (integer, or a string like \"512MiB\")")
+            } else {
+                f.write_str("a non-negative integer")
+            }
+        }
+        fn visit_u64<E: de::Error>(self, v: u64) -> Result<u64, E> {
+            Ok(v)
+        }
+        fn visit_i64<E: de::Error>(self, v: i64) -> Result<u64, E> {
+            u64::try_from(v).map_err(|_| E::custom(format!("{v} is negative")))
+        }
+        fn visit_f64<E: de::Error>(self, v: f64) -> Result<u64, E> {
+            Err(E::custom(format!("{v} is not an integer")))
+        }
+        fn visit_bool<E: de::Error>(self, v: bool) -> Result<u64, E> {
+            Err(E::custom(format!("{v} is not a number")))
+        }
+        fn visit_str<E: de::Error>(self, v: &str) -> Result<u64, E> {
+            parse_unsigned(v, self.sizes).map_err(E::custom)
+        }
+    }
+
+    pub(super) fn parse_unsigned(text: &str, sizes: bool) -> Result<u64, String> {
+        let t = text.trim();
+        let (digits, multiplier) = if sizes {
+            const UNITS: [(&str, u64); 5] = [
+                ("KiB", 1 << 10),
+                ("MiB", 1 << 20),
+                ("GiB", 1 << 30),
+                ("TiB", 1 << 40),
+                ("B", 1),
+            ];
+            UNITS
+                .iter()
+                .find_map(|(suffix, m)| t.strip_suffix(suffix).map(|d| (d.trim(), *m)))
+                .unwrap_or((t, 1))
+        } else {
+            (t, 1)
+        };
+        let n: u64 = digits.parse().map_err(|_| {
+            if sizes {
+                format!("{text:?} is not a byte size (integer with optional KiB/MiB/GiB/TiB)")
+            } else {
+                format!("{text:?} is not a non-negative integer")
+            }
+        })?;
+        n.checked_mul(multiplier)
+            .ok_or_else(|| format!("{text:?} overflows 64 bits"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn extra(v: Value) -> Map<String, Value> {
+        match v {
+            Value::Object(m) => m,
+            _ => Map::new(),
+        }
+    }
+
+    fn load(env: &[(&str, &str)], x: Value) -> Result<KvtierConfig, ConfigError> {
+        KvtierConfig::load(ConfigSources {
+            env: env
+                .iter()
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .collect(),
+            extra: extra(x),
+        })
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        let c = load(&[], json!({})).unwrap();
+        assert_eq!(c, KvtierConfig::default());
+    }
+
+    #[test]
+    fn unknown_key_names_the_key_and_source() {
+        let e = load(&[], json!({"dram_capacity": 5})).unwrap_err();
+        assert_eq!(e.key, "dram_capacity");
+        assert!(e.to_string().contains("extra_config"));
+        let e = load(&[("KVTIER_DRAM_CAPCITY_BYTES", "1")], json!({})).unwrap_err();
+        assert_eq!(e.key, "dram_capcity_bytes");
+        assert!(e.origin.contains("KVTIER_DRAM_CAPCITY_BYTES"));
+    }
+
+    #[test]
+    fn booleans_are_strict() {
+        for (raw, want) in [("true", true), ("0", false), ("Yes", true), ("off", false)] {
+            let c = load(&[("KVTIER_DRAM_PREFAULT", raw)], json!({})).unwrap();
+            assert_eq!(c.dram_prefault, want, "{raw}");
+        }
+        for bad in [json!("maybe"), json!(2), json!(1.0), json!("")] {
+            let e = load(&[], json!({ "dram_prefault": bad })).unwrap_err();
+            assert_eq!(e.key, "dram_prefault");
+        }
+        assert!(
+            !load(&[], json!({"dram_prefault": false}))
+                .unwrap()
+                .dram_prefault
+        );
+    }
+
+    #[test]
+    fn sizes_accept_suffixes_and_reject_garbage() {
+        let c = load(&[], json!({"dram_capacity_bytes": "256MiB"})).unwrap();
+        assert_eq!(c.dram_capacity_bytes, 256 << 20);
+        let c = load(&[("KVTIER_DRAM_CAPACITY_BYTES", "1048576")], json!({})).unwrap();
+        assert_eq!(c.dram_capacity_bytes, 1 << 20);
+        for bad in [
+            json!("12XB"),
+            json!(-1),
+            json!(1.5),
+            json!(true),
+            json!("99999999999TiB"),
+        ] {
+            let e = load(&[], json!({ "dram_capacity_bytes": bad })).unwrap_err();
+            assert_eq!(e.key, "dram_capacity_bytes", "{bad}");
+        }
+    }
+
+    #[test]
+    fn extra_config_beats_env_beats_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("kvtier.toml");
+        std::fs::write(
+            &path,
+            "dram_capacity_bytes = 8388608\neviction_policy = \"lru\"\n",
+        )
+        .unwrap();
+        let p = path.to_str().unwrap();
+        let c = load(&[("KVTIER_CONFIG_FILE", p)], json!({})).unwrap();
+        assert_eq!(c.dram_capacity_bytes, 8 << 20);
+        assert_eq!(c.eviction_policy, EvictionPolicyKind::Lru);
+        let c = load(
+            &[
+                ("KVTIER_CONFIG_FILE", p),
+                ("KVTIER_DRAM_CAPACITY_BYTES", "16MiB"),
+            ],
+            json!({}),
+        )
+        .unwrap();
+        assert_eq!(c.dram_capacity_bytes, 16 << 20);
+        let c = load(
+            &[("KVTIER_DRAM_CAPACITY_BYTES", "16MiB")],
+            json!({"config_file": p, "dram_capacity_bytes": "32MiB"}),
+        )
+        .unwrap();
+        assert_eq!(c.dram_capacity_bytes, 32 << 20);
+    }
+
+    #[test]
+    fn bad_file_and_bad_values_in_file_name_the_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("bad.toml");
+        std::fs::write(&path, "eviction_policy = \"fifo\"\n").unwrap();
+        let e = load(&[], json!({"config_file": path.to_str().unwrap()})).unwrap_err();
+        assert_eq!(e.key, "eviction_policy");
+        assert!(e.origin.contains("bad.toml"));
+        let e = load(&[], json!({"config_file": "/nonexistent/kvtier.toml"})).unwrap_err();
+        assert_eq!(e.key, "config_file");
+        std::fs::write(&path, "this is = = not toml").unwrap();
+        let e = load(&[], json!({"config_file": path.to_str().unwrap()})).unwrap_err();
+        assert_eq!(e.key, "config_file");
+    }
+
+    #[test]
+    fn range_checks() {
+        let e = load(&[], json!({"dram_block_size": 1000})).unwrap_err();
+        assert_eq!(e.key, "dram_block_size");
+        let e = load(&[], json!({"dram_capacity_bytes": 1024})).unwrap_err();
+        assert_eq!(e.key, "dram_capacity_bytes");
+        let e = load(&[], json!({"eviction_candidate_window": 0})).unwrap_err();
+        assert_eq!(e.key, "eviction_candidate_window");
+        let e = load(&[], json!({"extra_backend_tag": ""})).unwrap_err();
+        assert_eq!(e.key, "extra_backend_tag");
+        let e = load(&[], json!({"extra_backend_tag": 7})).unwrap_err();
+        assert_eq!(e.key, "extra_backend_tag");
+    }
+
+    #[test]
+    fn effective_config_round_trips_through_toml() {
+        let c = load(
+            &[],
+            json!({"extra_backend_tag": "tenant-a", "eviction_policy": "lru"}),
+        )
+        .unwrap();
+        let back: KvtierConfig = toml::from_str(&c.to_toml()).unwrap();
+        assert_eq!(back, c);
+    }
+}

@@ -1,0 +1,239 @@
+//! Caller memory: the registry of regions a client may read from and write to, and the only
+//! place in this crate that turns a raw (pointer, length) into a slice.
+//!
+//! Invariant: a slice is made only for a range that lies wholly inside one registered region,
+//! and a region is registered only through [`RegionRegistry::register`], whose caller promises
+//! the memory stays mapped and valid until it is unregistered (or the registry is dropped).
+//! SGLang host pools satisfy that: their buffers live as long as the pool, and the Python
+//! adapter holds the pool for as long as the store is open.
+
+use parking_lot::RwLock;
+
+use crate::error::ClientError;
+
+/// Identifies a registered region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RegionId(pub u64);
+
+#[derive(Clone, Debug)]
+struct Region {
+    id: RegionId,
+    start: usize,
+    end: usize,
+    label: String,
+}
+
+/// A snapshot of one region, for stats and logs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RegionInfo {
+    pub id: RegionId,
+    pub start: usize,
+    pub len: usize,
+    pub label: String,
+}
+
+/// Registered caller memory. Regions may overlap (two pools can expose views of one tensor);
+/// a range is accepted when some region contains all of it.
+#[derive(Debug, Default)]
+pub struct RegionRegistry {
+    regions: RwLock<Vec<Region>>,
+    next_id: std::sync::atomic::AtomicU64,
+}
+
+impl RegionRegistry {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Register `[start, start+len)`. Registering the same range twice returns the first id.
+    ///
+    /// # Safety
+    /// The range must be one live allocation that stays mapped, readable and writable until
+    /// [`unregister`](Self::unregister) is called for the returned id or the registry is
+    /// dropped, and no Rust reference may alias it for that time.
+    pub unsafe fn register(
+        &self,
+        start: usize,
+        len: usize,
+        label: &str,
+    ) -> Result<RegionId, ClientError> {
+        if start == 0 {
+            return Err(ClientError::InvalidRegion {
+                ptr: start,
+                len,
+                reason: "null pointer",
+            });
+        }
+        if len == 0 {
+            return Err(ClientError::InvalidRegion {
+                ptr: start,
+                len,
+                reason: "zero length",
+            });
+        }
+        let end = start.checked_add(len).ok_or(ClientError::InvalidRegion {
+            ptr: start,
+            len,
+            reason: "range overflows the address space",
+        })?;
+        let mut regions = self.regions.write();
+        if let Some(existing) = regions.iter().find(|r| r.start == start && r.end == end) {
+            return Ok(existing.id);
+        }
+        let id = RegionId(
+            self.next_id
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        );
+        let at = regions.partition_point(|r| r.start <= start);
+        regions.insert(
+            at,
+            Region {
+                id,
+                start,
+                end,
+                label: label.to_string(),
+            },
+        );
+        Ok(id)
+    }
+
+    pub fn unregister(&self, id: RegionId) -> bool {
+        let mut regions = self.regions.write();
+        let before = regions.len();
+        regions.retain(|r| r.id != id);
+        regions.len() != before
+    }
+
+    pub fn clear(&self) {
+        self.regions.write().clear();
+    }
+
+    pub fn regions(&self) -> Vec<RegionInfo> {
+        self.regions
+            .read()
+            .iter()
+            .map(|r| RegionInfo {
+                id: r.id,
+                start: r.start,
+                len: r.end - r.start,
+                label: r.label.clone(),
+            })
+            .collect()
+    }
+
+    /// Whether `[ptr, ptr+len)` lies inside one registered region.
+    pub fn contains(&self, ptr: usize, len: usize) -> bool {
+        let Some(end) = ptr.checked_add(len) else {
+            return false;
+        };
+        if ptr == 0 {
+            return false;
+        }
+        let regions = self.regions.read();
+        // Regions are sorted by start; only those starting at or before ptr can contain it.
+        let upto = regions.partition_point(|r| r.start <= ptr);
+        regions[..upto].iter().rev().any(|r| r.end >= end)
+    }
+
+    /// Run `f` over the caller bytes at `[ptr, ptr+len)` after checking they are registered.
+    pub fn with_source<R>(
+        &self,
+        ptr: usize,
+        len: usize,
+        f: impl FnOnce(&[u8]) -> R,
+    ) -> Result<R, ClientError> {
+        self.check(ptr, len)?;
+        if len == 0 {
+            return Ok(f(&[]));
+        }
+        // SAFETY: check() proved the range lies inside a registered region, and register()'s
+        // contract keeps that region mapped and readable while it is registered.
+        let bytes = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
+        Ok(f(bytes))
+    }
+
+    /// Run `f` over the caller bytes at `[ptr, ptr+len)` for writing, after the same check.
+    pub fn with_destination<R>(
+        &self,
+        ptr: usize,
+        len: usize,
+        f: impl FnOnce(&mut [u8]) -> R,
+    ) -> Result<R, ClientError> {
+        self.check(ptr, len)?;
+        if len == 0 {
+            return Ok(f(&mut []));
+        }
+        // SAFETY: check() proved the range lies inside a registered region; register()'s
+        // contract keeps it mapped and writable and free of Rust aliases while registered.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
+        Ok(f(bytes))
+    }
+
+    fn check(&self, ptr: usize, len: usize) -> Result<(), ClientError> {
+        // A zero-length range still has to point into registered memory: a stray pointer
+        // is a caller bug worth reporting even when nothing would be copied.
+        if self.contains(ptr, len) {
+            Ok(())
+        } else {
+            Err(ClientError::OutsideRegisteredMemory { ptr, len })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_must_lie_inside_one_region() {
+        let mut a = vec![1u8; 4096];
+        let mut b = vec![2u8; 4096];
+        let reg = RegionRegistry::new();
+        let (pa, pb) = (a.as_mut_ptr() as usize, b.as_mut_ptr() as usize);
+        // SAFETY: both vectors outlive the registry uses below and are not otherwise borrowed.
+        let ia = unsafe { reg.register(pa, a.len(), "a") }.unwrap();
+        unsafe { reg.register(pb, b.len(), "b") }.unwrap();
+        assert!(reg.contains(pa, 4096));
+        assert!(reg.contains(pa + 100, 10));
+        assert!(!reg.contains(pa + 4090, 10), "runs past the end");
+        assert!(!reg.contains(pa.wrapping_sub(1), 2), "starts before");
+        assert!(!reg.contains(usize::MAX - 2, 10), "overflow");
+        assert!(!reg.contains(0, 1));
+        assert_eq!(
+            reg.with_source(pb + 1, 3, |s| s.to_vec()).unwrap(),
+            vec![2, 2, 2]
+        );
+        reg.with_destination(pa, 2, |d| d.copy_from_slice(&[7, 8]))
+            .unwrap();
+        assert_eq!(&a[..3], &[7, 8, 1]);
+        assert!(matches!(
+            reg.with_source(pa + 4095, 2, |_| ()),
+            Err(ClientError::OutsideRegisteredMemory { .. })
+        ));
+        assert!(reg.unregister(ia));
+        assert!(!reg.contains(pa, 1));
+        assert!(reg.contains(pb, 1));
+    }
+
+    #[test]
+    fn invalid_regions_are_rejected_and_duplicates_dedup() {
+        let reg = RegionRegistry::new();
+        // SAFETY: these calls fail validation before anything is recorded.
+        unsafe {
+            assert!(reg.register(0, 10, "null").is_err());
+            assert!(reg.register(16, 0, "empty").is_err());
+            assert!(reg.register(usize::MAX - 1, 10, "wrap").is_err());
+        }
+        let mut v = vec![0u8; 64];
+        let p = v.as_mut_ptr() as usize;
+        // SAFETY: v outlives the registry.
+        let (i1, i2) = unsafe {
+            (
+                reg.register(p, 64, "v").unwrap(),
+                reg.register(p, 64, "v").unwrap(),
+            )
+        };
+        assert_eq!(i1, i2);
+        assert_eq!(reg.regions().len(), 1);
+    }
+}

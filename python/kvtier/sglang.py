@@ -1,0 +1,766 @@
+"""kvtier as an SGLang HiCache L3 storage backend.
+
+Enable it with::
+
+    --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "kvtier",
+        "module_path": "kvtier.sglang", "class_name": "KvtierStore",
+        "interface_v1": 1, "hicache_storage_pass_prefix_keys": true}'
+
+This adapter is deliberately thin. It parses nothing itself (the Rust schema does, strictly),
+maps SGLang objects to ``(key, pointer, size)`` batches, and folds per-page results. Every
+failure is a clean ``False`` / miss plus a log line; nothing here raises into SGLang's
+scheduler or I/O threads after construction, and a result that does not have the shape that
+was asked for is treated as a miss (fail closed).
+
+Key scheme: ``[tag "/"] page_hash "@" fingerprint [".tp"N] [".pp"N] [".cp"N] [".dcp"N] "." component``.
+The fingerprint hashes what makes bytes incompatible (model, pool type, layout, dtype, page
+size, per-component byte sizes, pp size, and tp size for TP-sharded objects), so differently
+configured deployments can share one store without ever reading each other's bytes. MLA KV
+and other rank-replicated pools carry no TP rank: one object per page serves every TP rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+)
+
+from kvtier import _native
+
+logger = logging.getLogger(__name__)
+
+# Version of the key and object format; part of every fingerprint.
+KEY_FORMAT_VERSION = 1
+
+# extra_config keys that belong to SGLang (the factory and the controller), not to kvtier.
+SGLANG_OWNED_KEYS = frozenset(
+    {
+        "backend_name",
+        "module_path",
+        "class_name",
+        "interface_v1",
+        "prefetch_threshold",
+        "prefetch_timeout_base",
+        "prefetch_timeout_per_ki_token",
+        "hicache_storage_pass_prefix_keys",
+    }
+)
+
+SUPPORTED_LAYOUTS = ("page_first", "page_first_direct", "page_head")
+
+_POLICY_NAMES = {
+    PoolHitPolicy.ALL_PAGES: "all_pages",
+    PoolHitPolicy.TRAILING_PAGES: "trailing_pages",
+    PoolHitPolicy.BLOCK_GROUPS: "block_groups",
+}
+
+
+def kvtier_extra_config(extra_config: Optional[dict]) -> dict:
+    """The part of SGLang's extra_config that is kvtier's to parse."""
+    return {k: v for k, v in (extra_config or {}).items() if k not in SGLANG_OWNED_KEYS}
+
+
+def _uses_interface_v1(extra_config: Optional[dict]) -> bool:
+    # The same test SGLang's CacheController applies to a dynamic backend.
+    return bool((extra_config or {}).get("interface_v1", 0))
+
+
+def _physical_buffers(pool: Any) -> List[torch.Tensor]:
+    """Every non-empty tensor a host pool exposes for zero-copy registration."""
+    found: List[Any] = []
+    getter = getattr(pool, "get_hybrid_pool_buffer", None)
+    if getter is not None:
+        try:
+            buffers = getter()
+        except Exception:  # a pool without buffers of its own
+            buffers = None
+        if buffers is not None:
+            found.extend(buffers if isinstance(buffers, (list, tuple)) else [buffers])
+    for name in ("kv_buffer", "k_buffer", "v_buffer", "index_k_buffer", "index_k_scale_buffer"):
+        value = getattr(pool, name, None)
+        if value is not None:
+            found.extend(value if isinstance(value, (list, tuple)) else [value])
+    flat: List[torch.Tensor] = []
+    seen = set()
+    for t in found:
+        if isinstance(t, (list, tuple)):
+            candidates = list(t)
+        else:
+            candidates = [t]
+        for tensor in candidates:
+            if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
+                continue
+            storage = tensor.untyped_storage()
+            extent = (int(storage.data_ptr()), int(storage.nbytes()))
+            if extent not in seen:
+                seen.add(extent)
+                flat.append(tensor)
+    return flat
+
+
+def _normalize_sizes(sizes: Any, count: int) -> List[int]:
+    if isinstance(sizes, int):
+        return [sizes] * count
+    sizes = [int(s) for s in sizes]
+    if len(sizes) == 1 and count != 1:
+        return sizes * count
+    return sizes
+
+
+def _byte_view(tensor: torch.Tensor):
+    """A contiguous uint8 numpy view of a CPU tensor (no copy when already contiguous)."""
+    flat = tensor.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    return flat.view(torch.uint8).numpy()
+
+
+@dataclass
+class PoolPlan:
+    """How one host pool's pages map to kvtier objects."""
+
+    name: str
+    pool: Any
+    page_size: int
+    # One suffix per component, in get_page_buffer_meta order for one page.
+    suffixes: List[str]
+    # True when every component pointer lies inside the pool's registered buffers.
+    zero_copy: bool
+    # Used when zero_copy is False: one object per page, copied via get_data_page.
+    page_suffix: str
+    # True when one object serves every TP rank (MLA KV, replicated side pools).
+    replicated: bool = False
+    region_ids: List[int] = field(default_factory=list)
+    split_factor: int = 1
+
+    @property
+    def active_suffixes(self) -> List[str]:
+        return self.suffixes if self.zero_copy else [self.page_suffix]
+
+
+class KvtierStorageStats:
+    """What ``get_stats()`` returns: SGLang's StorageMetrics fields plus kvtier's counters.
+
+    SGLang's metrics collector reads ``prefetch_pgs``, ``backup_pgs``, ``prefetch_bandwidth``
+    and ``backup_bandwidth`` (per call, since the previous ``get_stats``) and may set
+    ``prefetch_stats`` on the object, so this is an object, not a dict.
+    """
+
+    def __init__(self, store: Dict[str, Any], prefetch_pgs, backup_pgs, prefetch_bw, backup_bw):
+        self.store = store
+        self.prefetch_pgs = prefetch_pgs
+        self.backup_pgs = backup_pgs
+        self.prefetch_bandwidth = prefetch_bw
+        self.backup_bandwidth = backup_bw
+
+    def __getitem__(self, key: str):
+        return self.store[key]
+
+    def as_dict(self) -> Dict[str, Any]:
+        return dict(self.store)
+
+    def __repr__(self) -> str:
+        return f"KvtierStorageStats({self.store})"
+
+
+class _CallMeter:
+    """Pages and GB/s per get/set call since the last ``get_stats``."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._reset()
+
+    def _reset(self):
+        self.prefetch_pgs: List[int] = []
+        self.backup_pgs: List[int] = []
+        self.prefetch_bw: List[float] = []
+        self.backup_bw: List[float] = []
+
+    def record(self, is_set: bool, pages: int, nbytes: int, seconds: float):
+        if pages == 0:
+            return
+        gbps = nbytes / seconds / 1e9 if seconds > 0 else 0.0
+        with self._lock:
+            if is_set:
+                self.backup_pgs.append(pages)
+                self.backup_bw.append(gbps)
+            else:
+                self.prefetch_pgs.append(pages)
+                self.prefetch_bw.append(gbps)
+
+    def take(self):
+        with self._lock:
+            out = (self.prefetch_pgs, self.backup_pgs, self.prefetch_bw, self.backup_bw)
+            self._reset()
+            return out
+
+
+class KvtierStore(HiCacheStorage):
+    """SGLang HiCache storage backend on a kvtier store (embedded mode)."""
+
+    def __init__(self, storage_config: Optional[HiCacheStorageConfig] = None, mem_pool_host_or_kwargs: Any = None):
+        # The dynamic factory passes (storage_config, kwargs); SGLang's built-in path and
+        # direct users pass (storage_config, mem_pool_host).
+        mem_pool_host = None
+        if mem_pool_host_or_kwargs is not None and not isinstance(mem_pool_host_or_kwargs, dict):
+            mem_pool_host = mem_pool_host_or_kwargs
+        self.storage_config = storage_config
+        extra = dict(getattr(storage_config, "extra_config", None) or {})
+        self._interface_v1 = _uses_interface_v1(extra)
+        own = kvtier_extra_config(extra)
+        # Raises ValueError naming the key for an unknown key or a bad value.
+        self._store = _native.Store(json.dumps(own))
+        self._tag = own.get("extra_backend_tag")
+        self._prefix = f"{self._tag}/" if self._tag else ""
+
+        cfg = storage_config
+        self._tp_rank = cfg.tp_rank if cfg else 0
+        self._tp_size = cfg.tp_size if cfg else 1
+        self._pp_rank = cfg.pp_rank if cfg else 0
+        self._pp_size = cfg.pp_size if cfg else 1
+        self._cp_rank = getattr(cfg, "attn_cp_rank", 0) if cfg else 0
+        self._cp_size = getattr(cfg, "attn_cp_size", 1) if cfg else 1
+        self._dcp_rank = getattr(cfg, "dcp_rank", 0) if cfg else 0
+        self._dcp_size = getattr(cfg, "dcp_size", 1) if cfg else 1
+        self._is_mla = bool(cfg.is_mla_model) if cfg else False
+        self._model = "-".join(cfg.model_name.split("/")) if cfg and cfg.model_name else ""
+        self._split_heads = bool(getattr(cfg, "should_split_heads", False)) if cfg else False
+        self._tp_lcm = (getattr(cfg, "tp_lcm_size", None) or self._tp_size) if cfg else 1
+        is_writer = cfg.is_storage_writer if cfg else True
+        # An embedded store is private to this process, so every rank must write its own
+        # copy of rank-replicated KV; the local-server mode shares one copy per host.
+        self._store_is_process_private = True
+        self._writes_replicated_kv = is_writer or self._store_is_process_private
+        if not is_writer:
+            logger.info(
+                "kvtier: TP rank %d is not the MLA storage writer, but the embedded store is "
+                "private to this process, so it writes its own copy; use kvtier's server mode "
+                "to keep one copy per host.",
+                self._tp_rank,
+            )
+
+        self.registered_pools: Dict[str, Any] = {}
+        self._plans: Dict[str, PoolPlan] = {}
+        self._anchor: Optional[PoolPlan] = None
+        self._anchor_is_logical = False
+        self.mem_pool_host = None
+        self._warned: set = set()
+        self._meter = _CallMeter()
+        self._closed = False
+        self._lock = threading.Lock()
+        logger.info(
+            "kvtier store opened (embedded, kv path %s): %s",
+            "v1 zero-copy" if self._interface_v1 else "legacy tensor copy",
+            self._store.config_toml().replace("\n", "; "),
+        )
+        if mem_pool_host is not None:
+            self.register_mem_pool_host(mem_pool_host)
+
+    # ------------------------------------------------------------------ logging helpers
+    def _warn_once(self, tag: str, message: str, *args) -> None:
+        if tag in self._warned:
+            return
+        self._warned.add(tag)
+        logger.warning(message, *args)
+
+    def _log_errors(self, op: str, pool: str, errors: Sequence[str]) -> None:
+        if errors:
+            logger.warning("kvtier %s %s: %s", op, pool, "; ".join(errors))
+
+    # ------------------------------------------------------------------ key scheme
+    def _rank_tag(self, replicated: bool, tp_rank: Optional[int] = None) -> str:
+        parts = []
+        if not replicated:
+            parts.append(f"tp{self._tp_rank if tp_rank is None else tp_rank}")
+        if self._pp_size > 1:
+            parts.append(f"pp{self._pp_rank}")
+        if self._cp_size > 1:
+            parts.append(f"cp{self._cp_rank}")
+        if self._dcp_size > 1:
+            parts.append(f"dcp{self._dcp_rank}")
+        return "".join(f".{p}" for p in parts)
+
+    def _fingerprint(self, name: str, pool: Any, sizes: Sequence[int], replicated: bool, mode: str) -> str:
+        tp_part = None if replicated else (self._tp_lcm if self._split_heads else self._tp_size)
+        material = repr(
+            (
+                KEY_FORMAT_VERSION,
+                mode,
+                self._model,
+                name,
+                type(pool).__name__,
+                getattr(pool, "storage_format_tag", None),
+                getattr(pool, "layout", None),
+                str(getattr(pool, "dtype", None)),
+                getattr(pool, "page_size", None),
+                tuple(int(s) for s in sizes),
+                self._pp_size,
+                tp_part,
+                self._dcp_size,
+            )
+        )
+        return hashlib.blake2b(material.encode(), digest_size=6).hexdigest()
+
+    @staticmethod
+    def _component_names(base: Optional[str], count: int) -> List[str]:
+        if count == 1:
+            return [base or "kv"]
+        if count == 2:
+            names = ["k", "v"]
+        else:
+            names = [f"c{i}" for i in range(count)]
+        return [f"{base}.{n}" if base else n for n in names]
+
+    def _probe_meta(self, pool: Any, split_factor: int, first: bool = True):
+        page_size = getattr(pool, "page_size", 1) or 1
+        size = int(getattr(pool, "size", page_size))
+        start = 0 if first else max(0, (size // page_size - 1) * page_size)
+        indices = torch.arange(start, start + page_size, dtype=torch.int64)
+        if split_factor > 1:
+            return pool.get_split_heads_page_buffer_meta(indices, split_factor)
+        return pool.get_page_buffer_meta(indices)
+
+    def _register_buffers(self, name: str, pool: Any) -> List[int]:
+        ids = []
+        for tensor in _physical_buffers(pool):
+            storage = tensor.untyped_storage()
+            ids.append(self._store.register_region(int(storage.data_ptr()), int(storage.nbytes()), f"{name}"))
+        return ids
+
+    def _inside_regions(self, ptrs: Sequence[int], sizes: Sequence[int]) -> bool:
+        regions = [(start, start + size) for _, start, size, _ in self._store.regions()]
+        return all(any(s <= p and p + n <= e for s, e in regions) for p, n in zip(ptrs, sizes))
+
+    def _plan_pool(self, name: str, pool: Any, *, anchor: bool) -> PoolPlan:
+        page_size = int(getattr(pool, "page_size", 1) or 1)
+        split_factor = 1
+        if anchor and self._split_heads and not self._is_mla:
+            split_factor = max(1, self._tp_lcm // max(1, self._tp_size))
+        if anchor:
+            replicated = self._is_mla and not getattr(pool, "stores_page_envelope", False)
+            base = None
+        elif name == PoolName.MAMBA:
+            replicated, base = False, str(name)  # Mamba state is TP-sharded even under MLA
+        else:
+            components = getattr(pool, "components", None)
+            replicated = self._is_mla or (components is not None and len(components) == 1)
+            base = str(name.value if isinstance(name, PoolName) else name)
+
+        region_ids = self._register_buffers(str(name), pool)
+        zero_copy = bool(region_ids)
+        reason = "it exposes no physical buffer to register"
+        suffixes: List[str] = []
+        sizes: List[int] = []
+        try:
+            meta = self._probe_meta(pool, split_factor)
+            if meta is None:
+                raise ValueError("get_page_buffer_meta returned None")
+            ptrs, raw_sizes = meta
+            sizes = _normalize_sizes(raw_sizes, len(ptrs))
+            last_ptrs, last_sizes = self._probe_meta(pool, split_factor, first=False)
+            last_sizes = _normalize_sizes(last_sizes, len(last_ptrs))
+            if zero_copy and not (self._inside_regions(ptrs, sizes) and self._inside_regions(last_ptrs, last_sizes)):
+                zero_copy = False
+                reason = "its page pointers fall outside the buffers it exposes"
+        except Exception as exc:  # pools without page metadata
+            zero_copy = False
+            reason = f"get_page_buffer_meta failed ({exc})"
+        if zero_copy:
+            fp = self._fingerprint(str(name), pool, sizes, replicated, "zero-copy")
+            if split_factor > 1:
+                per_split = len(sizes) // split_factor
+                names = self._component_names(base, per_split)
+                base_rank = self._tp_rank * split_factor
+                suffixes = [
+                    f"@{fp}{self._rank_tag(False, base_rank + r)}.{n}"
+                    for r in range(split_factor)
+                    for n in names
+                ]
+            else:
+                names = self._component_names(base, len(sizes))
+                suffixes = [f"@{fp}{self._rank_tag(replicated)}.{n}" for n in names]
+        else:
+            self._warn_once(
+                f"slow:{name}",
+                "kvtier: pool %s (%s) cannot take the zero-copy path because %s; its pages will "
+                "be copied through get_data_page/set_from_flat_data_page (slower, still exact).",
+                name,
+                type(pool).__name__,
+                reason,
+            )
+        page_bytes = 0
+        try:
+            page_bytes = int(pool.get_dummy_flat_data_page().numel() * pool.get_dummy_flat_data_page().element_size())
+        except Exception:
+            pass
+        page_fp = self._fingerprint(str(name), pool, [page_bytes], replicated, "flat-page")
+        page_suffix = f"@{page_fp}{self._rank_tag(replicated)}.{base + '.page' if base else 'page'}"
+        return PoolPlan(
+            name=str(name),
+            pool=pool,
+            page_size=page_size,
+            suffixes=suffixes,
+            zero_copy=zero_copy,
+            page_suffix=page_suffix,
+            replicated=replicated,
+            region_ids=region_ids,
+            split_factor=split_factor,
+        )
+
+    # ------------------------------------------------------------------ registration
+    def register_mem_pool_host(self, mem_pool_host: Any):
+        super().register_mem_pool_host(mem_pool_host)
+        self._anchor_is_logical = getattr(mem_pool_host, "kv_buffer", None) is None
+        if self._anchor_is_logical:
+            # A logical anchor (LogicalHostPool) owns page indices only: no bytes to store.
+            self._anchor = None
+            logger.info("kvtier: KV anchor %s is logical; side pools carry the data.", type(mem_pool_host).__name__)
+            return
+        layout = getattr(mem_pool_host, "layout", None)
+        if layout not in SUPPORTED_LAYOUTS:
+            raise ValueError(
+                f"kvtier supports host pool layouts {', '.join(SUPPORTED_LAYOUTS)}; got {layout!r}. "
+                "Start SGLang with --hicache-mem-layout page_first (or page_first_direct / page_head)."
+            )
+        self._anchor = self._plan_pool(str(PoolName.KV.value), mem_pool_host, anchor=True)
+        if self._interface_v1 and not self._anchor.zero_copy:
+            self._warn_once(
+                "anchor-slow",
+                "kvtier: interface_v1 is set but the KV pool cannot be registered for zero copy; "
+                "v1 calls will copy through flat pages.",
+            )
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name):
+        if host_pool_name == PoolName.KV:
+            return
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        self._plans[str(host_pool_name)] = self._plan_pool(host_pool_name, host_pool, anchor=False)
+
+    def on_host_pools_registered(self) -> None:
+        logger.info(
+            "kvtier: pools registered: anchor=%s, side pools=%s, regions=%d",
+            "logical" if self._anchor_is_logical else (self._anchor.suffixes if self._anchor else None),
+            {name: ("zero-copy" if p.zero_copy else "flat-page") for name, p in self._plans.items()},
+            len(self._store.regions()),
+        )
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _depths(extra_info: Optional[HiCacheStorageExtraInfo], pages: int) -> Optional[List[int]]:
+        prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
+        if prefix is None:
+            return None
+        base = len(prefix)
+        return [base + i for i in range(pages)]
+
+    def _checked(self, op: str, pool: str, reply, pages: int) -> List[bool]:
+        ok, errors = reply
+        self._log_errors(op, pool, errors)
+        if len(ok) != pages:
+            logger.error("kvtier %s %s: %d results for %d pages; treating all as failed", op, pool, len(ok), pages)
+            return [False] * pages
+        return list(ok)
+
+    def _page_io(
+        self,
+        plan: PoolPlan,
+        keys: List[str],
+        host_indices: Optional[torch.Tensor],
+        is_set: bool,
+        extra_info: Optional[HiCacheStorageExtraInfo],
+    ) -> List[bool]:
+        """Move whole pages of one pool between its host memory and the store."""
+        op = "set" if is_set else "get"
+        pages = len(keys)
+        if pages == 0:
+            return []
+        if host_indices is None or host_indices.numel() != pages * plan.page_size:
+            logger.error(
+                "kvtier %s %s: %d keys but %s host indices (page size %d); failing the batch",
+                op,
+                plan.name,
+                pages,
+                None if host_indices is None else host_indices.numel(),
+                plan.page_size,
+            )
+            return [False] * pages
+        started = time.perf_counter()
+        if plan.zero_copy:
+            if plan.split_factor > 1:
+                ptrs, sizes = plan.pool.get_split_heads_page_buffer_meta(host_indices, plan.split_factor)
+            else:
+                ptrs, sizes = plan.pool.get_page_buffer_meta(host_indices)
+            sizes = _normalize_sizes(sizes, len(ptrs))
+            want = pages * len(plan.suffixes)
+            if len(ptrs) != want or len(sizes) != want:
+                logger.error("kvtier %s %s: %d buffers for %d objects; failing the batch", op, plan.name, len(ptrs), want)
+                return [False] * pages
+            if is_set:
+                reply = self._store.put_pages(
+                    self._prefix, keys, plan.suffixes, list(ptrs), sizes, self._depths(extra_info, pages)
+                )
+            else:
+                reply = self._store.get_pages(self._prefix, keys, plan.suffixes, list(ptrs), sizes)
+            nbytes = sum(sizes)
+        else:
+            page_keys = [f"{self._prefix}{k}{plan.page_suffix}" for k in keys]
+            firsts = [int(host_indices[i * plan.page_size]) for i in range(pages)]
+            if is_set:
+                views = [_byte_view(plan.pool.get_data_page(idx, flat=True)) for idx in firsts]
+                reply = self._store.put_buffers(page_keys, views, self._depths(extra_info, pages))
+                nbytes = sum(v.nbytes for v in views)
+            else:
+                dummies = [plan.pool.get_dummy_flat_data_page() for _ in firsts]
+                reply = self._store.get_buffers(page_keys, [_byte_view(d) for d in dummies])
+                nbytes = sum(d.numel() * d.element_size() for d in dummies)
+                for ok, idx, page in zip(reply[0], firsts, dummies):
+                    if ok:
+                        plan.pool.set_from_flat_data_page(idx, page)
+        results = self._checked(op, plan.name, reply, pages)
+        self._meter.record(is_set, sum(results), nbytes, time.perf_counter() - started)
+        return results
+
+    def _anchor_suffixes(self) -> Optional[List[str]]:
+        """Suffixes a KV page must have to count, for the KV path SGLang will use."""
+        if self._anchor_is_logical or self._anchor is None:
+            return None
+        if self._interface_v1 and self._anchor.zero_copy:
+            return self._anchor.suffixes
+        return [self._anchor.page_suffix]
+
+    def _no_anchor(self, op: str) -> bool:
+        if self._anchor is None and not self._anchor_is_logical:
+            self._warn_once(f"noanchor:{op}", "kvtier %s called before register_mem_pool_host; failing it", op)
+            return True
+        return False
+
+    # ------------------------------------------------------------------ v1 (zero copy)
+    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        try:
+            if self._anchor_is_logical:
+                return [True] * len(keys)
+            if self._no_anchor("batch_set_v1"):
+                return [False] * len(keys)
+            if self._anchor is not None and self._anchor.replicated and not self._writes_replicated_kv:
+                # Another rank writes the one shared copy of this page.
+                return [True] * len(keys)
+            return self._page_io(self._anchor, list(keys), host_indices, True, extra_info)
+        except Exception:
+            logger.exception("kvtier batch_set_v1 failed; reporting every page as failed")
+            return [False] * len(keys)
+
+    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        try:
+            if self._anchor_is_logical:
+                return [True] * len(keys)
+            if self._no_anchor("batch_get_v1"):
+                return [False] * len(keys)
+            return self._page_io(self._anchor, list(keys), host_indices, False, extra_info)
+        except Exception:
+            logger.exception("kvtier batch_get_v1 failed; reporting every page as missing")
+            return [False] * len(keys)
+
+    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        try:
+            if self._anchor_is_logical:
+                return len(keys)
+            suffixes = self._anchor_suffixes()
+            if suffixes is None:
+                return 0
+            hit = int(self._store.exists_pages_prefix(self._prefix, list(keys), suffixes))
+            return hit if 0 <= hit <= len(keys) else 0
+        except Exception:
+            logger.exception("kvtier batch_exists failed; reporting a miss")
+            return 0
+
+    # ------------------------------------------------------------------ legacy tensor path
+    def _legacy_key(self, key: str) -> Optional[str]:
+        if self._anchor is None:
+            return None
+        return f"{self._prefix}{key}{self._anchor.page_suffix}"
+
+    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None) -> bool:
+        try:
+            if not keys:
+                return True
+            if self._anchor_is_logical:
+                return True
+            if values is None and target_locations is not None and target_sizes is not None:
+                sizes = _normalize_sizes(target_sizes, len(keys))
+                reply = self._store.put_keys(list(keys), [int(p) for p in target_locations], sizes, None)
+                return all(self._checked("batch_set", "raw", reply, len(keys)))
+            if values is None or len(values) != len(keys) or self._no_anchor("batch_set"):
+                logger.error("kvtier batch_set: %d keys but %s values", len(keys), None if values is None else len(values))
+                return False
+            names = [self._legacy_key(k) for k in keys]
+            started = time.perf_counter()
+            views = [_byte_view(v) for v in values]
+            ok = self._checked("batch_set", "kv", self._store.put_buffers(names, views, None), len(keys))
+            self._meter.record(True, sum(ok), sum(v.nbytes for v in views), time.perf_counter() - started)
+            return all(ok)
+        except Exception:
+            logger.exception("kvtier batch_set failed")
+            return False
+
+    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None):
+        try:
+            if not keys:
+                return []
+            if self._anchor_is_logical:
+                return list(target_locations) if target_locations is not None else [None] * len(keys)
+            if target_locations is None or len(target_locations) != len(keys):
+                logger.error("kvtier batch_get: %d keys but %s targets", len(keys), None if target_locations is None else len(target_locations))
+                return [None] * len(keys)
+            if target_sizes is not None and not isinstance(target_locations[0], torch.Tensor):
+                sizes = _normalize_sizes(target_sizes, len(keys))
+                ptrs = [int(p) for p in target_locations]
+                ok = self._checked("batch_get", "raw", self._store.get_keys(list(keys), ptrs, sizes), len(keys))
+                return [p if hit else None for p, hit in zip(target_locations, ok)]
+            if self._no_anchor("batch_get"):
+                return [None] * len(keys)
+            names = [self._legacy_key(k) for k in keys]
+            started = time.perf_counter()
+            views = [_byte_view(t) for t in target_locations]
+            for t, v in zip(target_locations, views):
+                if v.ctypes.data != t.data_ptr():
+                    raise ValueError("legacy batch_get targets must be contiguous CPU tensors")
+            ok = self._checked("batch_get", "kv", self._store.get_buffers(names, views), len(keys))
+            self._meter.record(False, sum(ok), sum(v.nbytes for v in views), time.perf_counter() - started)
+            return [t if hit else None for t, hit in zip(target_locations, ok)]
+        except Exception:
+            logger.exception("kvtier batch_get failed; reporting every page as missing")
+            return [None] * len(keys)
+
+    def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None):
+        if target_location is None:
+            return None
+        result = self.batch_get([key], [target_location], [target_sizes] if target_sizes is not None else None)
+        return result[0] if result else None
+
+    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> bool:
+        if value is not None:
+            return self.batch_set([key], [value])
+        if target_location is not None and target_sizes is not None:
+            return self.batch_set([key], None, [target_location], [target_sizes])
+        return False
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # ------------------------------------------------------------------ v2 (multi-pool)
+    def batch_exists_v2(
+        self,
+        keys: List[str],
+        pool_transfers: Optional[List[PoolTransfer]] = None,
+        extra_info: Optional[HiCacheStorageExtraInfo] = None,
+    ) -> PoolTransferResult:
+        try:
+            keys = list(keys)
+            names = {}
+            pools = []
+            for transfer in pool_transfers or []:
+                name = str(transfer.name.value if isinstance(transfer.name, PoolName) else transfer.name)
+                names[name] = transfer.name
+                plan = self._plans.get(name)
+                if plan is None:
+                    self._warn_once(f"unreg:{name}", "kvtier batch_exists_v2: pool %s is not registered; its pages are misses", name)
+                    suffixes: List[str] = []
+                else:
+                    suffixes = plan.active_suffixes
+                policy = _POLICY_NAMES.get(transfer.hit_policy)
+                if policy is None:
+                    logger.error("kvtier batch_exists_v2: pool %s has unknown hit policy %r; treating as a miss", name, transfer.hit_policy)
+                    policy, suffixes = "all_pages", []
+                if transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                    param = max(1, len(transfer.keys) if transfer.keys else 1)
+                elif transfer.hit_policy == PoolHitPolicy.BLOCK_GROUPS:
+                    param = int(transfer.group_pages or 0)
+                    if param <= 0:
+                        logger.error("kvtier batch_exists_v2: pool %s BLOCK_GROUPS without group_pages; no verdict", name)
+                        suffixes = []
+                        param = 1
+                else:
+                    param = 0
+                pools.append((name, suffixes, policy, param))
+            if self._no_anchor("batch_exists_v2"):
+                return PoolTransferResult(0, {}, [])
+            kv_hit, pool_hits, restorable = self._store.exists_v2(self._prefix, keys, self._anchor_suffixes(), pools)
+            if not 0 <= kv_hit <= len(keys):
+                logger.error("kvtier batch_exists_v2: kv hit %d outside [0, %d]; reporting a miss", kv_hit, len(keys))
+                return PoolTransferResult(0, {}, [])
+            hit_count = {}
+            for name, boundary in pool_hits:
+                hit_count[PoolName.KV if name == "kv" else names.get(name, name)] = int(boundary)
+            return PoolTransferResult(int(kv_hit), hit_count, [int(p) for p in restorable])
+        except Exception:
+            logger.exception("kvtier batch_exists_v2 failed; reporting a miss")
+            return PoolTransferResult(0, {}, [])
+
+    def _batch_io_v2(self, transfers: List[PoolTransfer], is_set: bool, extra_info) -> Dict[Any, List[bool]]:
+        results: Dict[Any, List[bool]] = {}
+        for transfer in transfers or []:
+            keys = list(transfer.keys or [])
+            name = str(transfer.name.value if isinstance(transfer.name, PoolName) else transfer.name)
+            try:
+                plan = self._plans.get(name)
+                if plan is None:
+                    self._warn_once(f"unreg-io:{name}", "kvtier batch_%s_v2: pool %s is not registered; failing its pages", "set" if is_set else "get", name)
+                    results[transfer.name] = [False] * len(keys)
+                    continue
+                results[transfer.name] = self._page_io(plan, keys, transfer.host_indices, is_set, extra_info)
+            except Exception:
+                logger.exception("kvtier batch_%s_v2 failed for pool %s", "set" if is_set else "get", name)
+                results[transfer.name] = [False] * len(keys)
+        return results
+
+    def batch_get_v2(self, transfers: List[PoolTransfer], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> Dict[Any, List[bool]]:
+        return self._batch_io_v2(transfers, False, extra_info)
+
+    def batch_set_v2(self, transfers: List[PoolTransfer], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> Dict[Any, List[bool]]:
+        return self._batch_io_v2(transfers, True, extra_info)
+
+    # ------------------------------------------------------------------ lifecycle
+    def clear(self) -> bool:
+        try:
+            self._store.clear()
+            return True
+        except Exception:
+            logger.exception("kvtier clear failed")
+            return False
+
+    def flush(self) -> bool:
+        try:
+            self._store.flush()
+            return True
+        except Exception:
+            logger.exception("kvtier flush failed")
+            return False
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.flush()
+        self._store.close()
+
+    def get_stats(self) -> KvtierStorageStats:
+        store = dict(self._store.stats())
+        return KvtierStorageStats(store, *self._meter.take())
