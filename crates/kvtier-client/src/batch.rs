@@ -60,7 +60,7 @@ impl BatchResult {
     }
 
     pub fn note_error(&mut self, message: String) {
-        if self.errors.iter().any(|e| *e == message) {
+        if self.errors.contains(&message) {
             return;
         }
         if self.errors.len() < MAX_ERRORS_PER_BATCH {

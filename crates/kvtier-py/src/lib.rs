@@ -20,6 +20,8 @@ use pyo3::types::PyDict;
 use buffer_access::HeldBuffer;
 
 type BatchReply = (Vec<bool>, Vec<String>);
+/// `(kv_hit_pages, [(pool, boundary)], restorable_prefix_pages)`.
+type ExistsV2Reply = (u32, Vec<(String, u32)>, Vec<u32>);
 
 fn reply(r: BatchResult) -> BatchReply {
     let mut errors = r.errors;
@@ -153,6 +155,7 @@ impl Store {
 
     /// Put `pages x components` objects from registered memory; one bool per page.
     #[pyo3(signature = (prefix, page_keys, suffixes, ptrs, sizes, depths = None))]
+    #[allow(clippy::too_many_arguments)] // mirrors the Python call one to one
     fn put_pages(
         &self,
         py: Python<'_>,
@@ -349,7 +352,7 @@ impl Store {
         page_keys: Vec<String>,
         kv_suffixes: Option<Vec<String>>,
         pools: Vec<(String, Vec<String>, String, u32)>,
-    ) -> PyResult<(u32, Vec<(String, u32)>, Vec<u32>)> {
+    ) -> PyResult<ExistsV2Reply> {
         let pools = pools
             .into_iter()
             .map(|(name, suffixes, policy, param)| {
