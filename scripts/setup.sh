@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Set up everything kvtier needs on a fresh Debian machine with a Rust toolchain and Python 3.11:
+# system packages, a Python venv (.venv) with torch + SGLang 0.5.23 (CPU use), and the kvtier
+# Python module built by maturin (release). Safe to run again: finished steps are skipped fast.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+VENV=${KVTIER_VENV:-.venv}
+TORCH_VERSION=2.14.1
+SGLANG_VERSION=0.5.23
+
+log() { printf '[setup] %s\n' "$*"; }
+
+# System packages: a C toolchain for -sys crates and torch's JIT extensions, protoc for the
+# control-plane crates. Installed only when missing.
+need_apt=()
+command -v cc >/dev/null 2>&1 || need_apt+=(build-essential)
+command -v g++ >/dev/null 2>&1 || need_apt+=(g++)
+command -v protoc >/dev/null 2>&1 || need_apt+=(protobuf-compiler)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ]; then
+    log "apt-get install ${need_apt[*]}"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
+  else
+    log "missing system packages (${need_apt[*]}); install them with sudo apt-get install" >&2
+  fi
+fi
+command -v cargo >/dev/null 2>&1 || { log "cargo not found: install Rust (rustup) first" >&2; exit 1; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating venv $VENV"
+  "$PY" -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip
+fi
+pip_q() { "$VENV/bin/pip" install -q --disable-pip-version-check "$@"; }
+
+if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+  log "installing torch==$TORCH_VERSION (large download on first run)"
+  pip_q "torch==$TORCH_VERSION"
+fi
+if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('sglang') != '$SGLANG_VERSION')" 2>/dev/null; then
+  log "installing sglang==$SGLANG_VERSION (--no-deps: only its storage modules are used)"
+  pip_q --no-deps "sglang==$SGLANG_VERSION"
+fi
+log "installing SGLang's CPU import set, maturin and pytest"
+pip_q -r requirements/sglang-cpu.txt "maturin>=1.7,<2" "pytest>=8"
+
+log "building kvtier (maturin develop --release)"
+VIRTUAL_ENV="$PWD/$VENV" PATH="$PWD/$VENV/bin:$PATH" "$VENV/bin/maturin" develop --release -q 2>&1 | grep -vE '^(📦|✏️|🔗|🍹|🐍|⚠️ Warning: You.*)' || true
+"$VENV/bin/python" -c "import kvtier; print('[setup] kvtier', kvtier.__version__, 'ready in', '$VENV')"
