@@ -46,7 +46,9 @@ impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
             dram_capacity_bytes: 2 << 30,
-            dram_block_size: 64 << 10,
+            // Small blocks keep the waste under 4 KiB per object whatever the page sizes of
+            // the registered pools; extents keep large objects contiguous all the same.
+            dram_block_size: 4 << 10,
             eviction_policy: EvictionPolicyKind::PrefixDepth,
             eviction_candidate_window: 64,
             index_shards: 64,
