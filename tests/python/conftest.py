@@ -19,10 +19,3 @@ def file_storage_dir(tmp_path, monkeypatch):
     path.mkdir()
     return str(path)
 
-
-@pytest.fixture(scope="session")
-def dsv4_page_first():
-    """Real DeepSeek-V4 HostPoolGroup (page_first), built once per session."""
-    from sglang_pools import build_dsv4_pool_group
-
-    return build_dsv4_pool_group("page_first")

@@ -66,7 +66,13 @@ from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
 )
 from sglang.srt.mem_cache.pool_host import HostPoolGroup
 
-from sglang_pools import Dsv4PoolGroup, PoolSpec, kv_only_group, make_storage_config
+from sglang_pools import (
+    Dsv4PoolGroup,
+    PoolSpec,
+    kv_only_group,
+    make_storage_config,
+    page_nbytes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +103,6 @@ __all__ = [
 
 
 def _anchor_spec(host_pool) -> PoolSpec:
-    from sglang_pools import page_nbytes
-
     return PoolSpec(
         name=PoolName.KV,
         host_pool=host_pool,

@@ -282,8 +282,9 @@ def test_dsv4_group_shape(dsv4):
     assert {e.name for e in dsv4.group.entries} == set(by_name)
 
 
-def test_dsv4_backup_query_prefetch_round_trip(file_storage_dir, dsv4):
-    backend = file_backend(file_storage_dir, is_mla=True)
+@pytest.mark.parametrize("use_v1", [False, True], ids=["legacy", "v1"])
+def test_dsv4_backup_query_prefetch_round_trip(file_storage_dir, dsv4, use_v1):
+    backend = file_backend(file_storage_dir, is_mla=True, cls=ZeroCopyFile)
     cf.attach_backend(backend, dsv4)
     regs = [c for c in backend.calls if c.method == "register_mem_host_pool_v2"]
     assert backend.calls[0].args["pool"] == "LogicalHostPool"
@@ -300,11 +301,12 @@ def test_dsv4_backup_query_prefetch_round_trip(file_storage_dir, dsv4):
 
     backend.reset()
     res = cf.backup_span(backend, dsv4, keys, {PoolName.KV: kv_idx, PoolName.SWA: swa_idx},
-                         prefix_keys=prefix, use_v1=False)
+                         prefix_keys=prefix, use_v1=use_v1)
     assert res.completed_pages == n
     methods = backend.methods()
     # side pools first, grouped by prefix chain, then KV (0-byte logical pages)
-    assert methods == ["batch_set_v2", "batch_set_v2", "batch_set"]
+    kv_set = "batch_set_v1" if use_v1 else "batch_set"
+    assert methods == ["batch_set_v2", "batch_set_v2", kv_set]
     groups = {
         tuple(t["name"] for t in c.args["transfers"]): c.args["extra_info"]["prefix_keys"]
         for c in backend.calls[:2]
@@ -313,7 +315,8 @@ def test_dsv4_backup_query_prefetch_round_trip(file_storage_dir, dsv4):
     derived = tuple(s.name for s in dsv4.side_specs if s.indices_from_pool == PoolName.KV)
     assert groups[trailing] == prefix + keys[:-1]
     assert groups[derived] == prefix
-    assert backend.calls[2].args["value_nbytes"] == [0] * n
+    if not use_v1:
+        assert backend.calls[2].args["value_nbytes"] == [0] * n
     assert all(v == n for k, v in res.pool_hits.items() if k in derived)
     assert all(v == 1 for k, v in res.pool_hits.items() if k in trailing)
 
@@ -328,7 +331,7 @@ def test_dsv4_backup_query_prefetch_round_trip(file_storage_dir, dsv4):
 
     _dsv4_zero(dsv4, kv_idx, swa_idx)
     backend.reset()
-    pre = cf.prefetch_span(backend, dsv4, keys, prefix_keys=prefix, use_v1=False)
+    pre = cf.prefetch_span(backend, dsv4, keys, prefix_keys=prefix, use_v1=use_v1)
     assert pre.hit_pages == n
     for s in dsv4.side_specs:
         expect = n if s.indices_from_pool == PoolName.KV else swa.window_pages
@@ -341,7 +344,8 @@ def test_dsv4_backup_query_prefetch_round_trip(file_storage_dir, dsv4):
     assert torch.equal(pre.host_indices[PoolName.DEEPSEEK_V4_C4_STATE], pre.host_indices[PoolName.SWA])
     assert pre.key_ranges[PoolName.SWA] == keys[-1:]
     # KV batch (logical, 0 bytes) + KV-derived batch_get_v2, then trailing pools
-    assert backend.methods() == ["batch_exists_v2", "batch_get", "batch_get_v2", "batch_get_v2"]
+    kv_get = "batch_get_v1" if use_v1 else "batch_get"
+    assert backend.methods() == ["batch_exists_v2", kv_get, "batch_get_v2", "batch_get_v2"]
 
 
 def test_dsv4_trailing_state_hole(file_storage_dir, dsv4):
@@ -412,3 +416,24 @@ def test_dsv4_mid_tree_short_span_sends_empty_batch_get_v2(file_storage_dir, dsv
     assert pre.counts[PoolName.DEEPSEEK_V4_C4] == 1
     last = backend.calls[-1]
     assert last.method == "batch_get_v2" and last.args["transfers"] == []
+
+
+def test_factory_backend_and_failure_injector(file_storage_dir, monkeypatch):
+    """Backends made by the real StorageBackendFactory; with SGLang's failure
+    injector at probability 1 every call fails cleanly and the flows report
+    nothing done instead of raising."""
+    pool = sp.build_mha_host_pool("page_first", size_pages=8)
+    cfg = sp.make_storage_config(extra_config={"file_storage_path": file_storage_dir})
+    backend = cf.create_backend("file", cfg, pool)
+    assert type(backend).__name__ == "HiCacheFile"
+    monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", "1")
+    failing = cf.create_backend("file", cfg, pool)
+    assert type(failing).__name__ == "HiCacheStorageFailureInjector"
+    cf.attach_backend(failing, pool)
+    keys = hashes(2, "fail")
+    idx = sp.alloc_indices(pool, 2)
+    sp.fill_pages(pool, idx, seed=1)
+    assert cf.backup_span(failing, pool, keys, {PoolName.KV: idx}, use_v1=False).completed_pages == 0
+    assert cf.backup_span(failing, pool, keys, {PoolName.KV: idx}, use_v1=True).completed_pages == 0
+    assert cf.query_span(failing, keys, pool).kv_hit_pages == 0
+    assert cf.prefetch_span(failing, pool, keys, use_v1=False).counts == {}
