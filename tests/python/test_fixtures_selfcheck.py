@@ -1,7 +1,7 @@
 """Self-check of the SGLang fixtures against SGLang's own HiCacheFile backend.
 
-If these pass, ``sglang_pools`` builds pools whose pages round-trip through
-the real controller code, and ``controller_flows`` drives a backend the way
+If these pass, ``kvtier.harness.pools`` builds pools whose pages round-trip through
+the real controller code, and ``kvtier.harness.flows`` drives a backend the way
 SGLang 0.5.23 does.  The same flows are later run against kvtier's backend.
 """
 
@@ -20,8 +20,8 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolName,
 )
 
-import controller_flows as cf
-import sglang_pools as sp
+import kvtier.harness.flows as cf
+import kvtier.harness.pools as sp
 
 
 def hashes(n, tag="span"):

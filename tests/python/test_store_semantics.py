@@ -21,7 +21,7 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 from kvtier import _native
 from kvtier.sglang import KvtierStore
-from sglang_pools import (
+from kvtier.harness.pools import (
     alloc_indices,
     build_mha_host_pool,
     build_mla_host_pool,
