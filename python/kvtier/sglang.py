@@ -319,13 +319,18 @@ class KvtierStore(HiCacheStorage):
         return hashlib.blake2b(material.encode(), digest_size=6).hexdigest()
 
     @staticmethod
-    def _component_names(base: Optional[str], count: int) -> List[str]:
-        if count == 1:
-            return [base or "kv"]
-        if count == 2:
-            names = ["k", "v"]
-        else:
-            names = [f"c{i}" for i in range(count)]
+    def _component_names(base: Optional[str], count: int, pool: Any = None) -> List[str]:
+        """Readable names for a page's components, in get_page_buffer_meta order."""
+        names: List[str] = []
+        if base == PoolName.MAMBA.value and pool is not None:
+            # Mamba pages are the temporal (SSM) state, when the model has one, then conv_i.
+            conv = len(getattr(pool, "conv_buffer", None) or [])
+            temporal = ["temporal"] if getattr(pool, "temporal_state_elem_size", 0) > 0 else []
+            names = temporal + [f"conv{i}" for i in range(conv)]
+        if len(names) != count:
+            if count == 1:
+                return [base or "kv"]
+            names = ["k", "v"] if count == 2 else [f"c{i}" for i in range(count)]
         return [f"{base}.{n}" if base else n for n in names]
 
     def _probe_meta(self, pool: Any, split_factor: int, first: bool = True):
@@ -394,7 +399,7 @@ class KvtierStore(HiCacheStorage):
                     for n in names
                 ]
             else:
-                names = self._component_names(base, len(sizes))
+                names = self._component_names(base, len(sizes), pool)
                 suffixes = [f"@{fp}{self._rank_tag(replicated)}.{n}" for n in names]
         else:
             self._warn_once(

@@ -449,3 +449,22 @@ def test_clear_flush_close_and_stats():
     store.close()  # idempotent
     assert store.batch_set_v1(keys, idx) == [False] * 4
     assert store.batch_exists(keys) == 0
+
+
+def test_split_heads_yield_one_object_pair_per_split_rank():
+    # tp_size 2 on a tp_lcm_size 4 store: each rank's page holds the heads of 2 lcm ranks.
+    host = build_mha_host_pool(layout="page_head", head_num=4)
+    ec = extra()
+    cfg = make_storage_config(tp_rank=1, tp_size=2, extra_config=ec, tp_lcm_size=4, should_split_heads=True)
+    store = KvtierStore(cfg, host)
+    suffixes = store._anchor.suffixes
+    assert len(suffixes) == 4
+    assert [s.split(".", 1)[1] for s in suffixes] == ["tp2.k", "tp2.v", "tp3.k", "tp3.v"]
+    idx = fill_and_index(host, 3)
+    want = read_pages(host, idx)
+    keys = keys_for(3)
+    assert store.batch_set_v1(keys, idx) == [True] * 3
+    assert store.get_stats()["objects"] == 12
+    zero_pages(host, idx)
+    assert store.batch_get_v1(keys, idx) == [True] * 3
+    assert read_pages(host, idx) == want
