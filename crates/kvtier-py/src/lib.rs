@@ -78,6 +78,28 @@ fn mem_refs(ptrs: &[usize], sizes: &[usize]) -> Result<Vec<MemRef>, String> {
         .collect())
 }
 
+/// Build a page batch and its buffers, or fail every page when the buffer lists disagree.
+fn with_page_batch(
+    prefix: &str,
+    page_keys: &[String],
+    suffixes: &[String],
+    ptrs: &[usize],
+    sizes: &[usize],
+    call: impl FnOnce(&PageBatch<'_, String, String>, &[MemRef]) -> BatchResult,
+) -> BatchReply {
+    match mem_refs(ptrs, sizes) {
+        Ok(bufs) => {
+            let batch = PageBatch {
+                prefix: prefix.as_bytes(),
+                page_keys,
+                suffixes,
+            };
+            reply(call(&batch, &bufs))
+        }
+        Err(e) => reply(BatchResult::all_failed(page_keys.len(), e)),
+    }
+}
+
 fn hit_policy(name: &str, policy: &str, param: u32) -> PyResult<HitPolicy> {
     match policy {
         "all_pages" => Ok(HitPolicy::AllPages),
@@ -168,16 +190,14 @@ impl Store {
     ) -> BatchReply {
         let client = &self.client;
         py.detach(|| {
-            let bufs = match mem_refs(&ptrs, &sizes) {
-                Ok(b) => b,
-                Err(e) => return reply(BatchResult::all_failed(page_keys.len(), e)),
-            };
-            let batch = PageBatch {
-                prefix: prefix.as_bytes(),
-                page_keys: &page_keys,
-                suffixes: &suffixes,
-            };
-            reply(client.put_pages(&batch, &bufs, depths.as_deref()))
+            with_page_batch(
+                prefix,
+                &page_keys,
+                &suffixes,
+                &ptrs,
+                &sizes,
+                |batch, bufs| client.put_pages(batch, bufs, depths.as_deref()),
+            )
         })
     }
 
@@ -193,16 +213,14 @@ impl Store {
     ) -> BatchReply {
         let client = &self.client;
         py.detach(|| {
-            let bufs = match mem_refs(&ptrs, &sizes) {
-                Ok(b) => b,
-                Err(e) => return reply(BatchResult::all_failed(page_keys.len(), e)),
-            };
-            let batch = PageBatch {
-                prefix: prefix.as_bytes(),
-                page_keys: &page_keys,
-                suffixes: &suffixes,
-            };
-            reply(client.get_pages(&batch, &bufs))
+            with_page_batch(
+                prefix,
+                &page_keys,
+                &suffixes,
+                &ptrs,
+                &sizes,
+                |batch, bufs| client.get_pages(batch, bufs),
+            )
         })
     }
 
