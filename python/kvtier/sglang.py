@@ -118,7 +118,10 @@ def _physical_buffers(pool: Any) -> List[torch.Tensor]:
 def _normalize_sizes(sizes: Any, count: int) -> List[int]:
     if isinstance(sizes, int):
         return [sizes] * count
-    sizes = [int(s) for s in sizes]
+    if type(sizes) is list and sizes and type(sizes[0]) is int and len(set(map(type, sizes))) == 1:
+        sizes = list(sizes)  # already exact ints (SGLang's meta): skip a per-item int() (~10 us/batch)
+    else:
+        sizes = [int(s) for s in sizes]
     if len(sizes) == 1 and count != 1:
         return sizes * count
     return sizes
@@ -473,7 +476,7 @@ class KvtierStore(HiCacheStorage):
         if prefix is None:
             return None
         base = len(prefix)
-        return [base + i for i in range(pages)]
+        return list(range(base, base + pages))
 
     def _checked(self, op: str, pool: str, reply, pages: int) -> List[bool]:
         ok, errors = reply
