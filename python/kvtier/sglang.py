@@ -56,6 +56,8 @@ SGLANG_OWNED_KEYS = frozenset(
         "module_path",
         "class_name",
         "interface_v1",
+        # Read by SGLang's host-pool assembler: "shm" allocates host pools from memfds.
+        "allocator",
         "prefetch_threshold",
         "prefetch_timeout_base",
         "prefetch_timeout_per_ki_token",
