@@ -5,6 +5,8 @@
 //! least one block, a block size the allocator and arena can address, and a power-of-two shard
 //! count, so nothing downstream re-checks these.
 
+use std::path::PathBuf;
+
 use crate::error::EngineError;
 
 /// Smallest allowed allocator block: one 4 KiB page, so an arena block never splits a page.
@@ -24,6 +26,45 @@ pub enum EvictionPolicyKind {
     Lru,
 }
 
+/// How durable an acknowledged SSD write is (see the `ssd` module docs for exactly what each
+/// mode can lose in a crash). `"sync"` and `"async"` are accepted as aliases.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SsdDurabilityMode {
+    /// A put returns only once its SSD record is written and `fdatasync`ed (group commit).
+    #[serde(alias = "sync")]
+    Strict,
+    /// SSD records are synced in the background (at least once a second) and on `flush`.
+    #[default]
+    #[serde(alias = "async")]
+    Relaxed,
+}
+
+/// Which I/O backend the SSD tier uses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SsdIoBackend {
+    /// `pread`/`pwrite` with `O_DIRECT` where the filesystem allows it.
+    #[default]
+    Posix,
+    /// `io_uring`; this build does not include it, so selecting it is an `InvalidConfig`.
+    #[serde(alias = "io-uring")]
+    IoUring,
+}
+
+/// When objects are copied from DRAM to SSD.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SsdWritePolicy {
+    /// Every stored put is copied to SSD (in the background or before the put returns).
+    #[default]
+    #[serde(alias = "write-through")]
+    WriteThrough,
+    /// Objects are copied to SSD when DRAM evicts them.
+    #[serde(alias = "write-back")]
+    WriteBack,
+}
+
 /// Configuration of one [`crate::Engine`]. Deserializes from a partial table (missing fields
 /// take their defaults), e.g. the `[engine]` section of a server's TOML.
 #[derive(Clone, Debug, serde::Deserialize, serde::Serialize)]
@@ -40,6 +81,34 @@ pub struct EngineConfig {
     pub index_shards: usize,
     /// Touch every arena page at open so the hot path never pays first-touch faults.
     pub prefault: bool,
+
+    // ---- SSD tier (off by default; names follow UMBP's) ----
+    /// Enable the SSD tier below DRAM.
+    pub ssd_enabled: bool,
+    /// Directory of the segment files (created if missing; one engine per directory).
+    pub ssd_storage_dir: PathBuf,
+    /// Upper bound on the segment files' total size; holds `capacity / segment size` segments.
+    pub ssd_capacity_bytes: u64,
+    /// Size of one segment file; a multiple of 4 KiB, at least 64 KiB.
+    pub ssd_segment_size_bytes: u64,
+    /// Write-through copies run in the background (`true`) or before the put returns.
+    /// `strict` durability always waits.
+    pub ssd_copy_async: bool,
+    /// Bound of the DRAM→SSD copy queue (objects); a full queue makes puts wait.
+    pub ssd_copy_queue_depth: usize,
+    /// Copy worker threads (each writes batches and, in strict mode, syncs them).
+    pub ssd_copy_worker_threads: usize,
+    /// Most records one worker writes (and syncs) as one batch.
+    pub ssd_copy_batch_max_ops: usize,
+    pub ssd_durability_mode: SsdDurabilityMode,
+    pub ssd_io_backend: SsdIoBackend,
+    /// A get served from SSD copies the object back into DRAM.
+    pub auto_promote_on_read: bool,
+    /// Fraction of segments in use above which background reclaim starts.
+    pub ssd_high_watermark: f64,
+    /// Fraction of segments in use that background reclaim brings usage down to.
+    pub ssd_low_watermark: f64,
+    pub ssd_write_policy: SsdWritePolicy,
 }
 
 impl Default for EngineConfig {
@@ -53,6 +122,20 @@ impl Default for EngineConfig {
             eviction_candidate_window: 64,
             index_shards: 64,
             prefault: true,
+            ssd_enabled: false,
+            ssd_storage_dir: PathBuf::from("/tmp/kvtier-ssd"),
+            ssd_capacity_bytes: 16 << 30,
+            ssd_segment_size_bytes: 256 << 20,
+            ssd_copy_async: true,
+            ssd_copy_queue_depth: 256,
+            ssd_copy_worker_threads: 2,
+            ssd_copy_batch_max_ops: 32,
+            ssd_durability_mode: SsdDurabilityMode::Relaxed,
+            ssd_io_backend: SsdIoBackend::Posix,
+            auto_promote_on_read: true,
+            ssd_high_watermark: 0.9,
+            ssd_low_watermark: 0.8,
+            ssd_write_policy: SsdWritePolicy::WriteThrough,
         }
     }
 }
@@ -103,6 +186,82 @@ impl EngineConfig {
             return Err(invalid(
                 "index_shards",
                 format!("{shards} must be a power of two in 1..={MAX_INDEX_SHARDS}"),
+            ));
+        }
+        if self.ssd_enabled {
+            self.validate_ssd()?;
+        }
+        Ok(())
+    }
+
+    /// Number of segment files the SSD tier may hold.
+    pub fn ssd_segments(&self) -> u64 {
+        self.ssd_capacity_bytes / self.ssd_segment_size_bytes.max(1)
+    }
+
+    fn validate_ssd(&self) -> Result<(), EngineError> {
+        if self.ssd_io_backend == SsdIoBackend::IoUring {
+            return Err(invalid(
+                "ssd_io_backend",
+                "kvtier-engine was not built with io_uring; use \"posix\"".to_string(),
+            ));
+        }
+        if self.ssd_storage_dir.as_os_str().is_empty() {
+            return Err(invalid("ssd_storage_dir", "must not be empty".to_string()));
+        }
+        let seg = self.ssd_segment_size_bytes;
+        if !seg.is_multiple_of(4096) || !(64 << 10..=4 << 30).contains(&seg) {
+            return Err(invalid(
+                "ssd_segment_size_bytes",
+                format!("{seg} must be a multiple of 4096 in 64 KiB..=4 GiB"),
+            ));
+        }
+        let n = self.ssd_segments();
+        if !(2..=1 << 20).contains(&n) {
+            return Err(invalid(
+                "ssd_capacity_bytes",
+                format!(
+                    "{} holds {n} segments of {seg} bytes; need 2..=1048576",
+                    self.ssd_capacity_bytes
+                ),
+            ));
+        }
+        if self.ssd_copy_queue_depth == 0 {
+            return Err(invalid("ssd_copy_queue_depth", "must be at least 1".into()));
+        }
+        if !(1..=64).contains(&self.ssd_copy_worker_threads) {
+            return Err(invalid(
+                "ssd_copy_worker_threads",
+                "must be in 1..=64".into(),
+            ));
+        }
+        if self.ssd_copy_batch_max_ops == 0 {
+            return Err(invalid(
+                "ssd_copy_batch_max_ops",
+                "must be at least 1".into(),
+            ));
+        }
+        let (lo, hi) = (self.ssd_low_watermark, self.ssd_high_watermark);
+        if !(hi > 0.0 && hi <= 1.0) {
+            return Err(invalid(
+                "ssd_high_watermark",
+                format!("{hi} must be in (0, 1]"),
+            ));
+        }
+        if !(lo > 0.0 && lo <= hi) {
+            return Err(invalid(
+                "ssd_low_watermark",
+                format!("{lo} must be in (0, ssd_high_watermark]"),
+            ));
+        }
+        if self.ssd_write_policy == SsdWritePolicy::WriteBack
+            && self.ssd_durability_mode == SsdDurabilityMode::Strict
+        {
+            return Err(invalid(
+                "ssd_write_policy",
+                "write_back copies only on eviction, so it cannot give strict durability; \
+                 use write_through with strict"
+                    .into(),
             ));
         }
         Ok(())
@@ -156,5 +315,122 @@ mod tests {
             };
             assert_eq!(key_of(c), "index_shards", "shards {shards}");
         }
+    }
+
+    #[test]
+    fn ssd_fields_validate_only_when_enabled_and_name_the_field() {
+        let on = || EngineConfig {
+            ssd_enabled: true,
+            ssd_capacity_bytes: 8 << 20,
+            ssd_segment_size_bytes: 1 << 20,
+            ..EngineConfig::default()
+        };
+        on().validate().unwrap();
+        let off = EngineConfig {
+            ssd_segment_size_bytes: 3,
+            ..EngineConfig::default()
+        };
+        off.validate().unwrap();
+        let cases: Vec<(EngineConfig, &str)> = vec![
+            (
+                EngineConfig {
+                    ssd_io_backend: SsdIoBackend::IoUring,
+                    ..on()
+                },
+                "ssd_io_backend",
+            ),
+            (
+                EngineConfig {
+                    ssd_segment_size_bytes: 5000,
+                    ..on()
+                },
+                "ssd_segment_size_bytes",
+            ),
+            (
+                EngineConfig {
+                    ssd_capacity_bytes: 1 << 20,
+                    ..on()
+                },
+                "ssd_capacity_bytes",
+            ),
+            (
+                EngineConfig {
+                    ssd_copy_queue_depth: 0,
+                    ..on()
+                },
+                "ssd_copy_queue_depth",
+            ),
+            (
+                EngineConfig {
+                    ssd_copy_worker_threads: 0,
+                    ..on()
+                },
+                "ssd_copy_worker_threads",
+            ),
+            (
+                EngineConfig {
+                    ssd_copy_batch_max_ops: 0,
+                    ..on()
+                },
+                "ssd_copy_batch_max_ops",
+            ),
+            (
+                EngineConfig {
+                    ssd_high_watermark: 1.5,
+                    ..on()
+                },
+                "ssd_high_watermark",
+            ),
+            (
+                EngineConfig {
+                    ssd_low_watermark: 0.95,
+                    ..on()
+                },
+                "ssd_low_watermark",
+            ),
+            (
+                EngineConfig {
+                    ssd_write_policy: SsdWritePolicy::WriteBack,
+                    ssd_durability_mode: SsdDurabilityMode::Strict,
+                    ..on()
+                },
+                "ssd_write_policy",
+            ),
+        ];
+        for (c, key) in cases {
+            assert_eq!(key_of(c), key);
+        }
+        match (EngineConfig {
+            ssd_io_backend: SsdIoBackend::IoUring,
+            ..on()
+        })
+        .validate()
+        {
+            Err(e) => assert!(e.to_string().contains("not built with io_uring"), "{e}"),
+            Ok(()) => panic!("io_uring accepted"),
+        }
+    }
+
+    #[test]
+    fn ssd_enums_take_snake_case_and_aliases() {
+        #[derive(serde::Deserialize)]
+        struct W {
+            d: SsdDurabilityMode,
+            b: SsdIoBackend,
+            p: SsdWritePolicy,
+        }
+        let w: W = toml::from_str("d = \"sync\"\nb = \"io_uring\"\np = \"write_back\"").unwrap();
+        assert_eq!(
+            (w.d, w.b, w.p),
+            (
+                SsdDurabilityMode::Strict,
+                SsdIoBackend::IoUring,
+                SsdWritePolicy::WriteBack
+            )
+        );
+        let w: W = toml::from_str("d = \"async\"\nb = \"posix\"\np = \"write_through\"").unwrap();
+        assert_eq!(w.d, SsdDurabilityMode::Relaxed);
+        let w: W = toml::from_str("d = \"strict\"\nb = \"posix\"\np = \"write_through\"").unwrap();
+        assert_eq!(w.d, SsdDurabilityMode::Strict);
     }
 }

@@ -13,17 +13,29 @@
 //!
 //! Lock order: index shard → policy → allocator (the allocator is taken last, also when an
 //! object drops). No path takes a shard lock while holding the policy or allocator lock.
+//!
+//! With the SSD tier on (see the `ssd` module for its design): a put that misses DRAM also
+//! checks SSD (put-if-absent across both tiers); a stored put is queued for its SSD copy
+//! (write-through) and, in strict mode or with `ssd_copy_async = false`, waits for it; with
+//! write-back, eviction copies its victims to SSD before unlinking them. A get that misses
+//! DRAM reads from SSD into the destination and, with `auto_promote_on_read`, copies the
+//! object back into DRAM. `contains`/`exists_v2`/`object_len` answer for both tiers;
+//! `remove`/`clear` act on both. The SSD copy pipeline publishes a record only while the
+//! DRAM index still holds the very object it copied (checked under that key's DRAM shard
+//! lock), so a remove racing with a copy can never leave the object on SSD.
 
 use std::sync::Arc;
 
 use kvtier_proto::{ExistsV2Answer, ExistsV2Query};
 
-use crate::config::EngineConfig;
+use crate::config::{EngineConfig, SsdDurabilityMode, SsdWritePolicy};
 use crate::dram::{DramAllocation, DramTier};
 use crate::error::EngineError;
 use crate::eviction::{new_policy, EvictionPolicy};
 use crate::index::Index;
 use crate::object::{Location, Object, PinnedObject};
+use crate::ssd::tier::{SsdRead, SsdTier};
+use crate::ssd::{RecoveryProgress, RecoveryReport};
 use crate::stats::{add, sub, Counters, EngineStats};
 
 /// Extra facts about a put.
@@ -47,9 +59,11 @@ pub enum PutOutcome {
 pub struct Engine {
     config: EngineConfig,
     dram: DramTier,
-    index: Index,
+    index: Arc<Index>,
     policy: Box<dyn EvictionPolicy>,
     counters: Arc<Counters>,
+    ssd: Option<SsdTier>,
+    promotions: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for Engine {
@@ -61,8 +75,18 @@ impl std::fmt::Debug for Engine {
 }
 
 impl Engine {
-    /// Validate `config`, map (and pre-fault) the arena.
+    /// Validate `config`, map (and pre-fault) the arena; with the SSD tier on, open its
+    /// directory and rebuild its index (warm restart).
     pub fn open(config: EngineConfig) -> Result<Engine, EngineError> {
+        Engine::open_with_progress(config, &mut |_| {})
+    }
+
+    /// [`Engine::open`], calling `progress` while the SSD index is being recovered (about
+    /// every 100 ms and once at the end; never when the SSD tier is off).
+    pub fn open_with_progress(
+        config: EngineConfig,
+        progress: &mut dyn FnMut(&RecoveryProgress),
+    ) -> Result<Engine, EngineError> {
         config.validate()?;
         // validate() bounds total_blocks by u32::MAX.
         let blocks =
@@ -72,13 +96,61 @@ impl Engine {
             })?;
         let dram = DramTier::open(blocks, config.dram_block_size, config.prefault)
             .map_err(EngineError::ArenaMap)?;
+        let index = Arc::new(Index::new(config.index_shards));
+        let ssd = if config.ssd_enabled {
+            Some(SsdTier::open(&config, Arc::clone(&index), progress)?)
+        } else {
+            None
+        };
         Ok(Engine {
-            index: Index::new(config.index_shards),
+            index,
             policy: new_policy(config.eviction_policy),
             dram,
             counters: Arc::default(),
+            ssd,
+            promotions: Default::default(),
             config,
         })
+    }
+
+    /// What the SSD tier's warm restart did at open (`None` without an SSD tier).
+    pub fn recovery_report(&self) -> Option<RecoveryReport> {
+        self.ssd.as_ref().map(|s| s.recovery_report().clone())
+    }
+
+    /// Make everything stored so far durable: wait for queued SSD copies, `fdatasync` every
+    /// segment and write the SSD index checkpoint (so the next open need not scan). A no-op
+    /// without an SSD tier.
+    pub fn flush(&self) -> Result<(), EngineError> {
+        match &self.ssd {
+            Some(ssd) => ssd.flush(),
+            None => Ok(()),
+        }
+    }
+
+    /// Flush, then stop the SSD tier's threads. Dropping an engine does the same but can only
+    /// log a failure.
+    pub fn close(self) -> Result<(), EngineError> {
+        let r = self.flush();
+        drop(self);
+        r
+    }
+
+    /// Test hook: make the next `writes` SSD writes and `syncs` SSD syncs fail with `EIO`
+    /// (`u64::MAX` for all of them until called again with 0).
+    #[doc(hidden)]
+    pub fn inject_ssd_faults(&self, writes: u64, syncs: u64) {
+        if let Some(ssd) = &self.ssd {
+            ssd.inject_faults(writes, syncs);
+        }
+    }
+
+    fn strict(&self) -> bool {
+        self.config.ssd_durability_mode == SsdDurabilityMode::Strict
+    }
+
+    fn write_back(&self) -> bool {
+        self.config.ssd_write_policy == SsdWritePolicy::WriteBack
     }
 
     /// The configuration this engine was opened with.
@@ -119,10 +191,23 @@ impl Engine {
             add(&self.counters.dedup_skips, 1);
             return Ok(PutOutcome::AlreadyPresent);
         }
+        if let Some(ssd) = &self.ssd {
+            if ssd.contains(key) {
+                add(&self.counters.dedup_skips, 1);
+                return Ok(PutOutcome::AlreadyPresent);
+            }
+            if self.strict() && len > ssd.max_payload() {
+                return Err(EngineError::ObjectTooLarge {
+                    len,
+                    capacity: ssd.max_payload(),
+                });
+            }
+        }
         let mut allocation = self.allocate_evicting(len)?;
         allocation.write(value);
         let object = Arc::new(Object {
             location: Location::Dram(allocation),
+            depth: meta.depth,
         });
 
         let mut shard = self.index.shard(key).write();
@@ -133,14 +218,46 @@ impl Engine {
             add(&self.counters.dedup_skips, 1);
             return Ok(PutOutcome::AlreadyPresent);
         }
+        let copy = (self.ssd.is_some() && !self.write_back()).then(|| Arc::clone(&object));
         shard.insert(Box::from(key), object);
         self.policy.on_insert(key, len, meta.depth);
         add(&self.counters.objects, 1);
         add(&self.counters.bytes_used, len);
         drop(shard);
+        if let (Some(ssd), Some(object)) = (&self.ssd, copy) {
+            let wait = self.strict() || !self.config.ssd_copy_async;
+            let weak = Arc::downgrade(&object);
+            if let Some(ticket) = ssd.submit(key, object, wait) {
+                if let Err(e) = ticket.wait() {
+                    if self.strict() {
+                        // Not durable, so not stored: take it out of DRAM again.
+                        self.unlink_if(key, &weak);
+                        return Err(e.into_engine(len, ssd.max_payload()));
+                    }
+                }
+            }
+        }
         add(&self.counters.puts, 1);
         add(&self.counters.bytes_in, len);
         Ok(PutOutcome::Stored)
+    }
+
+    /// Unlink `key` if the index still holds the object `weak` points to.
+    fn unlink_if(&self, key: &[u8], weak: &std::sync::Weak<Object>) {
+        let removed = {
+            let mut shard = self.index.shard(key).write();
+            let Some(target) = weak.upgrade() else { return };
+            if !shard.get(key).is_some_and(|o| Arc::ptr_eq(o, &target)) {
+                return;
+            }
+            let object = shard.remove(key);
+            self.policy.on_remove(key);
+            sub(&self.counters.objects, 1);
+            sub(&self.counters.bytes_used, target.len());
+            drop(target);
+            object
+        };
+        drop(removed);
     }
 
     /// Allocate `len` bytes, evicting cold unpinned objects until it fits.
@@ -152,6 +269,7 @@ impl Engine {
         let needed_blocks = self.dram.blocks_for(len);
         let window = self.config.eviction_candidate_window;
         let mut skip = 0;
+        let mut waited_for_copies = false;
         let mut candidates = Vec::with_capacity(window);
         loop {
             if let Some(a) = self.dram.try_allocate(len) {
@@ -160,7 +278,20 @@ impl Engine {
             candidates.clear();
             self.policy.candidates(skip, window, &mut candidates);
             if candidates.is_empty() {
+                // Objects waiting for their SSD copy are pinned by the copy queue; once it
+                // drains they can go.
+                if let Some(ssd) = self.ssd.as_ref().filter(|s| s.pending() > 0) {
+                    if !waited_for_copies {
+                        waited_for_copies = true;
+                        ssd.wait_idle();
+                        skip = 0;
+                        continue;
+                    }
+                }
                 return Err(EngineError::NoSpace { needed: len });
+            }
+            if self.write_back() {
+                self.copy_victims_to_ssd(&candidates, needed_blocks);
             }
             let mut evicted_any = false;
             for key in &candidates {
@@ -176,6 +307,37 @@ impl Engine {
             } else {
                 skip + candidates.len()
             };
+        }
+    }
+
+    /// Write-back: copy enough of `candidates` (those not on SSD yet and not pinned) to SSD,
+    /// and wait, so that evicting them loses nothing. A failed copy is counted by the tier;
+    /// the object is evicted anyway.
+    fn copy_victims_to_ssd(&self, candidates: &[Arc<[u8]>], needed_blocks: u64) {
+        let Some(ssd) = &self.ssd else { return };
+        let deficit = needed_blocks.saturating_sub(self.dram.free_blocks());
+        let mut covered = 0;
+        let mut tickets = Vec::new();
+        for key in candidates {
+            if covered >= deficit {
+                break;
+            }
+            let Some(object) = self.index.get(key) else {
+                continue;
+            };
+            // The index and our clone: anything more is a reader, so it cannot go now.
+            if Arc::strong_count(&object) > 2 {
+                continue;
+            }
+            covered += object.dram_blocks();
+            if !ssd.contains(key) && object.len() <= ssd.max_payload() {
+                if let Some(t) = ssd.submit(key, object, true) {
+                    tickets.push(t);
+                }
+            }
+        }
+        for t in tickets {
+            let _ = t.wait();
         }
     }
 
@@ -207,8 +369,7 @@ impl Engine {
     /// `bytes_out`) or a miss; a size mismatch counts only `size_mismatches`.
     pub fn get_into(&self, key: &[u8], dst: &mut [u8]) -> Result<(), EngineError> {
         let Some(object) = self.index.get(key) else {
-            add(&self.counters.misses, 1);
-            return Err(EngineError::NotFound);
+            return self.get_from_ssd(key, dst);
         };
         let stored = object.len();
         if dst.len() as u64 != stored {
@@ -227,10 +388,91 @@ impl Engine {
         Ok(())
     }
 
+    /// DRAM missed: serve from SSD (and promote), or count the miss.
+    fn get_from_ssd(&self, key: &[u8], dst: &mut [u8]) -> Result<(), EngineError> {
+        let Some(ssd) = &self.ssd else {
+            add(&self.counters.misses, 1);
+            return Err(EngineError::NotFound);
+        };
+        match ssd.read_into(key, dst) {
+            SsdRead::Hit { depth } => {
+                add(&self.counters.hits, 1);
+                add(&self.counters.bytes_out, dst.len() as u64);
+                if self.config.auto_promote_on_read {
+                    self.promote(key, dst, depth);
+                }
+                Ok(())
+            }
+            SsdRead::SizeMismatch { stored } => {
+                add(&self.counters.size_mismatches, 1);
+                Err(EngineError::SizeMismatch {
+                    stored,
+                    requested: dst.len() as u64,
+                })
+            }
+            SsdRead::Miss | SsdRead::Failed => {
+                add(&self.counters.misses, 1);
+                Err(EngineError::NotFound)
+            }
+        }
+    }
+
+    /// Copy an object read from SSD back into DRAM (best effort; it is already on SSD, so
+    /// it is not queued for a copy). Returns the DRAM object when it was inserted.
+    fn promote(&self, key: &[u8], data: &[u8], depth: Option<u32>) -> Option<Arc<Object>> {
+        let len = data.len() as u64;
+        if self.index.contains(key) || self.dram.blocks_for(len) > self.dram.total_blocks() {
+            return None;
+        }
+        let mut allocation = self.allocate_evicting(len).ok()?;
+        allocation.write(data);
+        let object = Arc::new(Object {
+            location: Location::Dram(allocation),
+            depth,
+        });
+        let mut shard = self.index.shard(key).write();
+        if shard.contains_key(key) {
+            return None;
+        }
+        shard.insert(Box::from(key), Arc::clone(&object));
+        self.policy.on_insert(key, len, depth);
+        add(&self.counters.objects, 1);
+        add(&self.counters.bytes_used, len);
+        drop(shard);
+        self.promotions
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Some(object)
+    }
+
     /// Pin an object for reading outside the engine (e.g. straight into a client's shared
     /// memory). Counts a hit or a miss and refreshes recency; copies through the pin count
     /// `bytes_out`. While the pin lives the object's memory cannot be evicted.
+    ///
+    /// An object only on SSD is read into DRAM first (promoted with `auto_promote_on_read`,
+    /// else held in a private DRAM allocation that the pin releases).
     pub fn pin(&self, key: &[u8]) -> Option<PinnedObject> {
+        if let (None, Some(ssd)) = (self.index.get(key), &self.ssd) {
+            let len = ssd.len_of(key)?;
+            let mut data = vec![0u8; usize::try_from(len).ok()?];
+            if self.get_from_ssd(key, &mut data).is_err() {
+                return None;
+            }
+            let object = match self.index.get(key) {
+                Some(o) => o,
+                None => {
+                    let mut allocation = self.allocate_evicting(len).ok()?;
+                    allocation.write(&data);
+                    Arc::new(Object {
+                        location: Location::Dram(allocation),
+                        depth: None,
+                    })
+                }
+            };
+            return Some(PinnedObject {
+                object,
+                counters: Arc::clone(&self.counters),
+            });
+        }
         match self.index.get(key) {
             Some(object) => {
                 self.policy.on_access(key);
@@ -249,17 +491,26 @@ impl Engine {
 
     /// Stored length of `key`, without stats or recency side effects.
     pub fn object_len(&self, key: &[u8]) -> Option<u64> {
-        self.index.shard(key).read().get(key).map(|o| o.len())
+        let dram = self.index.shard(key).read().get(key).map(|o| o.len());
+        dram.or_else(|| self.ssd.as_ref().and_then(|s| s.len_of(key)))
     }
 
-    /// Whether `key` is stored; no stats side effects, no recency change.
+    /// Whether `key` is stored (in DRAM or on SSD); no stats side effects, no recency change.
     pub fn contains(&self, key: &[u8]) -> bool {
-        self.index.contains(key)
+        self.index.contains(key) || self.ssd.as_ref().is_some_and(|s| s.contains(key))
     }
 
-    /// Unlink `key`. Returns whether it was present. A reader holding it keeps its memory
-    /// until the read ends. Counts `evictions_removed`.
+    /// Unlink `key` from every tier. Returns whether it was present. A reader holding it
+    /// keeps its memory until the read ends. Counts `evictions_removed` (DRAM) and
+    /// `ssd_removed`. On SSD the record is overwritten with a dead marker (synced in strict
+    /// mode), so a warm restart does not bring it back.
     pub fn remove(&self, key: &[u8]) -> bool {
+        let in_dram = self.remove_dram(key);
+        let on_ssd = self.ssd.as_ref().is_some_and(|s| s.remove(key));
+        in_dram || on_ssd
+    }
+
+    fn remove_dram(&self, key: &[u8]) -> bool {
         let removed = {
             let mut shard = self.index.shard(key).write();
             let Some(object) = shard.remove(key) else {
@@ -275,7 +526,8 @@ impl Engine {
         true
     }
 
-    /// Unlink every object (each counts in `evictions_removed`). Puts running concurrently
+    /// Unlink every object from every tier (each DRAM object counts in `evictions_removed`,
+    /// each SSD object in `ssd_removed`; every SSD segment is marked free on disk). Puts running concurrently
     /// may land after their shard was cleared.
     pub fn clear(&self) {
         for shard in self.index.shards() {
@@ -293,6 +545,9 @@ impl Engine {
             // Objects (and their blocks) are released here, outside the shard lock.
             drop(drained);
         }
+        if let Some(ssd) = &self.ssd {
+            ssd.clear();
+        }
     }
 
     /// Evaluate a v2 existence query against this engine's index (no side effects).
@@ -307,6 +562,10 @@ impl Engine {
         let free = self.dram.free_blocks();
         s.capacity_bytes = self.dram.capacity_bytes();
         s.bytes_allocated = (total - free) * self.dram.block_size();
+        if let Some(ssd) = &self.ssd {
+            ssd.fill_stats(&mut s);
+            s.ssd_promotions = self.promotions.load(std::sync::atomic::Ordering::Relaxed);
+        }
         s
     }
 
@@ -353,5 +612,16 @@ impl Engine {
             ));
         }
         Ok(())
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        if let Some(ssd) = &self.ssd {
+            if let Err(e) = ssd.flush() {
+                tracing::warn!(error = %e, "kvtier: flushing the SSD tier at close failed");
+            }
+            ssd.shutdown();
+        }
     }
 }

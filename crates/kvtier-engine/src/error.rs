@@ -18,4 +18,8 @@ pub enum EngineError {
     InvalidConfig { key: &'static str, reason: String },
     #[error("cannot map the DRAM arena: {0}")]
     ArenaMap(#[source] std::io::Error),
+    #[error("cannot open the SSD tier: {0}")]
+    SsdOpen(#[source] std::io::Error),
+    #[error("SSD write failed (the put was not stored): {0}")]
+    SsdWrite(#[source] std::io::Error),
 }

@@ -8,12 +8,14 @@
 //! - `index` — the sharded key → object map;
 //! - `object` — stored objects and read pins ([`PinnedObject`]);
 //! - [`eviction`] — the [`EvictionPolicy`] trait with [`Lru`] and [`PrefixDepth`];
+//! - `ssd` — the SSD tier: segment log, copy pipeline, warm restart, [`fsck`];
 //! - `engine` — [`Engine`], which ties them together.
 //!
 //! Guarantees: put-if-absent, nothing visible before it is fully written, a read either gets
 //! the exact stored bytes or fails cleanly, and eviction never frees memory under a reader.
 
-// Every `unsafe` block lives in `dram/arena.rs`, the one module allowed to opt out.
+// Every `unsafe` block lives in `dram/arena.rs` and `ssd/aligned.rs`, the two modules allowed
+// to opt out.
 #![deny(unsafe_code)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
@@ -24,12 +26,16 @@ pub mod error;
 pub mod eviction;
 mod index;
 mod object;
+mod ssd;
 pub mod stats;
 
-pub use config::{EngineConfig, EvictionPolicyKind};
+pub use config::{
+    EngineConfig, EvictionPolicyKind, SsdDurabilityMode, SsdIoBackend, SsdWritePolicy,
+};
 pub use dram::{Allocator, Extent};
 pub use engine::{Engine, PutMeta, PutOutcome};
 pub use error::EngineError;
 pub use eviction::{EvictionPolicy, Lru, PrefixDepth};
 pub use object::PinnedObject;
+pub use ssd::{fsck, FsckReport, FsckSegment, RecoveryProgress, RecoveryReport};
 pub use stats::EngineStats;

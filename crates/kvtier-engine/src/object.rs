@@ -22,6 +22,8 @@ pub(crate) enum Location {
 /// One stored object.
 pub(crate) struct Object {
     pub(crate) location: Location,
+    /// Prefix-chain depth given at put time; carried into the SSD record.
+    pub(crate) depth: Option<u32>,
 }
 
 impl Object {

@@ -38,6 +38,56 @@ pub struct EngineStats {
     pub bytes_out: u64,
     /// Reads refused because the destination length differed from the stored length.
     pub size_mismatches: u64,
+
+    // ---- SSD tier (all zero / false when it is off) ----
+    pub ssd_enabled: bool,
+    /// Segment files are opened with `O_DIRECT` (false: buffered fallback, warned once).
+    pub ssd_direct_io: bool,
+    /// The most recent SSD write or sync failed (cleared by the next successful one).
+    pub ssd_degraded: bool,
+    /// Objects indexed on SSD (some may also be in DRAM).
+    pub ssd_objects: u64,
+    /// Logical bytes of the objects on SSD.
+    pub ssd_bytes_used: u64,
+    /// Record bytes (header, key, payload, 4 KiB padding) of the objects on SSD.
+    pub ssd_bytes_allocated: u64,
+    pub ssd_capacity_bytes: u64,
+    pub ssd_segments_total: u64,
+    /// Segments holding records (active or sealed).
+    pub ssd_segments_in_use: u64,
+    /// Gets served from SSD (DRAM misses that hit SSD; also counted in `hits`).
+    pub ssd_hits: u64,
+    pub ssd_read_bytes: u64,
+    /// Records written to SSD.
+    pub ssd_writes: u64,
+    pub ssd_write_bytes: u64,
+    /// Write batches (one or more records per write call).
+    pub ssd_write_batches: u64,
+    /// `fdatasync` calls.
+    pub ssd_syncs: u64,
+    /// SSD reads whose record failed verification (served as a miss).
+    pub ssd_checksum_failures: u64,
+    pub ssd_read_errors: u64,
+    pub ssd_write_errors: u64,
+    /// Segment files that could not be created for lack of space.
+    pub ssd_enospc_errors: u64,
+    /// Copies to SSD that were not made (write error, no space, too large in relaxed mode).
+    pub ssd_copies_dropped: u64,
+    /// Copies queued or being written right now.
+    pub ssd_copy_queue_depth: u64,
+    /// Puts that waited for room in the copy queue.
+    pub ssd_queue_full_waits: u64,
+    /// Objects copied back into DRAM by reads.
+    pub ssd_promotions: u64,
+    /// Objects removed from SSD by `remove` / `clear`.
+    pub ssd_removed: u64,
+    pub ssd_evicted_segments: u64,
+    pub ssd_evicted_objects: u64,
+    /// What the last open recovered, and what it dropped.
+    pub ssd_recovered_objects: u64,
+    pub ssd_recovery_torn: u64,
+    pub ssd_recovery_corrupt: u64,
+    pub ssd_recovery_stale: u64,
 }
 
 /// The live counters; shared by the engine and its pinned objects.
@@ -88,6 +138,7 @@ impl Counters {
             bytes_in: g(&self.bytes_in),
             bytes_out: g(&self.bytes_out),
             size_mismatches: g(&self.size_mismatches),
+            ..EngineStats::default()
         }
     }
 }

@@ -14,6 +14,7 @@ pub fn engine(blocks: usize, policy: EvictionPolicyKind, window: usize) -> Engin
         eviction_candidate_window: window,
         index_shards: 4,
         prefault: true,
+        ..EngineConfig::default()
     })
     .expect("open engine")
 }
@@ -48,4 +49,45 @@ impl Rng {
     pub fn below(&mut self, n: u64) -> u64 {
         self.next() % n
     }
+}
+
+/// An engine of `dram_blocks` 4 KiB DRAM blocks with the SSD tier on in `dir`
+/// (1 MiB segments, `segments` of them), adjusted by `tweak`.
+pub fn ssd_config(
+    dir: &std::path::Path,
+    dram_blocks: usize,
+    segments: u64,
+    tweak: impl FnOnce(&mut EngineConfig),
+) -> EngineConfig {
+    let mut c = EngineConfig {
+        dram_capacity_bytes: (dram_blocks * BS) as u64,
+        dram_block_size: BS as u32,
+        eviction_candidate_window: 16,
+        index_shards: 4,
+        ssd_enabled: true,
+        ssd_storage_dir: dir.to_path_buf(),
+        ssd_segment_size_bytes: 1 << 20,
+        ssd_capacity_bytes: segments << 20,
+        ..EngineConfig::default()
+    };
+    tweak(&mut c);
+    c
+}
+
+/// Length of the value of key number `k` (0 ..= ~40 KiB, odd sizes).
+pub fn len_for(k: u64) -> usize {
+    match k % 4 {
+        0 => (k as usize * 37) % 300,
+        1 => BS - 1 + (k as usize % 3),
+        2 => 20_000 + (k as usize * 7919) % 20_000,
+        _ => (k as usize * 7919) % (3 * BS) + 1,
+    }
+}
+
+/// Read `key` back; `None` on a miss.
+pub fn read(e: &Engine, key: &[u8]) -> Option<Vec<u8>> {
+    let len = e.object_len(key)? as usize;
+    let mut out = vec![0u8; len];
+    e.get_into(key, &mut out).ok()?;
+    Some(out)
 }

@@ -1,0 +1,247 @@
+//! The posix I/O layer: segment files opened with `O_DIRECT` when the filesystem allows it,
+//! positioned reads and writes, `fdatasync`, pre-allocation, and the fault-injection hook.
+//!
+//! Owns: [`SegFile`] and [`Faults`]. Every byte the SSD tier moves goes through here, so an
+//! injected fault behaves exactly like a failing disk to the layers above.
+//!
+//! With `O_DIRECT` every offset, length and memory address must be 4 KiB aligned: callers pass
+//! [`super::aligned::AlignedBuf`] slices and block-aligned offsets only (the segment log's
+//! records are 4 KiB aligned by construction).
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, IoSliceMut};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+
+use super::aligned::{AlignedBuf, ALIGN};
+
+/// Injected faults (tests): each counter is the number of upcoming operations of that kind
+/// that fail with `EIO` (`u64::MAX` = all of them until reset).
+#[derive(Debug, Default)]
+pub(crate) struct Faults {
+    pub write_errors: AtomicU64,
+    pub sync_errors: AtomicU64,
+}
+
+impl Faults {
+    fn take(counter: &AtomicU64) -> bool {
+        counter
+            .fetch_update(Relaxed, Relaxed, |n| match n {
+                0 => None,
+                u64::MAX => Some(u64::MAX),
+                n => Some(n - 1),
+            })
+            .is_ok()
+    }
+}
+
+fn injected() -> io::Error {
+    io::Error::from_raw_os_error(rustix::io::Errno::IO.raw_os_error())
+}
+
+/// Whether `dir` accepts `O_DIRECT` with 4 KiB aligned I/O (probed with a scratch file).
+pub(crate) fn probe_direct(dir: &Path) -> bool {
+    let path = dir.join(".kvtier-direct-probe");
+    let result = (|| -> io::Result<()> {
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .custom_flags(libc_o_direct())
+            .open(&path)?;
+        let mut buf = AlignedBuf::zeroed(ALIGN);
+        buf.as_mut_slice()[0] = 0x5A;
+        f.write_all_at(buf.as_slice(), 0)?;
+        buf.as_mut_slice()[0] = 0;
+        f.read_exact_at(buf.as_mut_slice(), 0)?;
+        if buf.as_slice()[0] != 0x5A {
+            return Err(io::Error::other("probe read back wrong data"));
+        }
+        Ok(())
+    })();
+    let _ = std::fs::remove_file(&path);
+    result.is_ok()
+}
+
+fn libc_o_direct() -> i32 {
+    rustix::fs::OFlags::DIRECT.bits() as i32
+}
+
+/// One open segment file.
+pub(crate) struct SegFile {
+    file: File,
+    faults: Arc<Faults>,
+}
+
+impl SegFile {
+    /// Open (creating if `create`) a segment file, with `O_DIRECT` if `direct`.
+    pub(crate) fn open(
+        path: &Path,
+        create: bool,
+        direct: bool,
+        faults: Arc<Faults>,
+    ) -> io::Result<SegFile> {
+        let mut o = OpenOptions::new();
+        o.read(true).write(true).create(create);
+        if direct {
+            o.custom_flags(libc_o_direct());
+        }
+        Ok(SegFile {
+            file: o.open(path)?,
+            faults,
+        })
+    }
+
+    /// Open read-only (fsck, `O_DIRECT` if `direct`).
+    pub(crate) fn open_read_only(path: &Path, direct: bool) -> io::Result<SegFile> {
+        let mut o = OpenOptions::new();
+        o.read(true);
+        if direct {
+            o.custom_flags(libc_o_direct());
+        }
+        Ok(SegFile {
+            file: o.open(path)?,
+            faults: Arc::default(),
+        })
+    }
+
+    pub(crate) fn len(&self) -> io::Result<u64> {
+        Ok(self.file.metadata()?.len())
+    }
+
+    /// Make the file exactly `size` bytes with its blocks allocated (`fallocate`, or a plain
+    /// length change where the filesystem cannot pre-allocate).
+    pub(crate) fn preallocate(&self, size: u64) -> io::Result<()> {
+        if self.len()? > size {
+            self.file.set_len(size)?;
+        }
+        match rustix::fs::fallocate(&self.file, rustix::fs::FallocateFlags::empty(), 0, size) {
+            Ok(()) => Ok(()),
+            Err(e) if e == rustix::io::Errno::NOSPC => Err(e.into()),
+            Err(_) => self.file.set_len(size),
+        }
+    }
+
+    /// Read into `buf` at `offset` until it is full or end of file; returns bytes read.
+    pub(crate) fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        let mut done = 0;
+        while done < buf.len() {
+            match self.file.read_at(&mut buf[done..], offset + done as u64) {
+                Ok(0) => break,
+                Ok(n) => done += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(done)
+    }
+
+    /// Vectored read of exactly the total length of `bufs` at `offset`.
+    pub(crate) fn read_vectored_exact(
+        &self,
+        bufs: &mut [IoSliceMut<'_>],
+        offset: u64,
+    ) -> io::Result<()> {
+        let want: usize = bufs.iter().map(|b| b.len()).sum();
+        let got = rustix::io::preadv(&self.file, bufs, offset)?;
+        if got != want {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("short read: {got} of {want} bytes"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Write all of `buf` at `offset` (subject to injected faults).
+    pub(crate) fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        if Faults::take(&self.faults.write_errors) {
+            return Err(injected());
+        }
+        self.file.write_all_at(buf, offset)
+    }
+
+    /// `fdatasync` (subject to injected faults).
+    pub(crate) fn sync(&self) -> io::Result<()> {
+        if Faults::take(&self.faults.sync_errors) {
+            return Err(injected());
+        }
+        rustix::fs::fdatasync(&self.file)?;
+        Ok(())
+    }
+}
+
+/// `fsync` a directory so that entries created or removed in it are durable.
+pub(crate) fn sync_dir(dir: &Path) -> io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+/// Take an exclusive advisory lock on `dir/LOCK` (held while the returned file lives).
+pub(crate) fn lock_dir(dir: &Path) -> io::Result<File> {
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(dir.join("LOCK"))?;
+    rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockExclusive).map_err(|e| {
+        if e == rustix::io::Errno::WOULDBLOCK {
+            io::Error::new(
+                io::ErrorKind::WouldBlock,
+                format!("{} is in use by another kvtier engine", dir.display()),
+            )
+        } else {
+            e.into()
+        }
+    })?;
+    Ok(f)
+}
+
+/// Path of segment `id` in `dir`.
+pub(crate) fn segment_path(dir: &Path, id: u32) -> PathBuf {
+    dir.join(format!("seg-{id:06}.kvt"))
+}
+
+/// Segment ids present in `dir`, ascending.
+pub(crate) fn list_segments(dir: &Path) -> io::Result<Vec<u32>> {
+    let mut ids = Vec::new();
+    for entry in std::fs::read_dir(dir)? {
+        let name = entry?.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if let Some(id) = name
+            .strip_prefix("seg-")
+            .and_then(|s| s.strip_suffix(".kvt"))
+            .and_then(|s| s.parse::<u32>().ok())
+        {
+            ids.push(id);
+        }
+    }
+    ids.sort_unstable();
+    Ok(ids)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn injected_faults_fail_then_clear() {
+        let dir = tempfile::tempdir().unwrap();
+        let faults = Arc::new(Faults::default());
+        let direct = probe_direct(dir.path());
+        let f = SegFile::open(&dir.path().join("x"), true, direct, Arc::clone(&faults)).unwrap();
+        f.preallocate(64 << 10).unwrap();
+        assert_eq!(f.len().unwrap(), 64 << 10);
+        let buf = AlignedBuf::zeroed(ALIGN);
+        faults.write_errors.store(2, Relaxed);
+        assert!(f.write_at(buf.as_slice(), 0).is_err());
+        assert!(f.write_at(buf.as_slice(), 0).is_err());
+        f.write_at(buf.as_slice(), 0).unwrap();
+        faults.sync_errors.store(1, Relaxed);
+        assert!(f.sync().is_err());
+        f.sync().unwrap();
+    }
+}
