@@ -70,6 +70,15 @@ impl BatchResult {
         }
     }
 
+    /// Append another result's items and errors (for batches split across threads).
+    pub fn absorb(&mut self, other: BatchResult) {
+        self.ok.extend(other.ok);
+        self.suppressed_errors += other.suppressed_errors;
+        for e in other.errors {
+            self.note_error(e);
+        }
+    }
+
     pub fn succeeded(&self) -> usize {
         self.ok.iter().filter(|&&b| b).count()
     }

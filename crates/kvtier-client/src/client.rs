@@ -5,6 +5,7 @@
 //! call from many threads at once and never panics on caller input: a bad buffer, a size
 //! mismatch or a full store is a `false` for that item plus a reason in the result.
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use kvtier_engine::{Engine, EngineError, EngineStats, PutMeta, PutOutcome};
@@ -30,8 +31,13 @@ pub struct ClientStats {
     pub registered_bytes: u64,
 }
 
+/// A batch is split across copy threads only when each thread gets at least this many bytes:
+/// below it, starting a thread costs more than it saves.
+pub const PARALLEL_COPY_MIN_BYTES_PER_THREAD: usize = 8 << 20;
+
 pub struct Client {
     config: KvtierConfig,
+    copy_threads: usize,
     engine: Engine,
     regions: RegionRegistry,
     closed: AtomicBool,
@@ -43,8 +49,10 @@ impl Client {
     /// Open the store the configuration describes (embedded mode).
     pub fn open(config: KvtierConfig) -> Result<Client, ClientError> {
         let engine = Engine::open(config.engine_config())?;
+        let copy_threads = usize::try_from(config.copy_threads).unwrap_or(1).max(1);
         Ok(Client {
             config,
+            copy_threads,
             engine,
             regions: RegionRegistry::new(),
             closed: AtomicBool::new(false),
@@ -147,8 +155,9 @@ impl Client {
 
     /// Put every component of every page; `ok[i]` is true when page `i` is fully stored
     /// (newly or already). Components this call stored for a page that then failed are removed
-    /// again, so a failed page leaves nothing behind.
-    pub fn put_pages<K: AsRef<[u8]>, S: AsRef<[u8]>>(
+    /// again, so a failed page leaves nothing behind. Large batches are copied by several
+    /// threads (`copy_threads`), each taking a contiguous run of pages.
+    pub fn put_pages<K: AsRef<[u8]> + Sync, S: AsRef<[u8]> + Sync>(
         &self,
         batch: &PageBatch<'_, K, S>,
         buffers: &[MemRef],
@@ -161,16 +170,29 @@ impl Client {
         if let Err(reason) = self.check_page_shape(batch, buffers, depths) {
             return self.reject_batch(pages, reason);
         }
+        self.split_pages(batch, buffers, |range| {
+            self.put_page_range(batch, buffers, depths, range)
+        })
+    }
+
+    fn put_page_range<K: AsRef<[u8]>, S: AsRef<[u8]>>(
+        &self,
+        batch: &PageBatch<'_, K, S>,
+        buffers: &[MemRef],
+        depths: Option<&[u32]>,
+        range: Range<usize>,
+    ) -> BatchResult {
         let comps = batch.components();
-        let mut result = BatchResult::with_capacity(pages);
+        let mut result = BatchResult::with_capacity(range.len());
         let mut key = Vec::new();
         let mut stored_now: Vec<Vec<u8>> = Vec::new();
-        for (i, page_key) in batch.page_keys.iter().enumerate() {
+        for i in range {
+            let page_key = batch.page_keys[i].as_ref();
             let depth = depths.map(|d| d[i]);
             stored_now.clear();
             let mut page_ok = true;
             for (j, suffix) in batch.suffixes.iter().enumerate() {
-                compose_key(batch.prefix, page_key.as_ref(), suffix.as_ref(), &mut key);
+                compose_key(batch.prefix, page_key, suffix.as_ref(), &mut key);
                 match self.put_one(&key, buffers[i * comps + j], depth) {
                     Ok(PutOutcome::Stored) => stored_now.push(key.clone()),
                     Ok(PutOutcome::AlreadyPresent) => {}
@@ -193,7 +215,7 @@ impl Client {
 
     /// Get every component of every page into caller memory; `ok[i]` is true when all of page
     /// `i` was copied. A page stops at its first failing component.
-    pub fn get_pages<K: AsRef<[u8]>, S: AsRef<[u8]>>(
+    pub fn get_pages<K: AsRef<[u8]> + Sync, S: AsRef<[u8]> + Sync>(
         &self,
         batch: &PageBatch<'_, K, S>,
         buffers: &[MemRef],
@@ -205,13 +227,25 @@ impl Client {
         if let Err(reason) = self.check_page_shape(batch, buffers, None) {
             return self.reject_batch(pages, reason);
         }
+        self.split_pages(batch, buffers, |range| {
+            self.get_page_range(batch, buffers, range)
+        })
+    }
+
+    fn get_page_range<K: AsRef<[u8]>, S: AsRef<[u8]>>(
+        &self,
+        batch: &PageBatch<'_, K, S>,
+        buffers: &[MemRef],
+        range: Range<usize>,
+    ) -> BatchResult {
         let comps = batch.components();
-        let mut result = BatchResult::with_capacity(pages);
+        let mut result = BatchResult::with_capacity(range.len());
         let mut key = Vec::new();
-        for (i, page_key) in batch.page_keys.iter().enumerate() {
+        for i in range {
+            let page_key = batch.page_keys[i].as_ref();
             let mut page_ok = true;
             for (j, suffix) in batch.suffixes.iter().enumerate() {
-                compose_key(batch.prefix, page_key.as_ref(), suffix.as_ref(), &mut key);
+                compose_key(batch.prefix, page_key, suffix.as_ref(), &mut key);
                 if let Err(err) = self.get_one(&key, buffers[i * comps + j]) {
                     // A miss is the normal answer for a cold page; only real problems are noted.
                     if !matches!(err, ClientError::Engine(EngineError::NotFound)) {
@@ -226,8 +260,53 @@ impl Client {
         result
     }
 
+    /// Run `work` over the batch's pages: inline for small batches, else over contiguous page
+    /// ranges on up to `copy_threads` threads (this one included). Results keep page order.
+    fn split_pages<K: AsRef<[u8]>, S: AsRef<[u8]>>(
+        &self,
+        batch: &PageBatch<'_, K, S>,
+        buffers: &[MemRef],
+        work: impl Fn(Range<usize>) -> BatchResult + Sync,
+    ) -> BatchResult {
+        let pages = batch.pages();
+        let bytes: usize = buffers.iter().map(|b| b.len).sum();
+        let by_bytes = bytes / PARALLEL_COPY_MIN_BYTES_PER_THREAD;
+        let threads = self.copy_threads.min(pages).min(by_bytes.max(1));
+        if threads <= 1 {
+            return work(0..pages);
+        }
+        let chunk = pages.div_ceil(threads);
+        let ranges: Vec<Range<usize>> = (0..pages)
+            .step_by(chunk)
+            .map(|start| start..(start + chunk).min(pages))
+            .collect();
+        let parts: Vec<BatchResult> = std::thread::scope(|scope| {
+            let work = &work;
+            let handles: Vec<_> = ranges[1..]
+                .iter()
+                .map(|r| {
+                    let r = r.clone();
+                    scope.spawn(move || work(r))
+                })
+                .collect();
+            let mut parts = vec![work(ranges[0].clone())];
+            for (handle, range) in handles.into_iter().zip(&ranges[1..]) {
+                // A panic in a copy thread is a bug; report those pages as failed, not a crash.
+                parts.push(handle.join().unwrap_or_else(|_| {
+                    BatchResult::all_failed(range.len(), "internal error: copy thread panicked")
+                }));
+            }
+            parts
+        });
+        let mut merged = BatchResult::with_capacity(pages);
+        for part in parts {
+            merged.absorb(part);
+        }
+        merged
+    }
+
     /// Put whole keys from caller memory, one buffer per key.
-    pub fn put_keys<K: AsRef<[u8]>>(
+    pub fn put_keys<K: AsRef<[u8]> + Sync>(
         &self,
         keys: &[K],
         buffers: &[MemRef],
@@ -242,7 +321,7 @@ impl Client {
     }
 
     /// Get whole keys into caller memory, one buffer per key.
-    pub fn get_keys<K: AsRef<[u8]>>(&self, keys: &[K], buffers: &[MemRef]) -> BatchResult {
+    pub fn get_keys<K: AsRef<[u8]> + Sync>(&self, keys: &[K], buffers: &[MemRef]) -> BatchResult {
         let batch = PageBatch {
             prefix: &[],
             page_keys: keys,

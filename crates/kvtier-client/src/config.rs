@@ -38,6 +38,10 @@ pub struct KvtierConfig {
     /// How many of the coldest objects the eviction policy chooses among.
     #[serde(deserialize_with = "strict::count")]
     pub eviction_candidate_window: u64,
+    /// Threads that copy one large batch (each gets a contiguous run of pages and at least
+    /// 8 MiB); 1 copies on the calling thread only.
+    #[serde(deserialize_with = "strict::count")]
+    pub copy_threads: u64,
     /// Namespace (tenant) prefixed to every key this client writes or reads.
     #[serde(deserialize_with = "strict::optional_string")]
     pub extra_backend_tag: Option<String>,
@@ -52,8 +56,20 @@ impl Default for KvtierConfig {
             dram_prefault: engine.prefault,
             eviction_policy: engine.eviction_policy,
             eviction_candidate_window: engine.eviction_candidate_window as u64,
+            copy_threads: default_copy_threads(),
             extra_backend_tag: None,
         }
+    }
+}
+
+/// Two copy threads where the machine has the cores: one memcpy stream rarely saturates
+/// memory bandwidth, and SGLang's own threads need the rest.
+fn default_copy_threads() -> u64 {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if cores >= 2 {
+        2
+    } else {
+        1
     }
 }
 
@@ -231,6 +247,13 @@ impl KvtierConfig {
                 "eviction_candidate_window",
                 &origin("eviction_candidate_window"),
                 "must be at least 1",
+            ));
+        }
+        if !(1..=64).contains(&self.copy_threads) {
+            return Err(ConfigError::new(
+                "copy_threads",
+                &origin("copy_threads"),
+                format!("{} must be from 1 to 64", self.copy_threads),
             ));
         }
         if let Some(tag) = &self.extra_backend_tag {
