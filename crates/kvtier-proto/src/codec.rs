@@ -131,7 +131,7 @@ pub fn put_bool(out: &mut Vec<u8>, value: bool) {
     out.push(u8::from(value));
 }
 
-fn check_limit(what: &'static str, value: u64, limit: u64) -> Result<(), ProtoError> {
+pub(crate) fn check_limit(what: &'static str, value: u64, limit: u64) -> Result<(), ProtoError> {
     if value > limit {
         return Err(ProtoError::LimitExceeded { what, value, limit });
     }
@@ -305,7 +305,7 @@ impl<'a> Reader<'a> {
 // ---------------------------------------------------------------------------------------------
 // Shared list helpers.
 
-fn put_key_list(
+pub(crate) fn put_key_list(
     out: &mut Vec<u8>,
     count_what: &'static str,
     item_what: &'static str,
@@ -317,7 +317,7 @@ fn put_key_list(
     put_key_items(out, item_what, keys, key_limit)
 }
 
-fn put_key_items(
+pub(crate) fn put_key_items(
     out: &mut Vec<u8>,
     what: &'static str,
     keys: &[Vec<u8>],
@@ -327,7 +327,7 @@ fn put_key_items(
         .try_for_each(|key| put_bytes(out, what, key, limit))
 }
 
-fn read_key_items(
+pub(crate) fn read_key_items(
     reader: &mut Reader<'_>,
     what: &'static str,
     count: usize,
@@ -340,7 +340,7 @@ fn read_key_items(
     Ok(keys)
 }
 
-fn read_key_list(
+pub(crate) fn read_key_list(
     reader: &mut Reader<'_>,
     count_what: &'static str,
     item_what: &'static str,

@@ -9,6 +9,7 @@
 //! - [`messages`]: the other request/reply bodies (batches, handshake, error reply).
 //! - [`codec`]: the binary encoding of every body ([`Encode`] / [`Decode`]).
 //! - [`frame`]: length-prefixed frames over any `Read` / `Write`.
+//! - [`server`]: the local-server bodies (sessions, shm regions, page batches, stats).
 //! - [`opcode`]: what a frame asks for.
 //! - [`limits`]: the limits every encoder and decoder enforces.
 //! - [`error`]: [`ProtoError`], the one error type.
@@ -25,6 +26,7 @@ pub mod limits;
 pub mod messages;
 pub mod opcode;
 pub mod query;
+pub mod server;
 
 pub use codec::{Decode, Encode, Reader};
 pub use error::ProtoError;

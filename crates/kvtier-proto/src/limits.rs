@@ -34,3 +34,6 @@ pub const MAX_NAME_LEN: usize = 256;
 /// Longest error message, in bytes (in [`crate::ErrorReply`] and each [`crate::BatchResult`]
 /// error).
 pub const MAX_MESSAGE_LEN: usize = 4 << 10;
+
+/// Longest text reply ([`crate::server::TextReply`], e.g. the JSON of `Stats`), in bytes.
+pub const MAX_TEXT_LEN: usize = 4 << 20;

@@ -29,11 +29,34 @@ pub enum Opcode {
     BatchPut = 6,
     /// Request: [`crate::KeyBatch`]. Response: [`crate::BatchResult`].
     BatchDelete = 7,
+    /// Request: [`crate::server::OpenSession`]. Response: [`crate::server::SessionTicket`].
+    /// Opens a session (tenant, regions, accounting) or attaches this connection to one.
+    OpenSession = 8,
+    /// Request: [`crate::server::RegisterRegion`] with one memfd as `SCM_RIGHTS` ancillary
+    /// data. Response: [`crate::server::RegionGrant`].
+    RegisterRegion = 9,
+    /// Request: [`crate::server::RegionGrant`]. Response: empty body.
+    UnregisterRegion = 10,
+    /// Request: [`crate::server::PageIo`]. Response: [`crate::BatchResult`], one `ok` per page.
+    PutPages = 11,
+    /// Request: [`crate::server::PageIo`]. Response: [`crate::BatchResult`], one `ok` per page.
+    GetPages = 12,
+    /// Request: [`crate::server::PageKeys`]. Response: [`crate::server::Count`], the leading
+    /// pages whose every component exists.
+    ExistsPagesPrefix = 13,
+    /// Request: [`crate::KeyBatch`]. Response: [`crate::server::ObjectLens`].
+    ObjectLen = 14,
+    /// Request: empty. Response: [`crate::server::TextReply`] holding a JSON document.
+    Stats = 15,
+    /// Request and response: empty body. Drops this session's tenant's objects.
+    Clear = 16,
+    /// Request and response: empty body. Makes acknowledged puts as durable as configured.
+    Flush = 17,
 }
 
 impl Opcode {
     /// Every opcode, in wire-value order.
-    pub const ALL: [Opcode; 7] = [
+    pub const ALL: [Opcode; 17] = [
         Opcode::Handshake,
         Opcode::Ping,
         Opcode::ExistsV2,
@@ -41,6 +64,16 @@ impl Opcode {
         Opcode::BatchGet,
         Opcode::BatchPut,
         Opcode::BatchDelete,
+        Opcode::OpenSession,
+        Opcode::RegisterRegion,
+        Opcode::UnregisterRegion,
+        Opcode::PutPages,
+        Opcode::GetPages,
+        Opcode::ExistsPagesPrefix,
+        Opcode::ObjectLen,
+        Opcode::Stats,
+        Opcode::Clear,
+        Opcode::Flush,
     ];
 
     /// The wire value.
@@ -67,6 +100,16 @@ impl TryFrom<u16> for Opcode {
             5 => Opcode::BatchGet,
             6 => Opcode::BatchPut,
             7 => Opcode::BatchDelete,
+            8 => Opcode::OpenSession,
+            9 => Opcode::RegisterRegion,
+            10 => Opcode::UnregisterRegion,
+            11 => Opcode::PutPages,
+            12 => Opcode::GetPages,
+            13 => Opcode::ExistsPagesPrefix,
+            14 => Opcode::ObjectLen,
+            15 => Opcode::Stats,
+            16 => Opcode::Clear,
+            17 => Opcode::Flush,
             other => return Err(ProtoError::UnknownOpcode(other)),
         })
     }
@@ -93,7 +136,7 @@ mod tests {
 
     #[test]
     fn unknown_values_are_rejected_by_name() {
-        for value in [0, 8, 0x0100, u16::MAX] {
+        for value in [0, 18, 0x0100, u16::MAX] {
             let err = Opcode::try_from(value).unwrap_err();
             assert!(matches!(err, ProtoError::UnknownOpcode(v) if v == value));
             assert!(err.to_string().contains(&value.to_string()));
