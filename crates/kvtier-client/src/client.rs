@@ -1,7 +1,8 @@
 //! [`Client`]: the store as every front end sees it.
 //!
-//! It owns the mode's store (embedded: a [`kvtier_engine::Engine`] in this process), the
-//! registry of caller memory, and the key composition of page batches. Every method is safe to
+//! It owns the mode's store (embedded: a [`kvtier_engine::Engine`] in this process; server
+//! mode: a [`RemoteStore`] session with a local `kvtier serve`), the registry of caller memory,
+//! and the key composition of page batches. Every method is safe to
 //! call from many threads at once and never panics on caller input: a bad buffer, a size
 //! mismatch or a full store is a `false` for that item plus a reason in the result.
 
@@ -17,6 +18,7 @@ use crate::batch::{BatchResult, MemRef, PageBatch};
 use crate::config::KvtierConfig;
 use crate::error::ClientError;
 use crate::memory::{RegionId, RegionInfo, RegionRegistry};
+use crate::remote::RemoteStore;
 
 /// Counters the client keeps on top of the engine's.
 #[derive(Clone, Debug, Default, Serialize)]
@@ -35,10 +37,17 @@ pub struct ClientStats {
 /// below it, starting a thread costs more than it saves.
 pub const PARALLEL_COPY_MIN_BYTES_PER_THREAD: usize = 8 << 20;
 
+/// Where the objects live.
+#[derive(Debug)]
+enum Backend {
+    Embedded(Engine),
+    Server(RemoteStore),
+}
+
 pub struct Client {
     config: KvtierConfig,
     copy_threads: usize,
-    engine: Engine,
+    backend: Backend,
     regions: RegionRegistry,
     closed: AtomicBool,
     rejected_buffers: AtomicU64,
@@ -46,14 +55,19 @@ pub struct Client {
 }
 
 impl Client {
-    /// Open the store the configuration describes (embedded mode).
+    /// Open the store the configuration describes: embedded, or server mode when
+    /// `server_socket` is set (connects right away, so a wrong socket fails here).
     pub fn open(config: KvtierConfig) -> Result<Client, ClientError> {
-        let engine = Engine::open(config.engine_config())?;
+        let backend = if config.server_socket.is_some() {
+            Backend::Server(RemoteStore::connect(&config)?)
+        } else {
+            Backend::Embedded(Engine::open(config.engine_config())?)
+        };
         let copy_threads = usize::try_from(config.copy_threads).unwrap_or(1).max(1);
         Ok(Client {
             config,
             copy_threads,
-            engine,
+            backend,
             regions: RegionRegistry::new(),
             closed: AtomicBool::new(false),
             rejected_buffers: AtomicU64::new(0),
@@ -80,8 +94,53 @@ impl Client {
         unsafe { self.regions.register(ptr, len, label) }
     }
 
+    /// Register caller memory that is `[fd_offset, fd_offset+len)` of the memfd `fd`. Server
+    /// mode passes the memfd to the server, which then copies pages straight between its tiers
+    /// and this memory (zero copy); embedded mode just registers the range.
+    ///
+    /// # Safety
+    /// As [`register_region`](Self::register_region); and the memfd range must be exactly the
+    /// memory mapped at `ptr`.
+    pub unsafe fn register_memfd(
+        &self,
+        ptr: usize,
+        len: usize,
+        fd: std::os::fd::BorrowedFd<'_>,
+        fd_offset: u64,
+        label: &str,
+    ) -> Result<RegionId, ClientError> {
+        // SAFETY: forwarded contract, see the function docs.
+        let id = unsafe { self.regions.register(ptr, len, label) }?;
+        if let Backend::Server(remote) = &self.backend {
+            if let Err(e) = remote.register_memfd(id, ptr, len, fd, fd_offset, label) {
+                self.regions.unregister(id);
+                return Err(e);
+            }
+        }
+        Ok(id)
+    }
+
     pub fn unregister_region(&self, id: RegionId) -> bool {
+        if let Backend::Server(remote) = &self.backend {
+            remote.unregister(id);
+        }
         self.regions.unregister(id)
+    }
+
+    /// `"embedded"` or `"server"`.
+    pub fn mode(&self) -> &'static str {
+        match self.backend {
+            Backend::Embedded(_) => "embedded",
+            Backend::Server(_) => "server",
+        }
+    }
+
+    /// Regions the server maps directly (server mode; 0 in embedded mode).
+    pub fn zero_copy_regions(&self) -> usize {
+        match &self.backend {
+            Backend::Embedded(_) => 0,
+            Backend::Server(remote) => remote.zero_copy_regions(),
+        }
     }
 
     pub fn regions(&self) -> Vec<RegionInfo> {
@@ -136,20 +195,26 @@ impl Client {
 
     /// Store one object from caller memory (put-if-absent).
     fn put_one(
-        &self,
+        engine: &Engine,
+        regions: &RegionRegistry,
         key: &[u8],
         buf: MemRef,
         depth: Option<u32>,
     ) -> Result<PutOutcome, ClientError> {
         let meta = PutMeta { depth };
-        self.regions
-            .with_source(buf.ptr, buf.len, |src| self.engine.put(key, src, meta))?
+        regions
+            .with_source(buf.ptr, buf.len, |src| engine.put(key, src, meta))?
             .map_err(Into::into)
     }
 
-    fn get_one(&self, key: &[u8], buf: MemRef) -> Result<(), ClientError> {
-        self.regions
-            .with_destination(buf.ptr, buf.len, |dst| self.engine.get_into(key, dst))?
+    fn get_one(
+        engine: &Engine,
+        regions: &RegionRegistry,
+        key: &[u8],
+        buf: MemRef,
+    ) -> Result<(), ClientError> {
+        regions
+            .with_destination(buf.ptr, buf.len, |dst| engine.get_into(key, dst))?
             .map_err(Into::into)
     }
 
@@ -170,13 +235,28 @@ impl Client {
         if let Err(reason) = self.check_page_shape(batch, buffers, depths) {
             return self.reject_batch(pages, reason);
         }
+        let engine = match &self.backend {
+            Backend::Embedded(engine) => engine,
+            Backend::Server(remote) => {
+                return remote.page_io(
+                    &self.regions,
+                    true,
+                    batch.prefix,
+                    batch.page_keys,
+                    batch.suffixes,
+                    buffers,
+                    depths,
+                )
+            }
+        };
         self.split_pages(batch, buffers, |range| {
-            self.put_page_range(batch, buffers, depths, range)
+            self.put_page_range(engine, batch, buffers, depths, range)
         })
     }
 
     fn put_page_range<K: AsRef<[u8]>, S: AsRef<[u8]>>(
         &self,
+        engine: &Engine,
         batch: &PageBatch<'_, K, S>,
         buffers: &[MemRef],
         depths: Option<&[u32]>,
@@ -193,7 +273,7 @@ impl Client {
             let mut page_ok = true;
             for (j, suffix) in batch.suffixes.iter().enumerate() {
                 compose_key(batch.prefix, page_key, suffix.as_ref(), &mut key);
-                match self.put_one(&key, buffers[i * comps + j], depth) {
+                match Self::put_one(engine, &self.regions, &key, buffers[i * comps + j], depth) {
                     Ok(PutOutcome::Stored) => stored_now.push(key.clone()),
                     Ok(PutOutcome::AlreadyPresent) => {}
                     Err(err) => {
@@ -205,7 +285,7 @@ impl Client {
             }
             if !page_ok {
                 for k in &stored_now {
-                    self.engine.remove(k);
+                    engine.remove(k);
                 }
             }
             result.ok.push(page_ok);
@@ -227,13 +307,28 @@ impl Client {
         if let Err(reason) = self.check_page_shape(batch, buffers, None) {
             return self.reject_batch(pages, reason);
         }
+        let engine = match &self.backend {
+            Backend::Embedded(engine) => engine,
+            Backend::Server(remote) => {
+                return remote.page_io(
+                    &self.regions,
+                    false,
+                    batch.prefix,
+                    batch.page_keys,
+                    batch.suffixes,
+                    buffers,
+                    None,
+                )
+            }
+        };
         self.split_pages(batch, buffers, |range| {
-            self.get_page_range(batch, buffers, range)
+            self.get_page_range(engine, batch, buffers, range)
         })
     }
 
     fn get_page_range<K: AsRef<[u8]>, S: AsRef<[u8]>>(
         &self,
+        engine: &Engine,
         batch: &PageBatch<'_, K, S>,
         buffers: &[MemRef],
         range: Range<usize>,
@@ -246,7 +341,8 @@ impl Client {
             let mut page_ok = true;
             for (j, suffix) in batch.suffixes.iter().enumerate() {
                 compose_key(batch.prefix, page_key, suffix.as_ref(), &mut key);
-                if let Err(err) = self.get_one(&key, buffers[i * comps + j]) {
+                if let Err(err) = Self::get_one(engine, &self.regions, &key, buffers[i * comps + j])
+                {
                     // A miss is the normal answer for a cold page; only real problems are noted.
                     if !matches!(err, ClientError::Engine(EngineError::NotFound)) {
                         self.note(&mut result, &key, &err);
@@ -338,26 +434,47 @@ impl Client {
         depth: Option<u32>,
     ) -> Result<PutOutcome, ClientError> {
         self.ensure_open()?;
-        Ok(self.engine.put(key, value, PutMeta { depth })?)
+        match &self.backend {
+            Backend::Embedded(engine) => Ok(engine.put(key, value, PutMeta { depth })?),
+            // The server does not say whether the key was new; both count as stored.
+            Backend::Server(remote) => remote
+                .put_slice(key, value, depth)
+                .map(|()| PutOutcome::Stored),
+        }
     }
 
     /// Copy an object into a slice the caller owns; its length must match exactly.
     pub fn get_into_slice(&self, key: &[u8], dst: &mut [u8]) -> Result<(), ClientError> {
         self.ensure_open()?;
-        Ok(self.engine.get_into(key, dst)?)
+        match &self.backend {
+            Backend::Embedded(engine) => Ok(engine.get_into(key, dst)?),
+            Backend::Server(remote) => match remote.get_into_slice(key, dst)? {
+                true => Ok(()),
+                false => Err(ClientError::Engine(EngineError::NotFound)),
+            },
+        }
     }
 
     pub fn object_len(&self, key: &[u8]) -> Option<u64> {
-        self.engine.object_len(key)
+        match &self.backend {
+            Backend::Embedded(engine) => engine.object_len(key),
+            Backend::Server(remote) => remote.object_len(key).ok().flatten(),
+        }
     }
 
     pub fn exists_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> Vec<bool> {
         if self.ensure_open().is_err() {
             return vec![false; keys.len()];
         }
-        keys.iter()
-            .map(|k| self.engine.contains(k.as_ref()))
-            .collect()
+        match &self.backend {
+            Backend::Embedded(engine) => keys.iter().map(|k| engine.contains(k.as_ref())).collect(),
+            Backend::Server(remote) => {
+                let keys: Vec<Vec<u8>> = keys.iter().map(|k| k.as_ref().to_vec()).collect();
+                remote
+                    .exists_keys(&keys)
+                    .unwrap_or_else(|_| vec![false; keys.len()])
+            }
+        }
     }
 
     /// Number of leading pages whose every component exists.
@@ -368,6 +485,21 @@ impl Client {
         if self.ensure_open().is_err() || batch.components() == 0 {
             return 0;
         }
+        let engine = match &self.backend {
+            Backend::Embedded(engine) => engine,
+            Backend::Server(remote) => {
+                let keys = kvtier_proto::server::PageKeys {
+                    prefix: batch.prefix.to_vec(),
+                    page_keys: batch
+                        .page_keys
+                        .iter()
+                        .map(|k| k.as_ref().to_vec())
+                        .collect(),
+                    suffixes: batch.suffixes.iter().map(|s| s.as_ref().to_vec()).collect(),
+                };
+                return remote.exists_pages_prefix(keys).unwrap_or(0);
+            }
+        };
         let mut key = Vec::new();
         batch
             .page_keys
@@ -375,7 +507,7 @@ impl Client {
             .position(|page_key| {
                 !batch.suffixes.iter().all(|s| {
                     compose_key(batch.prefix, page_key.as_ref(), s.as_ref(), &mut key);
-                    self.engine.contains(&key)
+                    engine.contains(&key)
                 })
             })
             .unwrap_or(batch.pages())
@@ -386,30 +518,82 @@ impl Client {
         if self.ensure_open().is_err() {
             return ExistsV2Answer::default();
         }
-        self.engine.exists_v2(query)
+        match &self.backend {
+            Backend::Embedded(engine) => engine.exists_v2(query),
+            Backend::Server(remote) => remote.exists_v2(query).unwrap_or_default(),
+        }
     }
 
     pub fn remove_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> usize {
-        keys.iter()
-            .filter(|k| self.engine.remove(k.as_ref()))
-            .count()
+        match &self.backend {
+            Backend::Embedded(engine) => keys.iter().filter(|k| engine.remove(k.as_ref())).count(),
+            Backend::Server(remote) => {
+                let keys: Vec<Vec<u8>> = keys.iter().map(|k| k.as_ref().to_vec()).collect();
+                remote.remove_keys(&keys).unwrap_or(0)
+            }
+        }
     }
 
     pub fn clear(&self) {
-        self.engine.clear();
+        match &self.backend {
+            Backend::Embedded(engine) => engine.clear(),
+            Backend::Server(remote) => {
+                let _ = remote.clear();
+            }
+        }
     }
 
     /// Make every acknowledged put as durable as the configuration promises. The DRAM tier has
     /// nothing to flush; the SSD tier's copy pipeline drains here.
     pub fn flush(&self) -> Result<(), ClientError> {
-        self.ensure_open()
+        self.ensure_open()?;
+        match &self.backend {
+            Backend::Embedded(engine) => Ok(engine.flush()?),
+            Backend::Server(remote) => remote.flush(),
+        }
     }
 
-    /// Close the store: later calls fail cleanly. Idempotent.
+    /// Close the store: later calls fail cleanly. Idempotent. In server mode this ends the
+    /// session: the server unmaps this process's memory.
     pub fn close(&self) {
         if !self.closed.swap(true, Ordering::AcqRel) {
+            if let Backend::Server(remote) = &self.backend {
+                remote.close();
+            }
             self.regions.clear();
         }
+    }
+
+    /// The engine of embedded mode (`None` in server mode).
+    pub fn engine(&self) -> Option<&Engine> {
+        match &self.backend {
+            Backend::Embedded(engine) => Some(engine),
+            Backend::Server(_) => None,
+        }
+    }
+
+    /// [`stats`](Self::stats) as JSON; in server mode the engine figures are the server's for
+    /// this client's tenant, plus `server_*` and this client's zero-copy/staged byte counts.
+    pub fn stats_json(&self) -> serde_json::Value {
+        let mut map = match serde_json::to_value(self.stats()) {
+            Ok(serde_json::Value::Object(map)) => map,
+            _ => serde_json::Map::new(),
+        };
+        map.insert("mode".into(), self.mode().into());
+        if let Backend::Server(remote) = &self.backend {
+            map.extend(remote.local_stats());
+            if let Ok(server) = remote.server_stats() {
+                if let Some(serde_json::Value::Object(engine)) = server.get("you_engine_stats") {
+                    map.extend(engine.clone());
+                }
+                if let Some(serde_json::Value::Object(summary)) = server.get("server") {
+                    for (k, v) in summary {
+                        map.insert(format!("server_{k}"), v.clone());
+                    }
+                }
+            }
+        }
+        serde_json::Value::Object(map)
     }
 
     pub fn is_closed(&self) -> bool {
@@ -419,7 +603,10 @@ impl Client {
     pub fn stats(&self) -> ClientStats {
         let regions = self.regions.regions();
         ClientStats {
-            engine: self.engine.stats(),
+            engine: match &self.backend {
+                Backend::Embedded(engine) => engine.stats(),
+                Backend::Server(_) => EngineStats::default(),
+            },
             rejected_buffers: self.rejected_buffers.load(Ordering::Relaxed),
             rejected_batches: self.rejected_batches.load(Ordering::Relaxed),
             registered_regions: regions.len() as u64,

@@ -19,6 +19,8 @@ use serde_json::{Map, Value};
 pub const ENV_PREFIX: &str = "KVTIER_";
 /// The key (and `KVTIER_CONFIG_FILE`) naming a TOML file; not itself a setting.
 pub const CONFIG_FILE_KEY: &str = "config_file";
+/// `KVTIER_SERVE_*` variables configure `kvtier serve` itself and are skipped here.
+pub const SERVER_ENV_INFIX: &str = "SERVE_";
 
 /// Every setting kvtier accepts. Field names are the keys in all three sources.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -42,9 +44,25 @@ pub struct KvtierConfig {
     /// 8 MiB); 1 copies on the calling thread only.
     #[serde(deserialize_with = "strict::count")]
     pub copy_threads: u64,
-    /// Namespace (tenant) prefixed to every key this client writes or reads.
+    /// Namespace (tenant) prefixed to every key this client writes or reads. In server mode it
+    /// is also the client's tenant: the server's quotas and accounting are per tag.
     #[serde(deserialize_with = "strict::optional_string")]
     pub extra_backend_tag: Option<String>,
+    /// Unix socket of a local `kvtier serve`. Set: server mode (the store lives in that
+    /// process, shared by every rank on the host); unset: embedded mode.
+    #[serde(deserialize_with = "strict::optional_string")]
+    pub server_socket: Option<String>,
+    /// Server mode: start `kvtier serve --socket <server_socket>` when nothing listens there
+    /// (the binary is `KVTIER_SERVER_BIN`, else `kvtier` on `PATH`).
+    #[serde(deserialize_with = "strict::boolean")]
+    pub server_auto_start: bool,
+    /// Server mode: how long to wait for the socket to accept (after an auto start), in ms.
+    #[serde(deserialize_with = "strict::count")]
+    pub server_startup_timeout_ms: u64,
+    /// Server mode: size of each connection's staging ring, the shared-memory window through
+    /// which pages of unregistered (plain anonymous) memory are copied.
+    #[serde(deserialize_with = "strict::size")]
+    pub server_staging_bytes: u64,
 }
 
 impl Default for KvtierConfig {
@@ -58,6 +76,10 @@ impl Default for KvtierConfig {
             eviction_candidate_window: engine.eviction_candidate_window as u64,
             copy_threads: default_copy_threads(),
             extra_backend_tag: None,
+            server_socket: None,
+            server_auto_start: false,
+            server_startup_timeout_ms: 10_000,
+            server_staging_bytes: 32 << 20,
         }
     }
 }
@@ -103,7 +125,7 @@ pub struct ConfigError {
 }
 
 impl ConfigError {
-    fn new(key: impl Into<String>, origin: &Origin, reason: impl Into<String>) -> Self {
+    pub fn new(key: impl Into<String>, origin: &Origin, reason: impl Into<String>) -> Self {
         ConfigError {
             key: key.into(),
             origin: origin.to_string(),
@@ -149,9 +171,23 @@ impl KvtierConfig {
     pub fn load_with_origins(
         sources: ConfigSources,
     ) -> Result<(Self, BTreeMap<String, Origin>), ConfigError> {
+        Self::load_layered(Map::new(), Origin::Default, sources)
+    }
+
+    /// As [`load_with_origins`](Self::load_with_origins) with one more layer below the file:
+    /// `base` (from `base_origin`), e.g. the `[engine]` table of `kvtier serve`'s own file.
+    pub fn load_layered(
+        base: Map<String, Value>,
+        base_origin: Origin,
+        sources: ConfigSources,
+    ) -> Result<(Self, BTreeMap<String, Origin>), ConfigError> {
         let known = Self::known_keys();
         let mut merged: Map<String, Value> = Map::new();
         let mut origins: BTreeMap<String, Origin> = BTreeMap::new();
+        for (key, value) in base {
+            origins.insert(key.clone(), base_origin.clone());
+            merged.insert(key, value);
+        }
 
         let mut env: Vec<(String, Value, Origin)> = Vec::new();
         let mut file_path: Option<(PathBuf, Origin)> = None;
@@ -159,6 +195,10 @@ impl KvtierConfig {
             let Some(rest) = name.strip_prefix(ENV_PREFIX) else {
                 continue;
             };
+            // `KVTIER_SERVE_*` belongs to the server's own schema (kvtier-server).
+            if rest.starts_with(SERVER_ENV_INFIX) {
+                continue;
+            }
             let key = rest.to_ascii_lowercase();
             let origin = Origin::Env(name.clone());
             if key == CONFIG_FILE_KEY {
@@ -256,12 +296,28 @@ impl KvtierConfig {
                 format!("{} must be from 1 to 64", self.copy_threads),
             ));
         }
+        if let Some(socket) = &self.server_socket {
+            if socket.is_empty() || socket.len() > 107 || socket.contains('\0') {
+                return Err(ConfigError::new(
+                    "server_socket",
+                    &origin("server_socket"),
+                    "must be a socket path of 1 to 107 bytes without NUL",
+                ));
+            }
+        }
+        if self.server_staging_bytes < 1 << 20 {
+            return Err(ConfigError::new(
+                "server_staging_bytes",
+                &origin("server_staging_bytes"),
+                format!("{} is below the minimum of 1MiB", self.server_staging_bytes),
+            ));
+        }
         if let Some(tag) = &self.extra_backend_tag {
-            if tag.is_empty() || tag.len() > 128 || tag.contains('\0') {
+            if tag.is_empty() || tag.len() > 128 || tag.contains('\0') || tag.contains('\x1f') {
                 return Err(ConfigError::new(
                     "extra_backend_tag",
                     &origin("extra_backend_tag"),
-                    "must be 1 to 128 bytes without NUL",
+                    "must be 1 to 128 bytes without NUL or 0x1f",
                 ));
             }
         }
@@ -288,7 +344,8 @@ impl KvtierConfig {
     }
 }
 
-fn read_toml(path: &Path, origin: &Origin) -> Result<Map<String, Value>, ConfigError> {
+/// Read a TOML file as a JSON map (for layered loaders).
+pub fn read_toml(path: &Path, origin: &Origin) -> Result<Map<String, Value>, ConfigError> {
     let text = std::fs::read_to_string(path).map_err(|e| {
         ConfigError::new(
             CONFIG_FILE_KEY,
@@ -313,8 +370,9 @@ fn read_toml(path: &Path, origin: &Origin) -> Result<Map<String, Value>, ConfigE
 }
 
 /// Strict deserializers shared by every field: they accept a typed value or its string form
-/// (environment variables are always strings) and nothing else.
-mod strict {
+/// (environment variables are always strings) and nothing else. Public so that other schemas
+/// (`kvtier serve`'s) parse the same way.
+pub mod strict {
     use serde::de::{self, Deserializer, Visitor};
     use std::fmt;
 
@@ -413,7 +471,7 @@ mod strict {
         }
     }
 
-    pub(super) fn parse_unsigned(text: &str, sizes: bool) -> Result<u64, String> {
+    pub fn parse_unsigned(text: &str, sizes: bool) -> Result<u64, String> {
         let t = text.trim();
         let (digits, multiplier) = if sizes {
             const UNITS: [(&str, u64); 5] = [

@@ -25,4 +25,8 @@ pub enum ClientError {
     BatchShape(String),
     #[error("the store is closed")]
     Closed,
+    #[error("kvtier server at {socket}: {reason}")]
+    Server { socket: String, reason: String },
+    #[error("kvtier server refused the request (code {code}): {message}")]
+    ServerRefused { code: u16, message: String },
 }

@@ -8,14 +8,15 @@
 //!   before a byte is touched.
 //! - [`batch`] describes page batches (`prefix ++ page_key ++ suffix` keys) and their results.
 //! - [`client`] is the [`Client`]: it resolves memory, composes keys and calls the mode's store.
-//!   Embedded mode (the engine in this process) is the one mode so far; the local-server and
-//!   cluster modes plug in behind the same methods.
+//!   Embedded mode runs the engine in this process; server mode ([`remote`]) talks to a local
+//!   `kvtier serve` (selected by `server_socket`) behind the same methods.
 
 pub mod batch;
 pub mod client;
 pub mod config;
 pub mod error;
 pub mod memory;
+pub mod remote;
 
 pub use batch::{BatchResult, MemRef, PageBatch};
 pub use client::Client;

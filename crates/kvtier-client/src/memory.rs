@@ -180,6 +180,114 @@ impl RegionRegistry {
     }
 }
 
+/// A shared-memory staging window of the server mode: a sealed memfd this process creates,
+/// maps, and registers with the server, through which pages of memory the server cannot map
+/// (plain anonymous host pools, Python buffers of the legacy path) are copied.
+///
+/// Invariant: `ptr..ptr+len` is a `MAP_SHARED` mapping of `fd` owned by this value (unmapped in
+/// `Drop`); every access is bounds-checked; the memfd is sealed against shrinking, so neither
+/// side can ever fault on a truncated page.
+#[derive(Debug)]
+pub struct StagingMap {
+    fd: std::os::fd::OwnedFd,
+    ptr: usize,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain shared memory owned by this value; `&self` methods copy
+// through bounds-checked ranges and `&mut self` methods hold exclusive access.
+unsafe impl Send for StagingMap {}
+// SAFETY: see Send; `&self` only reads the mapping.
+unsafe impl Sync for StagingMap {}
+
+impl StagingMap {
+    /// Create, size, seal and map a new memfd of `len` bytes.
+    pub fn create(len: usize, name: &str) -> std::io::Result<StagingMap> {
+        use rustix::fs::{fcntl_add_seals, ftruncate, memfd_create, MemfdFlags, SealFlags};
+        use rustix::mm::{mmap, MapFlags, ProtFlags};
+        if len == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "empty staging ring",
+            ));
+        }
+        let fd = memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
+        ftruncate(&fd, len as u64)?;
+        fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
+        // SAFETY: a fresh shared mapping chosen by the kernel (null hint), of a memfd that is
+        // exactly `len` bytes long and sealed against shrinking, so every page stays backed.
+        let ptr = unsafe {
+            mmap(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED | MapFlags::POPULATE,
+                &fd,
+                0,
+            )
+        }?;
+        Ok(StagingMap {
+            fd,
+            ptr: ptr as usize,
+            len,
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.fd.as_fd()
+    }
+
+    fn check(&self, offset: usize, len: usize) -> Result<(), ClientError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(ClientError::InvalidRegion {
+                ptr: offset,
+                len,
+                reason: "range outside the staging ring",
+            }),
+        }
+    }
+
+    /// Copy `src` into the ring at `offset`.
+    pub fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), ClientError> {
+        self.check(offset, src.len())?;
+        // SAFETY: check() keeps the range inside the live mapping; `&mut self` excludes other
+        // accesses from this process, and the server only touches the ring during a request
+        // this connection is waiting on.
+        let dst =
+            unsafe { std::slice::from_raw_parts_mut((self.ptr + offset) as *mut u8, src.len()) };
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    /// Copy ring bytes at `offset` into `dst`.
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), ClientError> {
+        self.check(offset, dst.len())?;
+        // SAFETY: as in write(); the range is inside the live mapping.
+        let src =
+            unsafe { std::slice::from_raw_parts((self.ptr + offset) as *const u8, dst.len()) };
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+}
+
+impl Drop for StagingMap {
+    fn drop(&mut self) {
+        // SAFETY: ptr/len are exactly the mapping create() made, and no slice of it outlives a
+        // method call.
+        let _ = unsafe { rustix::mm::munmap(self.ptr as *mut std::ffi::c_void, self.len) };
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

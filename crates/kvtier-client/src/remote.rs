@@ -1,0 +1,990 @@
+//! Server mode: the store lives in a local `kvtier serve` process, reached over a Unix socket.
+//!
+//! - One *session* per client: opened by a keeper connection that is never used for requests
+//!   (so the session, and the server's mappings of this process's memory, live exactly as long
+//!   as this [`RemoteStore`]), with request connections attached to it by ticket. Concurrent
+//!   callers each check out their own connection (pool, created on demand), so calls from
+//!   SGLang's prefetch and backup threads never wait for each other.
+//! - Zero copy: memory registered with [`RemoteStore::register_memfd`] (a pool buffer allocated
+//!   from a memfd, e.g. SGLang's `ShmHostTensorAllocator`) is sent once as a file descriptor
+//!   with `SCM_RIGHTS`; page buffers inside it travel as (region, offset, length) and the server
+//!   copies straight between its tiers and this process's pages.
+//! - Fallback: every other registered buffer (plain anonymous memory) is copied through the
+//!   connection's staging ring, a sealed memfd of `server_staging_bytes`, in chunks.
+//! - Failures: a broken connection fails its call cleanly (every item `false` with the reason)
+//!   and is dropped; if the session itself is gone (server restarted), the next call opens a new
+//!   one and registers every memfd again.
+
+use std::io::{IoSlice, Write};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use kvtier_proto::frame::{FLAG_ERROR, FLAG_RESPONSE, PROTOCOL_VERSION};
+use kvtier_proto::server::{
+    Count, ObjectLens, OpenSession, PageIo, PageKeys, RegionGrant, RegisterRegion, SessionTicket,
+    ShmRef, TextReply,
+};
+use kvtier_proto::{
+    encode_frame, read_frame, BatchResult as WireResult, Decode, Encode, ErrorReply,
+    ExistsV2Answer, ExistsV2Query, Handshake, KeyBatch, Opcode,
+};
+use parking_lot::{Mutex, RwLock};
+
+use crate::batch::{BatchResult, MemRef};
+use crate::config::KvtierConfig;
+use crate::error::ClientError;
+use crate::memory::{RegionId, RegionRegistry, StagingMap};
+
+/// Most objects one wire request carries; bigger batches are split.
+const MAX_OBJECTS_PER_REQUEST: usize = 16_384;
+
+/// `(start, end, server region)` of every memfd region, sorted by start.
+type ShmTable = Vec<(usize, usize, u64)>;
+
+/// A memfd-backed region this process registered with the server.
+#[derive(Debug)]
+struct MemfdRegion {
+    local: RegionId,
+    start: usize,
+    len: usize,
+    fd: OwnedFd,
+    fd_offset: u64,
+    label: String,
+    /// The server's id for it in the current session.
+    server: u64,
+}
+
+#[derive(Debug, Default)]
+struct SessionState {
+    /// Bumped each time a new session is opened; connections of older ones are dropped.
+    generation: u64,
+    ticket: Option<SessionTicket>,
+    keeper: Option<Conn>,
+    memfds: Vec<MemfdRegion>,
+}
+
+/// Where one buffer's bytes are for the server.
+#[derive(Clone, Copy)]
+enum Placement {
+    Shm(ShmRef),
+    /// Not in server-mapped memory: copy through the staging ring.
+    Staged,
+}
+
+#[derive(Debug)]
+struct Conn {
+    stream: UnixStream,
+    generation: u64,
+    staging: Option<(StagingMap, u64)>,
+    out: Vec<u8>,
+    body: Vec<u8>,
+}
+
+/// The server-mode store of a [`crate::Client`].
+#[derive(Debug)]
+pub struct RemoteStore {
+    socket: PathBuf,
+    tenant: String,
+    client_name: String,
+    staging_bytes: usize,
+    auto_start: bool,
+    startup_timeout: Duration,
+    state: Mutex<SessionState>,
+    /// `(start, end, server region)` of the memfd regions, for pointer translation; rebuilt
+    /// with every session. Paired with its generation.
+    shm_table: RwLock<(u64, ShmTable)>,
+    idle: Mutex<Vec<Conn>>,
+    next_request: AtomicU64,
+    /// Bytes that went through staging rings (fallback traffic), for stats.
+    staged_bytes: AtomicU64,
+    zero_copy_bytes: AtomicU64,
+}
+
+fn remote_err(socket: &Path, reason: impl std::fmt::Display) -> ClientError {
+    ClientError::Server {
+        socket: socket.display().to_string(),
+        reason: reason.to_string(),
+    }
+}
+
+impl Conn {
+    fn call<M: Encode + ?Sized>(
+        &mut self,
+        socket: &Path,
+        request_id: u64,
+        opcode: Opcode,
+        message: &M,
+        fd: Option<BorrowedFd<'_>>,
+    ) -> Result<&[u8], ClientError> {
+        self.out.clear();
+        encode_frame(&mut self.out, opcode, request_id, 0, message)
+            .map_err(|e| remote_err(socket, format!("cannot encode {opcode:?}: {e}")))?;
+        let io = |e: std::io::Error| remote_err(socket, format!("{opcode:?}: {e}"));
+        match fd {
+            None => self.stream.write_all(&self.out).map_err(io)?,
+            Some(fd) => {
+                use rustix::net::{sendmsg, SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+                let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+                let mut control = SendAncillaryBuffer::new(&mut space);
+                let fds = [fd];
+                if !control.push(SendAncillaryMessage::ScmRights(&fds)) {
+                    return Err(remote_err(socket, "cannot attach the memfd"));
+                }
+                let sent = sendmsg(
+                    &self.stream,
+                    &[IoSlice::new(&self.out)],
+                    &mut control,
+                    SendFlags::NOSIGNAL,
+                )
+                .map_err(|e| io(e.into()))?;
+                self.stream.write_all(&self.out[sent..]).map_err(io)?;
+            }
+        }
+        let header = read_frame(&mut self.stream, &mut self.body)
+            .map_err(|e| remote_err(socket, format!("{opcode:?} reply: {e}")))?;
+        if header.request_id != request_id || header.flags & FLAG_RESPONSE == 0 {
+            return Err(remote_err(
+                socket,
+                format!(
+                    "out-of-sync reply (id {} for request {request_id})",
+                    header.request_id
+                ),
+            ));
+        }
+        if header.flags & FLAG_ERROR != 0 {
+            let reply = ErrorReply::decode(&self.body)
+                .map_err(|e| remote_err(socket, format!("bad error reply: {e}")))?;
+            return Err(ClientError::ServerRefused {
+                code: reply.code,
+                message: reply.message,
+            });
+        }
+        Ok(&self.body)
+    }
+}
+
+fn decode<T: Decode>(socket: &Path, body: &[u8]) -> Result<T, ClientError> {
+    T::decode(body).map_err(|e| remote_err(socket, format!("bad reply: {e}")))
+}
+
+impl RemoteStore {
+    /// A store that talks to `config.server_socket`. Connects (and, with `server_auto_start`,
+    /// starts the server) right away so that a wrong socket fails at construction.
+    pub fn connect(config: &KvtierConfig) -> Result<RemoteStore, ClientError> {
+        let socket = PathBuf::from(config.server_socket.clone().unwrap_or_default());
+        let store = RemoteStore {
+            socket,
+            tenant: config.extra_backend_tag.clone().unwrap_or_default(),
+            client_name: format!("pid{}", std::process::id()),
+            staging_bytes: usize::try_from(config.server_staging_bytes).unwrap_or(32 << 20),
+            auto_start: config.server_auto_start,
+            startup_timeout: Duration::from_millis(config.server_startup_timeout_ms),
+            state: Mutex::new(SessionState::default()),
+            shm_table: RwLock::new((0, Vec::new())),
+            idle: Mutex::new(Vec::new()),
+            next_request: AtomicU64::new(1),
+            staged_bytes: AtomicU64::new(0),
+            zero_copy_bytes: AtomicU64::new(0),
+        };
+        {
+            let mut state = store.state.lock();
+            store.ensure_session(&mut state)?;
+        }
+        Ok(store)
+    }
+
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    fn request_id(&self) -> u64 {
+        self.next_request.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn dial(&self) -> Result<UnixStream, ClientError> {
+        match UnixStream::connect(&self.socket) {
+            Ok(stream) => Ok(stream),
+            Err(first) if self.auto_start => {
+                self.spawn_server()?;
+                let deadline = Instant::now() + self.startup_timeout;
+                loop {
+                    match UnixStream::connect(&self.socket) {
+                        Ok(stream) => return Ok(stream),
+                        Err(e) if Instant::now() >= deadline => {
+                            return Err(remote_err(
+                                &self.socket,
+                                format!(
+                                    "auto-started server did not listen within {:?}: {e} \
+                                     (first attempt: {first})",
+                                    self.startup_timeout
+                                ),
+                            ))
+                        }
+                        Err(_) => std::thread::sleep(Duration::from_millis(20)),
+                    }
+                }
+            }
+            Err(e) => Err(remote_err(
+                &self.socket,
+                format!("cannot connect: {e} (is `kvtier serve --socket` running?)"),
+            )),
+        }
+    }
+
+    /// `kvtier serve --socket <socket>` as a detached process (its own session and process
+    /// group, so it outlives this one and its signals).
+    fn spawn_server(&self) -> Result<(), ClientError> {
+        let bin = std::env::var_os("KVTIER_SERVER_BIN").unwrap_or_else(|| "kvtier".into());
+        let mut command = Command::new(&bin);
+        command
+            .arg("serve")
+            .arg("--socket")
+            .arg(&self.socket)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        {
+            use std::os::unix::process::CommandExt;
+            command.process_group(0);
+        }
+        command.spawn().map(drop).map_err(|e| {
+            remote_err(
+                &self.socket,
+                format!(
+                    "server_auto_start: cannot run {:?} serve: {e} (set KVTIER_SERVER_BIN)",
+                    bin
+                ),
+            )
+        })
+    }
+
+    fn open_conn(
+        &self,
+        join: Option<SessionTicket>,
+        generation: u64,
+    ) -> Result<(Conn, SessionTicket), ClientError> {
+        let stream = self.dial()?;
+        let mut conn = Conn {
+            stream,
+            generation,
+            staging: None,
+            out: Vec::new(),
+            body: Vec::new(),
+        };
+        let hello = Handshake {
+            version: PROTOCOL_VERSION,
+            client_name: self.client_name.clone(),
+        };
+        conn.call(
+            &self.socket,
+            self.request_id(),
+            Opcode::Handshake,
+            &hello,
+            None,
+        )?;
+        let open = OpenSession {
+            tenant: self.tenant.clone(),
+            client_name: self.client_name.clone(),
+            join,
+        };
+        let body = conn.call(
+            &self.socket,
+            self.request_id(),
+            Opcode::OpenSession,
+            &open,
+            None,
+        )?;
+        let ticket: SessionTicket = decode(&self.socket, body)?;
+        Ok((conn, ticket))
+    }
+
+    /// Make sure a live session exists (opening one and re-registering every memfd if not).
+    fn ensure_session(&self, state: &mut SessionState) -> Result<(), ClientError> {
+        if state.keeper.is_some() && state.ticket.is_some() {
+            return Ok(());
+        }
+        let generation = state.generation + 1;
+        let (mut keeper, ticket) = self.open_conn(None, generation)?;
+        for region in &mut state.memfds {
+            let request = RegisterRegion {
+                label: region.label.clone(),
+                fd_offset: region.fd_offset,
+                len: region.len as u64,
+            };
+            let body = keeper.call(
+                &self.socket,
+                self.request_id(),
+                Opcode::RegisterRegion,
+                &request,
+                Some(region.fd.as_fd()),
+            )?;
+            let grant: RegionGrant = decode(&self.socket, body)?;
+            region.server = grant.region;
+        }
+        state.generation = generation;
+        state.ticket = Some(ticket);
+        state.keeper = Some(keeper);
+        self.rebuild_table(state);
+        self.idle.lock().clear();
+        Ok(())
+    }
+
+    fn rebuild_table(&self, state: &SessionState) {
+        let mut table: Vec<(usize, usize, u64)> = state
+            .memfds
+            .iter()
+            .map(|r| (r.start, r.start + r.len, r.server))
+            .collect();
+        table.sort_unstable();
+        *self.shm_table.write() = (state.generation, table);
+    }
+
+    fn checkout(&self) -> Result<Conn, ClientError> {
+        let generation = self.shm_table.read().0;
+        {
+            let mut idle = self.idle.lock();
+            while let Some(conn) = idle.pop() {
+                if conn.generation == generation {
+                    return Ok(conn);
+                }
+            }
+        }
+        let mut state = self.state.lock();
+        self.ensure_session(&mut state)?;
+        let ticket = state
+            .ticket
+            .ok_or_else(|| remote_err(&self.socket, "no session"))?;
+        let generation = state.generation;
+        drop(state);
+        match self.open_conn(Some(ticket), generation) {
+            Ok((conn, _)) => Ok(conn),
+            Err(e) => {
+                self.forget_session_if_dead();
+                Err(e)
+            }
+        }
+    }
+
+    fn checkin(&self, conn: Conn) {
+        if conn.generation == self.shm_table.read().0 {
+            self.idle.lock().push(conn);
+        }
+    }
+
+    /// After a failure: if the keeper no longer answers, the session is gone (server restart).
+    fn forget_session_if_dead(&self) {
+        let mut state = self.state.lock();
+        let id = self.request_id();
+        let alive = match state.keeper.as_mut() {
+            Some(keeper) => keeper
+                .call(&self.socket, id, Opcode::Ping, &EmptyBody, None)
+                .is_ok(),
+            None => false,
+        };
+        if !alive {
+            state.keeper = None;
+            state.ticket = None;
+        }
+    }
+
+    /// Run one request on a pooled connection; a transport failure drops the connection.
+    fn with_conn<R>(
+        &self,
+        f: impl FnOnce(&mut Conn) -> Result<R, ClientError>,
+    ) -> Result<R, ClientError> {
+        let mut conn = self.checkout()?;
+        match f(&mut conn) {
+            Ok(value) => {
+                self.checkin(conn);
+                Ok(value)
+            }
+            Err(e @ ClientError::ServerRefused { .. }) => {
+                self.checkin(conn);
+                Err(e)
+            }
+            Err(e) => {
+                drop(conn);
+                self.forget_session_if_dead();
+                Err(e)
+            }
+        }
+    }
+
+    fn simple<M: Encode, T: Decode>(&self, opcode: Opcode, message: &M) -> Result<T, ClientError> {
+        self.with_conn(|conn| {
+            let body = conn.call(&self.socket, self.request_id(), opcode, message, None)?;
+            decode(&self.socket, body)
+        })
+    }
+
+    // ----------------------------------------------------------------------------- regions
+
+    /// Register `[ptr, ptr+len)` of this process, which is `[fd_offset, fd_offset+len)` of the
+    /// memfd `fd`, with the server (zero copy). `local` is its id in the client's registry.
+    pub fn register_memfd(
+        &self,
+        local: RegionId,
+        ptr: usize,
+        len: usize,
+        fd: BorrowedFd<'_>,
+        fd_offset: u64,
+        label: &str,
+    ) -> Result<(), ClientError> {
+        let fd = fd
+            .try_clone_to_owned()
+            .map_err(|e| remote_err(&self.socket, format!("cannot dup the memfd: {e}")))?;
+        let mut state = self.state.lock();
+        self.ensure_session(&mut state)?;
+        let request = RegisterRegion {
+            label: label.to_string(),
+            fd_offset,
+            len: len as u64,
+        };
+        let id = self.request_id();
+        let keeper = state
+            .keeper
+            .as_mut()
+            .ok_or_else(|| remote_err(&self.socket, "no session"))?;
+        let body = keeper.call(
+            &self.socket,
+            id,
+            Opcode::RegisterRegion,
+            &request,
+            Some(fd.as_fd()),
+        )?;
+        let grant: RegionGrant = decode(&self.socket, body)?;
+        state.memfds.push(MemfdRegion {
+            local,
+            start: ptr,
+            len,
+            fd,
+            fd_offset,
+            label: label.to_string(),
+            server: grant.region,
+        });
+        self.rebuild_table(&state);
+        Ok(())
+    }
+
+    /// Forget a region (memfd-backed or not); the server unmaps it.
+    pub fn unregister(&self, local: RegionId) {
+        let mut state = self.state.lock();
+        let Some(at) = state.memfds.iter().position(|r| r.local == local) else {
+            return;
+        };
+        let region = state.memfds.remove(at);
+        let id = self.request_id();
+        if let Some(keeper) = state.keeper.as_mut() {
+            let _ = keeper.call(
+                &self.socket,
+                id,
+                Opcode::UnregisterRegion,
+                &RegionGrant {
+                    region: region.server,
+                },
+                None,
+            );
+        }
+        self.rebuild_table(&state);
+    }
+
+    pub fn zero_copy_regions(&self) -> usize {
+        self.state.lock().memfds.len()
+    }
+
+    fn place(&self, table: &[(usize, usize, u64)], buf: MemRef) -> Placement {
+        let Some(end) = buf.ptr.checked_add(buf.len) else {
+            return Placement::Staged;
+        };
+        let upto = table.partition_point(|r| r.0 <= buf.ptr);
+        for &(start, stop, region) in table[..upto].iter().rev() {
+            if stop >= end {
+                return Placement::Shm(ShmRef {
+                    region,
+                    offset: (buf.ptr - start) as u64,
+                    len: buf.len as u64,
+                });
+            }
+        }
+        Placement::Staged
+    }
+
+    fn staging<'c>(&self, conn: &'c mut Conn) -> Result<&'c mut (StagingMap, u64), ClientError> {
+        if conn.staging.is_none() {
+            let map = StagingMap::create(self.staging_bytes, "kvtier-staging").map_err(|e| {
+                remote_err(&self.socket, format!("cannot create the staging ring: {e}"))
+            })?;
+            let request = RegisterRegion {
+                label: "staging".into(),
+                fd_offset: 0,
+                len: map.len() as u64,
+            };
+            let body = conn.call(
+                &self.socket,
+                self.request_id(),
+                Opcode::RegisterRegion,
+                &request,
+                Some(map.fd()),
+            )?;
+            let grant: RegionGrant = decode(&self.socket, body)?;
+            conn.staging = Some((map, grant.region));
+        }
+        conn.staging
+            .as_mut()
+            .ok_or_else(|| remote_err(&self.socket, "no staging ring"))
+    }
+
+    // ----------------------------------------------------------------------------- page I/O
+
+    /// Put or get `pages x comps` objects. `bufs[i*C+j]` is validated against `regions` when
+    /// it must be staged (the server validates the zero-copy ones against its mappings).
+    #[allow(clippy::too_many_arguments)]
+    pub fn page_io<K: AsRef<[u8]>, S: AsRef<[u8]>>(
+        &self,
+        regions: &RegionRegistry,
+        is_put: bool,
+        prefix: &[u8],
+        page_keys: &[K],
+        suffixes: &[S],
+        bufs: &[MemRef],
+        depths: Option<&[u32]>,
+    ) -> BatchResult {
+        let pages = page_keys.len();
+        let comps = suffixes.len();
+        let mut result = BatchResult {
+            ok: vec![false; pages],
+            ..Default::default()
+        };
+        if pages == 0 {
+            return result;
+        }
+        let outcome = self.with_conn(|conn| {
+            let table = self.shm_table.read().1.clone();
+            let suffix_list: Vec<Vec<u8>> = suffixes.iter().map(|s| s.as_ref().to_vec()).collect();
+            let pages_per_request = (MAX_OBJECTS_PER_REQUEST / comps.max(1)).max(1);
+            let mut chunk = Chunk::default();
+            for (i, page_key) in page_keys.iter().enumerate() {
+                let page_bufs = &bufs[i * comps..(i + 1) * comps];
+                let placements: Vec<Placement> =
+                    page_bufs.iter().map(|b| self.place(&table, *b)).collect();
+                let staged: usize = page_bufs
+                    .iter()
+                    .zip(&placements)
+                    .filter(|(_, p)| matches!(p, Placement::Staged))
+                    .map(|(b, _)| b.len)
+                    .sum();
+                if staged > self.staging_bytes {
+                    result.note_error(format!(
+                        "{}: page of {staged} bytes in unregistered memory exceeds the {} byte \
+                         staging ring (register the pool from a memfd, or raise \
+                         server_staging_bytes)",
+                        String::from_utf8_lossy(page_key.as_ref()),
+                        self.staging_bytes
+                    ));
+                    continue;
+                }
+                if chunk.pages.len() >= pages_per_request
+                    || chunk.staged + staged > self.staging_bytes
+                {
+                    self.flush_chunk(
+                        conn,
+                        regions,
+                        is_put,
+                        prefix,
+                        &suffix_list,
+                        &mut chunk,
+                        &mut result,
+                    )?;
+                }
+                // Stage this page's unregistered components.
+                let mut refs = Vec::with_capacity(comps);
+                let mut page_ok = true;
+                for (buf, placement) in page_bufs.iter().zip(&placements) {
+                    match placement {
+                        Placement::Shm(r) => refs.push(*r),
+                        Placement::Staged => {
+                            let offset = chunk.staged;
+                            if is_put {
+                                let (map, _) = self.staging(conn)?;
+                                let copied = regions
+                                    .with_source(buf.ptr, buf.len, |src| map.write(offset, src));
+                                match copied {
+                                    Ok(Ok(())) => {}
+                                    Ok(Err(e)) | Err(e) => {
+                                        result.note_error(format!(
+                                            "{}: {e}",
+                                            String::from_utf8_lossy(page_key.as_ref())
+                                        ));
+                                        page_ok = false;
+                                        break;
+                                    }
+                                }
+                            } else {
+                                self.staging(conn)?;
+                                if !regions.contains(buf.ptr, buf.len) {
+                                    result.note_error(format!(
+                                        "{}: {}",
+                                        String::from_utf8_lossy(page_key.as_ref()),
+                                        ClientError::OutsideRegisteredMemory {
+                                            ptr: buf.ptr,
+                                            len: buf.len
+                                        }
+                                    ));
+                                    page_ok = false;
+                                    break;
+                                }
+                            }
+                            let region = conn.staging.as_ref().map_or(0, |s| s.1);
+                            refs.push(ShmRef {
+                                region,
+                                offset: offset as u64,
+                                len: buf.len as u64,
+                            });
+                            chunk.staged += buf.len;
+                            chunk.staged_copies.push((chunk.pages.len(), *buf, offset));
+                        }
+                    }
+                }
+                if !page_ok {
+                    // Roll back this page's staged entries; its bytes in the ring are ignored.
+                    let at = chunk.pages.len();
+                    chunk.staged_copies.retain(|(p, _, _)| *p != at);
+                    continue;
+                }
+                chunk.pages.push(i);
+                chunk.page_keys.push(page_key.as_ref().to_vec());
+                chunk.refs.extend(refs);
+                if let Some(d) = depths {
+                    chunk.depths.push(d[i]);
+                }
+            }
+            self.flush_chunk(
+                conn,
+                regions,
+                is_put,
+                prefix,
+                &suffix_list,
+                &mut chunk,
+                &mut result,
+            )?;
+            Ok(())
+        });
+        if let Err(e) = outcome {
+            result.ok.iter_mut().for_each(|ok| *ok = false);
+            result.note_error(e.to_string());
+        }
+        result
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn flush_chunk(
+        &self,
+        conn: &mut Conn,
+        regions: &RegionRegistry,
+        is_put: bool,
+        prefix: &[u8],
+        suffixes: &[Vec<u8>],
+        chunk: &mut Chunk,
+        result: &mut BatchResult,
+    ) -> Result<(), ClientError> {
+        if chunk.pages.is_empty() {
+            *chunk = Chunk::default();
+            return Ok(());
+        }
+        let io = PageIo {
+            keys: PageKeys {
+                prefix: prefix.to_vec(),
+                page_keys: std::mem::take(&mut chunk.page_keys),
+                suffixes: suffixes.to_vec(),
+            },
+            buffers: std::mem::take(&mut chunk.refs),
+            depths: (is_put && chunk.depths.len() == chunk.pages.len())
+                .then(|| std::mem::take(&mut chunk.depths)),
+        };
+        let opcode = if is_put {
+            Opcode::PutPages
+        } else {
+            Opcode::GetPages
+        };
+        let body = conn.call(&self.socket, self.request_id(), opcode, &io, None)?;
+        let reply: WireResult = decode(&self.socket, body)?;
+        if reply.ok.len() != chunk.pages.len() {
+            return Err(remote_err(
+                &self.socket,
+                format!("{} results for {} pages", reply.ok.len(), chunk.pages.len()),
+            ));
+        }
+        for error in reply.errors {
+            result.note_error(error);
+        }
+        let total: u64 = io.buffers.iter().map(|b| b.len).sum();
+        let staged = chunk.staged as u64;
+        self.staged_bytes.fetch_add(staged, Ordering::Relaxed);
+        self.zero_copy_bytes
+            .fetch_add(total.saturating_sub(staged), Ordering::Relaxed);
+        let mut ok = reply.ok;
+        if !is_put && !chunk.staged_copies.is_empty() {
+            let map = conn.staging.as_ref().map(|s| &s.0);
+            for &(page, buf, offset) in &chunk.staged_copies {
+                if !ok[page] {
+                    continue;
+                }
+                let copied = match map {
+                    Some(map) => regions
+                        .with_destination(buf.ptr, buf.len, |dst| map.read(offset, dst))
+                        .and_then(|r| r),
+                    None => Err(remote_err(&self.socket, "no staging ring")),
+                };
+                if let Err(e) = copied {
+                    result.note_error(e.to_string());
+                    ok[page] = false;
+                }
+            }
+        }
+        for (slot, page_ok) in chunk.pages.iter().zip(ok) {
+            result.ok[*slot] = page_ok;
+        }
+        *chunk = Chunk::default();
+        Ok(())
+    }
+
+    /// Put bytes the caller holds as a slice (legacy tensor path), via the staging ring.
+    pub fn put_slice(
+        &self,
+        key: &[u8],
+        value: &[u8],
+        depth: Option<u32>,
+    ) -> Result<(), ClientError> {
+        if value.len() > self.staging_bytes {
+            return Err(remote_err(
+                &self.socket,
+                format!(
+                    "object of {} bytes exceeds the {} byte staging ring (raise server_staging_bytes)",
+                    value.len(),
+                    self.staging_bytes
+                ),
+            ));
+        }
+        let reply = self.with_conn(|conn| {
+            let (map, region) = self.staging(conn)?;
+            map.write(0, value)?;
+            let io = PageIo {
+                keys: PageKeys {
+                    prefix: Vec::new(),
+                    page_keys: vec![key.to_vec()],
+                    suffixes: vec![Vec::new()],
+                },
+                buffers: vec![ShmRef {
+                    region: *region,
+                    offset: 0,
+                    len: value.len() as u64,
+                }],
+                depths: depth.map(|d| vec![d]),
+            };
+            let body = conn.call(&self.socket, self.request_id(), Opcode::PutPages, &io, None)?;
+            decode::<WireResult>(&self.socket, body)
+        })?;
+        self.staged_bytes
+            .fetch_add(value.len() as u64, Ordering::Relaxed);
+        match reply.ok.first() {
+            Some(true) => Ok(()),
+            _ => Err(remote_err(
+                &self.socket,
+                reply
+                    .errors
+                    .join("; ")
+                    .chars()
+                    .take(512)
+                    .collect::<String>(),
+            )),
+        }
+    }
+
+    /// Get an object into a slice (legacy tensor path), via the staging ring. `Ok(false)`: miss.
+    pub fn get_into_slice(&self, key: &[u8], dst: &mut [u8]) -> Result<bool, ClientError> {
+        if dst.len() > self.staging_bytes {
+            return Err(remote_err(
+                &self.socket,
+                format!(
+                    "object of {} bytes exceeds the {} byte staging ring",
+                    dst.len(),
+                    self.staging_bytes
+                ),
+            ));
+        }
+        let hit = self.with_conn(|conn| {
+            let region = self.staging(conn)?.1;
+            let io = PageIo {
+                keys: PageKeys {
+                    prefix: Vec::new(),
+                    page_keys: vec![key.to_vec()],
+                    suffixes: vec![Vec::new()],
+                },
+                buffers: vec![ShmRef {
+                    region,
+                    offset: 0,
+                    len: dst.len() as u64,
+                }],
+                depths: None,
+            };
+            let body = conn.call(&self.socket, self.request_id(), Opcode::GetPages, &io, None)?;
+            let reply: WireResult = decode(&self.socket, body)?;
+            if reply.ok.first() == Some(&true) {
+                if let Some((map, _)) = conn.staging.as_ref() {
+                    map.read(0, dst)?;
+                    return Ok(Ok(true));
+                }
+            }
+            Ok(match reply.errors.first() {
+                Some(e) => Err(remote_err(&self.socket, e)),
+                None => Ok(false),
+            })
+        })??;
+        if hit {
+            self.staged_bytes
+                .fetch_add(dst.len() as u64, Ordering::Relaxed);
+        }
+        Ok(hit)
+    }
+
+    // ----------------------------------------------------------------------------- queries
+
+    pub fn exists_keys(&self, keys: &[Vec<u8>]) -> Result<Vec<bool>, ClientError> {
+        let reply: WireResult = self.simple(
+            Opcode::BatchExists,
+            &KeyBatch {
+                keys: keys.to_vec(),
+            },
+        )?;
+        if reply.ok.len() != keys.len() {
+            return Err(remote_err(&self.socket, "exists reply of the wrong length"));
+        }
+        Ok(reply.ok)
+    }
+
+    pub fn exists_pages_prefix(&self, keys: PageKeys) -> Result<usize, ClientError> {
+        let pages = keys.page_keys.len();
+        let reply: Count = self.simple(Opcode::ExistsPagesPrefix, &keys)?;
+        usize::try_from(reply.value)
+            .ok()
+            .filter(|&v| v <= pages)
+            .ok_or_else(|| remote_err(&self.socket, "prefix count out of range"))
+    }
+
+    pub fn exists_v2(&self, query: &ExistsV2Query) -> Result<ExistsV2Answer, ClientError> {
+        let answer: ExistsV2Answer = self.simple(Opcode::ExistsV2, query)?;
+        if answer.kv_hit_pages as usize > query.page_keys.len() {
+            return Err(remote_err(&self.socket, "kv hit beyond the query"));
+        }
+        Ok(answer)
+    }
+
+    pub fn object_len(&self, key: &[u8]) -> Result<Option<u64>, ClientError> {
+        let reply: ObjectLens = self.simple(
+            Opcode::ObjectLen,
+            &KeyBatch {
+                keys: vec![key.to_vec()],
+            },
+        )?;
+        Ok(reply.lens.first().copied().flatten())
+    }
+
+    pub fn remove_keys(&self, keys: &[Vec<u8>]) -> Result<usize, ClientError> {
+        let reply: WireResult = self.simple(
+            Opcode::BatchDelete,
+            &KeyBatch {
+                keys: keys.to_vec(),
+            },
+        )?;
+        Ok(reply.ok.iter().filter(|&&b| b).count())
+    }
+
+    pub fn clear(&self) -> Result<(), ClientError> {
+        self.simple::<_, EmptyBody>(Opcode::Clear, &EmptyBody)
+            .map(drop)
+    }
+
+    pub fn flush(&self) -> Result<(), ClientError> {
+        self.simple::<_, EmptyBody>(Opcode::Flush, &EmptyBody)
+            .map(drop)
+    }
+
+    pub fn ping(&self) -> Result<(), ClientError> {
+        self.simple::<_, EmptyBody>(Opcode::Ping, &EmptyBody)
+            .map(drop)
+    }
+
+    /// The server's stats document (JSON).
+    pub fn server_stats(&self) -> Result<serde_json::Value, ClientError> {
+        let reply: TextReply = self.simple(Opcode::Stats, &EmptyBody)?;
+        serde_json::from_str(&reply.text)
+            .map_err(|e| remote_err(&self.socket, format!("stats are not JSON: {e}")))
+    }
+
+    /// This client's own counters.
+    pub fn local_stats(&self) -> serde_json::Map<String, serde_json::Value> {
+        let mut map = serde_json::Map::new();
+        let state = self.state.lock();
+        map.insert(
+            "server_session".into(),
+            state.ticket.map(|t| t.session_id).into(),
+        );
+        map.insert(
+            "zero_copy_regions".into(),
+            (state.memfds.len() as u64).into(),
+        );
+        map.insert(
+            "zero_copy_bytes".into(),
+            self.zero_copy_bytes.load(Ordering::Relaxed).into(),
+        );
+        map.insert(
+            "staged_bytes".into(),
+            self.staged_bytes.load(Ordering::Relaxed).into(),
+        );
+        map
+    }
+
+    /// Close every connection (the server then drops the session and its mappings).
+    pub fn close(&self) {
+        self.idle.lock().clear();
+        let mut state = self.state.lock();
+        state.keeper = None;
+        state.ticket = None;
+        state.memfds.clear();
+    }
+}
+
+/// Pages collected for one wire request.
+#[derive(Default)]
+struct Chunk {
+    /// Index of each page in the caller's batch.
+    pages: Vec<usize>,
+    page_keys: Vec<Vec<u8>>,
+    refs: Vec<ShmRef>,
+    depths: Vec<u32>,
+    /// Bytes used in the staging ring.
+    staged: usize,
+    /// `(page in chunk, caller buffer, ring offset)` of every staged component.
+    staged_copies: Vec<(usize, MemRef, usize)>,
+}
+
+/// An empty request or reply body.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct EmptyBody;
+
+impl Encode for EmptyBody {
+    fn encode_fields(&self, _out: &mut Vec<u8>) -> Result<(), kvtier_proto::ProtoError> {
+        Ok(())
+    }
+}
+
+impl Decode for EmptyBody {
+    fn read_from(_reader: &mut kvtier_proto::Reader<'_>) -> Result<Self, kvtier_proto::ProtoError> {
+        Ok(EmptyBody)
+    }
+}

@@ -1,0 +1,374 @@
+//! `kvtier serve`'s configuration: its own keys plus the engine's (kvtier's one schema).
+//!
+//! Sources, later ones winning: a TOML file (`--config`), `KVTIER_SERVE_*` environment
+//! variables (server keys) and `KVTIER_*` ones (engine keys, as for every kvtier process),
+//! then command-line flags. The file holds server keys at top level and engine keys in an
+//! `[engine]` table:
+//!
+//! ```toml
+//! socket = "/run/kvtier/kvtier.sock"
+//! socket_mode = "0660"
+//! socket_group = "sglang"
+//! tenant_dram_quota = { team-a = "8GiB", team-b = "2GiB" }
+//!
+//! [engine]
+//! dram_capacity_bytes = "32GiB"
+//! ```
+//!
+//! Parsing is as strict as the client's: unknown keys, wrong types and out-of-range values are
+//! a [`ConfigError`] naming the key and its origin.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use kvtier_client::config::{read_toml, strict, ConfigError, ConfigSources, Origin};
+use kvtier_client::KvtierConfig;
+use serde::de::{self, Deserializer};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+/// Prefix of the server's own environment variables.
+pub const SERVE_ENV_PREFIX: &str = "KVTIER_SERVE_";
+/// The file table that holds engine keys.
+pub const ENGINE_TABLE: &str = "engine";
+
+/// Settings of `kvtier serve` other than the engine's.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerSettings {
+    /// Path of the Unix socket. Default: `$XDG_RUNTIME_DIR/kvtier.sock`, else
+    /// `/tmp/kvtier-<uid>.sock`.
+    #[serde(deserialize_with = "strict::optional_string")]
+    pub socket: Option<String>,
+    /// File mode of the socket, octal (`"0600"`: only this user may connect).
+    pub socket_mode: String,
+    /// Group (name or numeric gid) given the socket, for `socket_mode = "0660"`.
+    #[serde(deserialize_with = "strict::optional_string")]
+    pub socket_group: Option<String>,
+    /// Most connected clients (connections, all sessions together).
+    #[serde(deserialize_with = "strict::count")]
+    pub max_connections: u64,
+    /// Most regions one session may register.
+    #[serde(deserialize_with = "strict::count")]
+    pub max_regions_per_client: u64,
+    /// Most bytes one session may have mapped (0: no limit).
+    #[serde(deserialize_with = "strict::size")]
+    pub max_mapped_bytes_per_client: u64,
+    /// Pre-fault client regions when they are registered (`MAP_POPULATE`).
+    #[serde(deserialize_with = "strict::boolean")]
+    pub prefault_regions: bool,
+    /// Per-tenant DRAM quota: a tenant listed here gets its own arena of that size, which its
+    /// objects can never exceed and no other tenant can evict. Tenants not listed share the
+    /// engine's main arena. Env/flag form: `a=8GiB,b=2GiB`.
+    #[serde(deserialize_with = "quota_map")]
+    pub tenant_dram_quota: BTreeMap<String, u64>,
+}
+
+impl Default for ServerSettings {
+    fn default() -> Self {
+        ServerSettings {
+            socket: None,
+            socket_mode: "0600".into(),
+            socket_group: None,
+            max_connections: 1024,
+            max_regions_per_client: 4096,
+            max_mapped_bytes_per_client: 0,
+            prefault_regions: true,
+            tenant_dram_quota: BTreeMap::new(),
+        }
+    }
+}
+
+fn quota_map<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<String, u64>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Raw {
+        Text(String),
+        Table(BTreeMap<String, Value>),
+    }
+    let parse = |name: &str, v: &Value| -> Result<u64, D::Error> {
+        match v {
+            Value::Number(n) => n
+                .as_u64()
+                .ok_or_else(|| de::Error::custom(format!("quota of {name}: {n} is not a size"))),
+            Value::String(s) => strict::parse_unsigned(s, true)
+                .map_err(|e| de::Error::custom(format!("quota of {name}: {e}"))),
+            other => Err(de::Error::custom(format!(
+                "quota of {name}: {other} is not a size"
+            ))),
+        }
+    };
+    let mut out = BTreeMap::new();
+    match Raw::deserialize(d)? {
+        Raw::Table(table) => {
+            for (name, v) in &table {
+                out.insert(name.clone(), parse(name, v)?);
+            }
+        }
+        Raw::Text(text) => {
+            for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+                let (name, size) = item
+                    .split_once('=')
+                    .ok_or_else(|| de::Error::custom(format!("{item:?} is not tenant=size")))?;
+                out.insert(
+                    name.trim().to_string(),
+                    parse(name, &Value::String(size.trim().into()))?,
+                );
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The whole configuration of one `kvtier serve`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ServerConfig {
+    pub settings: ServerSettings,
+    pub engine: KvtierConfig,
+    /// Resolved socket path.
+    pub socket: PathBuf,
+    /// Resolved socket mode bits.
+    pub socket_mode: u32,
+}
+
+/// Raw inputs of [`ServerConfig::load`].
+#[derive(Clone, Debug, Default)]
+pub struct ServerSources {
+    pub file: Option<PathBuf>,
+    pub env: Vec<(String, String)>,
+    /// Server keys from flags.
+    pub flags: Map<String, Value>,
+    /// Engine keys from flags (`--engine key=value`).
+    pub engine_flags: Map<String, Value>,
+}
+
+fn known_server_keys() -> Vec<String> {
+    match serde_json::to_value(ServerSettings::default()) {
+        Ok(Value::Object(map)) => map.keys().cloned().collect(),
+        _ => Vec::new(),
+    }
+}
+
+fn default_socket() -> PathBuf {
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(dir) if !dir.is_empty() => Path::new(&dir).join("kvtier.sock"),
+        _ => PathBuf::from(format!(
+            "/tmp/kvtier-{}.sock",
+            rustix::process::getuid().as_raw()
+        )),
+    }
+}
+
+impl ServerConfig {
+    pub fn load(sources: ServerSources) -> Result<ServerConfig, ConfigError> {
+        let known = known_server_keys();
+        let mut merged = Map::new();
+        let mut origins: BTreeMap<String, Origin> = BTreeMap::new();
+        let mut engine_base = Map::new();
+        let mut engine_origin = Origin::Default;
+        if let Some(path) = &sources.file {
+            let origin = Origin::File(path.clone());
+            for (key, value) in read_toml(path, &origin)? {
+                if key == ENGINE_TABLE {
+                    match value {
+                        Value::Object(table) => {
+                            engine_base = table;
+                            engine_origin = origin.clone();
+                        }
+                        other => {
+                            return Err(ConfigError::new(
+                                ENGINE_TABLE,
+                                &origin,
+                                format!("must be a table of engine keys, got {other}"),
+                            ))
+                        }
+                    }
+                    continue;
+                }
+                origins.insert(key.clone(), origin.clone());
+                merged.insert(key, value);
+            }
+        }
+        for (name, value) in &sources.env {
+            if let Some(rest) = name.strip_prefix(SERVE_ENV_PREFIX) {
+                let key = rest.to_ascii_lowercase();
+                origins.insert(key.clone(), Origin::Env(name.clone()));
+                merged.insert(key, Value::String(value.clone()));
+            }
+        }
+        for (key, value) in sources.flags {
+            origins.insert(key.clone(), Origin::ExtraConfig);
+            merged.insert(key, value);
+        }
+        let origin_of = |key: &str| origins.get(key).cloned().unwrap_or(Origin::Default);
+        for key in merged.keys() {
+            if !known.iter().any(|k| k == key) {
+                return Err(ConfigError::new(
+                    key.clone(),
+                    &origin_of(key),
+                    format!(
+                        "unknown server key; known keys are: {} (engine keys go in [{ENGINE_TABLE}])",
+                        known.join(", ")
+                    ),
+                ));
+            }
+        }
+        for (key, value) in &merged {
+            let mut single = Map::new();
+            single.insert(key.clone(), value.clone());
+            if let Err(e) = serde_json::from_value::<ServerSettings>(Value::Object(single)) {
+                return Err(ConfigError::new(
+                    key.clone(),
+                    &origin_of(key),
+                    e.to_string(),
+                ));
+            }
+        }
+        let settings: ServerSettings = serde_json::from_value(Value::Object(merged))
+            .map_err(|e| ConfigError::new("<server config>", &Origin::Default, e.to_string()))?;
+
+        let socket_mode = u32::from_str_radix(settings.socket_mode.trim_start_matches("0o"), 8)
+            .ok()
+            .filter(|m| *m <= 0o777 && m & 0o600 == 0o600)
+            .ok_or_else(|| {
+                ConfigError::new(
+                    "socket_mode",
+                    &origin_of("socket_mode"),
+                    format!(
+                        "{:?} must be octal permission bits with owner read+write (e.g. \"0600\", \"0660\")",
+                        settings.socket_mode
+                    ),
+                )
+            })?;
+        for (tenant, quota) in &settings.tenant_dram_quota {
+            if tenant.is_empty() || tenant.len() > 128 || tenant.contains(['\0', '\x1f']) {
+                return Err(ConfigError::new(
+                    "tenant_dram_quota",
+                    &origin_of("tenant_dram_quota"),
+                    format!("tenant name {tenant:?} must be 1 to 128 bytes without NUL or 0x1f"),
+                ));
+            }
+            if *quota < 1 << 20 {
+                return Err(ConfigError::new(
+                    "tenant_dram_quota",
+                    &origin_of("tenant_dram_quota"),
+                    format!("quota of {tenant} ({quota} bytes) is below 1MiB"),
+                ));
+            }
+        }
+        if settings.max_connections == 0 {
+            return Err(ConfigError::new(
+                "max_connections",
+                &origin_of("max_connections"),
+                "must be at least 1",
+            ));
+        }
+        // Engine keys: file [engine] < KVTIER_* env < --engine flags, parsed by kvtier's schema.
+        let (mut engine, _) = KvtierConfig::load_layered(
+            engine_base,
+            engine_origin,
+            ConfigSources {
+                env: sources.env.clone(),
+                extra: sources.engine_flags,
+            },
+        )?;
+        // The server is the store: it never runs in server mode itself.
+        engine.server_socket = None;
+        engine.server_auto_start = false;
+        let socket = settings
+            .socket
+            .as_ref()
+            .map(PathBuf::from)
+            .unwrap_or_else(default_socket);
+        Ok(ServerConfig {
+            settings,
+            engine,
+            socket,
+            socket_mode,
+        })
+    }
+
+    /// The engine configuration of tenant partition `tenant` (its quota as DRAM capacity).
+    pub fn partition_config(&self, quota: u64) -> KvtierConfig {
+        let mut config = self.engine.clone();
+        config.dram_capacity_bytes = quota.max(config.dram_block_size);
+        config
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn layers_and_strictness() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("serve.toml");
+        std::fs::write(
+            &path,
+            "socket = \"/tmp/x.sock\"\nsocket_mode = \"0660\"\ntenant_dram_quota = { a = \"4MiB\" }\n[engine]\ndram_capacity_bytes = \"8MiB\"\n",
+        )
+        .unwrap();
+        let c = ServerConfig::load(ServerSources {
+            file: Some(path.clone()),
+            env: env(&[
+                ("KVTIER_SERVE_MAX_CONNECTIONS", "7"),
+                ("KVTIER_DRAM_CAPACITY_BYTES", "16MiB"),
+                ("KVTIER_SERVER_SOCKET", "/ignored"),
+            ]),
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(c.socket, PathBuf::from("/tmp/x.sock"));
+        assert_eq!(c.socket_mode, 0o660);
+        assert_eq!(c.settings.max_connections, 7);
+        assert_eq!(c.settings.tenant_dram_quota.get("a"), Some(&(4 << 20)));
+        assert_eq!(c.engine.dram_capacity_bytes, 16 << 20, "env beats the file");
+        assert_eq!(c.engine.server_socket, None);
+
+        let e = ServerConfig::load(ServerSources {
+            env: env(&[("KVTIER_SERVE_SOCKET_MOD", "0600")]),
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert_eq!(e.key, "socket_mod");
+        for bad in ["0400", "999", "rw"] {
+            let mut flags = Map::new();
+            flags.insert("socket_mode".into(), json!(bad));
+            let e = ServerConfig::load(ServerSources {
+                flags,
+                ..Default::default()
+            })
+            .unwrap_err();
+            assert_eq!(e.key, "socket_mode", "{bad}");
+        }
+        let e = ServerConfig::load(ServerSources {
+            env: env(&[("KVTIER_SERVE_TENANT_DRAM_QUOTA", "a=lots")]),
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert_eq!(e.key, "tenant_dram_quota");
+        let c = ServerConfig::load(ServerSources {
+            env: env(&[("KVTIER_SERVE_TENANT_DRAM_QUOTA", "a=2MiB, b=3MiB")]),
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(c.settings.tenant_dram_quota.len(), 2);
+        let mut engine_flags = Map::new();
+        engine_flags.insert("dram_capacity".into(), json!("1MiB"));
+        let e = ServerConfig::load(ServerSources {
+            engine_flags,
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert_eq!(e.key, "dram_capacity");
+    }
+}

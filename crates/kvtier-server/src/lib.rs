@@ -1,0 +1,21 @@
+//! `kvtier serve`: the local cache server shared by every TP/DP rank on a host.
+//!
+//! - [`config`]: [`ServerConfig`] (TOML file, `KVTIER_SERVE_*` / `KVTIER_*` env, flags; strict).
+//! - [`server`]: listener, sessions, dispatch of the wire protocol (`kvtier_proto`).
+//! - [`shm`]: client memfds mapped into the server — the crate's only `unsafe`.
+//! - [`cli`]: `serve`, `stat` and `bench server`, called by the `kvtier` binary.
+//!
+//! The engine behind it is reached through an embedded [`kvtier_client::Client`] per tenant
+//! store, so server mode has exactly the put/get/rollback/fold semantics of embedded mode.
+
+#![deny(unsafe_op_in_unsafe_fn)]
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
+
+pub mod bench;
+pub mod cli;
+pub mod config;
+pub mod server;
+pub mod shm;
+
+pub use config::{ServerConfig, ServerSources};
+pub use server::{RunningServer, Server, ServerError};

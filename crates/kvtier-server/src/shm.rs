@@ -1,0 +1,238 @@
+//! Client shared memory mapped into the server: the only `unsafe` code of this crate.
+//!
+//! A [`Mapping`] is one `MAP_SHARED` mapping of `[fd_offset, fd_offset + len)` of a memfd a
+//! client sent with `SCM_RIGHTS`, pre-faulted at registration (`MAP_POPULATE`), unmapped when
+//! the last `Arc<Mapping>` goes (its session ended and no request still uses it).
+//!
+//! Every access names `(offset, len)` relative to the region and is checked with overflow-safe
+//! arithmetic against the region's length before any pointer is formed, so the server never
+//! touches memory outside what the client registered. To hand the bytes to the engine through
+//! the embedded [`kvtier_client::Client`] (which owns put/get/rollback semantics), the mapping
+//! registers its exact range in that client's region registry and unregisters it in `Drop`
+//! *before* unmapping, so the registry never holds a range that is not mapped.
+//!
+//! What the checks cannot cover: the bytes are shared with the client process, which may
+//! write them while the server copies (it then gets torn bytes of its own pages, never another
+//! client's), and a client that shrinks its memfd after registration would make the server
+//! fault. Memfds that allow sealing are sealed against shrinking here; SGLang's
+//! `ShmHostTensorAllocator` creates memfds without `MFD_ALLOW_SEALING`, so for those the
+//! server relies on the socket's permissions (same user, mode 0600) — reported as
+//! `sealed: false` in stats.
+
+use std::ffi::c_void;
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use kvtier_client::memory::RegionId;
+use kvtier_client::{Client, MemRef};
+use rustix::fs::{fcntl_add_seals, fcntl_get_seals, fstat, FileType, SealFlags};
+use rustix::mm::{mmap, munmap, MapFlags, ProtFlags};
+
+/// Why a region could not be mapped, or a range is not inside it.
+#[derive(Debug, thiserror::Error)]
+pub enum ShmError {
+    #[error("region length must be at least 1 byte")]
+    Empty,
+    #[error("the passed descriptor is not a regular shared-memory file (memfd or tmpfs)")]
+    NotAFile,
+    #[error("memfd range {offset}+{len} overflows")]
+    Overflow { offset: u64, len: u64 },
+    #[error("memfd is {size} bytes, smaller than the registered range {offset}+{len}")]
+    TooShort { size: u64, offset: u64, len: u64 },
+    #[error("cannot inspect the memfd: {0}")]
+    Stat(#[source] std::io::Error),
+    #[error("mmap of the memfd failed: {0}")]
+    Map(#[source] std::io::Error),
+    #[error("cannot register the mapping: {0}")]
+    Register(String),
+    #[error(
+        "buffer at offset {offset} of {len} bytes lies outside region {region} \
+         ({label:?}, {region_len} bytes)"
+    )]
+    OutOfBounds {
+        region: u64,
+        label: String,
+        region_len: usize,
+        offset: u64,
+        len: u64,
+    },
+}
+
+/// One mapped client region.
+pub struct Mapping {
+    /// Start of the whole mapping (page aligned).
+    base: usize,
+    map_len: usize,
+    /// Start of the region inside the mapping (`fd_offset` modulo the page size).
+    data: usize,
+    len: usize,
+    sealed: bool,
+    label: String,
+    region: u64,
+    /// The embedded client whose registry holds `[data, data+len)`, and the id there.
+    registered: Option<(Arc<Client>, RegionId)>,
+    /// Server-wide count of live mappings (decremented after munmap).
+    live: Arc<AtomicU64>,
+}
+
+// SAFETY: a Mapping is plain shared memory plus immutable metadata; every access goes through
+// bounds-checked methods that hand the bytes to the engine for one copy.
+unsafe impl Send for Mapping {}
+// SAFETY: see Send.
+unsafe impl Sync for Mapping {}
+
+impl std::fmt::Debug for Mapping {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mapping")
+            .field("region", &self.region)
+            .field("label", &self.label)
+            .field("len", &self.len)
+            .field("sealed", &self.sealed)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Mapping {
+    /// Map `[fd_offset, fd_offset + len)` of `fd` read-write and shared, pre-faulted when
+    /// `prefault`, and register it in `client`'s region registry. The descriptor is closed
+    /// afterwards (the mapping keeps the memory alive). `live` counts mappings that exist.
+    #[allow(clippy::too_many_arguments)]
+    pub fn map(
+        fd: OwnedFd,
+        fd_offset: u64,
+        len: u64,
+        prefault: bool,
+        label: &str,
+        region: u64,
+        client: &Arc<Client>,
+        live: Arc<AtomicU64>,
+    ) -> Result<Mapping, ShmError> {
+        if len == 0 {
+            return Err(ShmError::Empty);
+        }
+        let overflow = ShmError::Overflow {
+            offset: fd_offset,
+            len,
+        };
+        let end = fd_offset.checked_add(len).ok_or(overflow)?;
+        let stat = fstat(&fd).map_err(|e| ShmError::Stat(e.into()))?;
+        if FileType::from_raw_mode(stat.st_mode) != FileType::RegularFile {
+            return Err(ShmError::NotAFile);
+        }
+        let size = u64::try_from(stat.st_size).unwrap_or(0);
+        if size < end {
+            return Err(ShmError::TooShort {
+                size,
+                offset: fd_offset,
+                len,
+            });
+        }
+        // Seal against shrinking where the memfd allows it, so no page can vanish under us.
+        let sealed = match fcntl_get_seals(&fd) {
+            Ok(seals) if seals.contains(SealFlags::SHRINK) => true,
+            Ok(seals) if !seals.contains(SealFlags::SEAL) => {
+                fcntl_add_seals(&fd, SealFlags::SHRINK).is_ok()
+            }
+            _ => false,
+        };
+        let page = rustix::param::page_size() as u64;
+        let aligned = fd_offset - fd_offset % page;
+        let data = usize::try_from(fd_offset - aligned).map_err(|_| ShmError::Overflow {
+            offset: fd_offset,
+            len,
+        })?;
+        let map_len = usize::try_from(end - aligned).map_err(|_| ShmError::Overflow {
+            offset: fd_offset,
+            len,
+        })?;
+        let len = map_len - data;
+        let mut flags = MapFlags::SHARED;
+        if prefault {
+            flags |= MapFlags::POPULATE;
+        }
+        // SAFETY: a new mapping at a kernel-chosen address (null hint), so it aliases nothing
+        // in this process; `aligned` is page aligned and `[aligned, end)` lies inside the file
+        // (checked against fstat above).
+        let base = unsafe {
+            mmap(
+                std::ptr::null_mut(),
+                map_len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                flags,
+                &fd,
+                aligned,
+            )
+        }
+        .map_err(|e| ShmError::Map(e.into()))? as usize;
+        live.fetch_add(1, Ordering::SeqCst);
+        let mut mapping = Mapping {
+            base,
+            map_len,
+            data: base + data,
+            len,
+            sealed,
+            label: label.to_string(),
+            region,
+            registered: None,
+            live,
+        };
+        // SAFETY: `[data, data+len)` is inside the mapping created above, which stays mapped
+        // until Drop, and Drop unregisters it from `client` before unmapping.
+        let id = unsafe { client.register_region(mapping.data, len, label) }
+            .map_err(|e| ShmError::Register(e.to_string()))?;
+        mapping.registered = Some((Arc::clone(client), id));
+        Ok(mapping)
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn sealed(&self) -> bool {
+        self.sealed
+    }
+
+    pub fn label(&self) -> &str {
+        &self.label
+    }
+
+    /// The buffer `(offset, len)` of this region as an address range the registered client
+    /// accepts, after the bounds check.
+    pub fn resolve(&self, offset: u64, len: u64) -> Result<MemRef, ShmError> {
+        let out_of_bounds = || ShmError::OutOfBounds {
+            region: self.region,
+            label: self.label.clone(),
+            region_len: self.len,
+            offset,
+            len,
+        };
+        let end = offset.checked_add(len).ok_or_else(out_of_bounds)?;
+        if end > self.len as u64 {
+            return Err(out_of_bounds());
+        }
+        // end <= self.len, so both fit usize and data + offset stays inside the mapping.
+        let offset = usize::try_from(offset).map_err(|_| out_of_bounds())?;
+        let len = usize::try_from(len).map_err(|_| out_of_bounds())?;
+        Ok(MemRef {
+            ptr: self.data + offset,
+            len,
+        })
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        if let Some((client, id)) = self.registered.take() {
+            client.unregister_region(id);
+        }
+        // SAFETY: base/map_len are exactly what mmap returned; the range is no longer in any
+        // registry (above) and no request holds this Mapping (we are its last owner).
+        let _ = unsafe { munmap(self.base as *mut c_void, self.map_len) };
+        self.live.fetch_sub(1, Ordering::SeqCst);
+    }
+}
