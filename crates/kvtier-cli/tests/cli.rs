@@ -24,8 +24,12 @@ fn fsck_reports_clean_and_damaged_directories() {
     };
     let e = Engine::open(cfg).unwrap();
     for i in 0..10 {
-        e.put(format!("k{i}").as_bytes(), &vec![i as u8; 10_000], PutMeta::default())
-            .unwrap();
+        e.put(
+            format!("k{i}").as_bytes(),
+            &vec![i as u8; 10_000],
+            PutMeta::default(),
+        )
+        .unwrap();
     }
     e.close().unwrap();
     let d = dir.path().to_str().unwrap();
@@ -35,7 +39,10 @@ fn fsck_reports_clean_and_damaged_directories() {
     assert_eq!(v["good"], 10);
     assert_eq!(v["corrupt"], 0);
     let out = kvtier(&["fsck", d]);
-    assert!(String::from_utf8_lossy(&out.stdout).contains("10 good"), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("10 good"),
+        "{out:?}"
+    );
 
     // Flip a payload byte of the second record.
     let seg = dir.path().join("seg-000000.kvt");
@@ -45,7 +52,10 @@ fn fsck_reports_clean_and_damaged_directories() {
     let out = kvtier(&["fsck", d, "--json"]);
     assert_eq!(out.status.code(), Some(1), "{out:?}");
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!((v["good"].as_u64(), v["corrupt"].as_u64()), (Some(9), Some(1)));
+    assert_eq!(
+        (v["good"].as_u64(), v["corrupt"].as_u64()),
+        (Some(9), Some(1))
+    );
 
     let out = kvtier(&["fsck", "/nonexistent/kvtier"]);
     assert_eq!(out.status.code(), Some(2));

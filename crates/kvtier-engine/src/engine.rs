@@ -269,7 +269,6 @@ impl Engine {
         let needed_blocks = self.dram.blocks_for(len);
         let window = self.config.eviction_candidate_window;
         let mut skip = 0;
-        let mut waited_for_copies = false;
         let mut candidates = Vec::with_capacity(window);
         loop {
             if let Some(a) = self.dram.try_allocate(len) {
@@ -278,15 +277,12 @@ impl Engine {
             candidates.clear();
             self.policy.candidates(skip, window, &mut candidates);
             if candidates.is_empty() {
-                // Objects waiting for their SSD copy are pinned by the copy queue; once it
-                // drains they can go.
+                // Objects waiting for their SSD copy are pinned by the copy queue; each
+                // finished batch releases some. Only when nothing is pending is it NoSpace.
                 if let Some(ssd) = self.ssd.as_ref().filter(|s| s.pending() > 0) {
-                    if !waited_for_copies {
-                        waited_for_copies = true;
-                        ssd.wait_idle();
-                        skip = 0;
-                        continue;
-                    }
+                    ssd.wait_progress();
+                    skip = 0;
+                    continue;
                 }
                 return Err(EngineError::NoSpace { needed: len });
             }

@@ -209,6 +209,8 @@ struct QueueInner {
     jobs: VecDeque<Job>,
     /// Popped by a worker and not finished yet.
     running: usize,
+    /// Batches finished so far (progress marker for waiters).
+    finished: u64,
     closed: bool,
 }
 
@@ -636,7 +638,17 @@ impl Shared {
     fn finish_batch(&self, n: usize) {
         let mut q = self.queue.lock();
         q.running -= n;
+        q.finished += 1;
         self.queue_cv.notify_all();
+    }
+
+    /// Wait until at least one more batch finished, or nothing is pending.
+    fn wait_progress(&self) {
+        let mut q = self.queue.lock();
+        let seen = q.finished;
+        while q.finished == seen && (!q.jobs.is_empty() || q.running > 0) {
+            self.queue_cv.wait(&mut q);
+        }
     }
 
     fn wait_idle(&self) {
@@ -900,11 +912,9 @@ impl SsdTier {
             inc(&sh_counters.bytes_allocated, e.rec_len);
             index.shard(&key).write().insert(key, e);
         }
-        for m in &mut slots {
-            if m.state == SegState::Sealed && m.live_objects == 0 {
-                m.state = SegState::Free;
-            }
-        }
+        // Recovered segments stay sealed even when nothing in them is live: their on-disk
+        // header says "in use" until reclaim frees them (empty ones go first), so the next
+        // checkpoint still lists every in-use segment.
         let report = rec.report;
         let sh = Arc::new(Shared {
             dir,
@@ -930,6 +940,7 @@ impl SsdTier {
             queue: Mutex::new(QueueInner {
                 jobs: VecDeque::new(),
                 running: 0,
+                finished: 0,
                 closed: false,
             }),
             queue_cv: Condvar::new(),
@@ -1039,8 +1050,8 @@ impl SsdTier {
         q.jobs.len() + q.running
     }
 
-    pub(crate) fn wait_idle(&self) {
-        self.sh.wait_idle();
+    pub(crate) fn wait_progress(&self) {
+        self.sh.wait_progress();
     }
 
     /// Read `key` into `dst` (whose length must match), verifying the record.
