@@ -8,6 +8,7 @@
 //!   index checkpoint and by a full segment scan.
 
 mod bench;
+mod serve;
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -42,10 +43,15 @@ enum Command {
         #[command(subcommand)]
         what: BenchCommand,
     },
+    #[command(flatten)]
+    Server(serve::ServerCommand),
 }
 
 #[derive(Subcommand)]
 enum BenchCommand {
+    /// Batch get/set through `kvtier serve` with shared memory vs same-run memcpy and memfd
+    /// copy; batch_exists_v2 (128 pages x 4 pools) round-trip latency.
+    Server(kvtier_server::bench::BenchServerArgs),
     /// SSD tier throughput (256 KiB - 2 MiB objects) and 2 MiB DRAM-miss latency, each
     /// against a raw O_DIRECT baseline measured in the same run on the same filesystem.
     Ssd {
@@ -82,7 +88,9 @@ fn main() -> ExitCode {
         Command::Bench { what } => match what {
             BenchCommand::Ssd { dir, quick, json } => bench::ssd(dir, quick, json),
             BenchCommand::Recovery { dir, objects, json } => bench::recovery(dir, objects, json),
+            BenchCommand::Server(args) => serve::bench(args),
         },
+        Command::Server(command) => serve::run(command),
     };
     match result {
         Ok(code) => code,

@@ -241,6 +241,11 @@ impl StagingMap {
         self.len == 0
     }
 
+    /// Address of the mapping in this process (for registering it as caller memory).
+    pub fn addr(&self) -> usize {
+        self.ptr
+    }
+
     pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
         use std::os::fd::AsFd;
         self.fd.as_fd()

@@ -225,6 +225,19 @@ impl Mapping {
     }
 }
 
+/// Register a memfd mapping this process owns (benchmarks, tests) with a client, zero copy in
+/// server mode. The registration must end before `map` is dropped: callers unregister (or drop
+/// the client) first.
+pub fn register_own_memfd(
+    client: &Client,
+    map: &kvtier_client::memory::StagingMap,
+    label: &str,
+) -> Result<RegionId, kvtier_client::ClientError> {
+    // SAFETY: `map` is a live shared mapping of exactly `map.len()` bytes at `map.addr()`,
+    // which is `[0, len)` of `map.fd()`; the caller keeps it alive while registered.
+    unsafe { client.register_memfd(map.addr(), map.len(), map.fd(), 0, label) }
+}
+
 impl Drop for Mapping {
     fn drop(&mut self) {
         if let Some((client, id)) = self.registered.take() {

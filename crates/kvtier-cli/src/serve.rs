@@ -1,0 +1,28 @@
+//! `kvtier serve`, `kvtier stat` and `kvtier bench server`: the local cache server, its live
+//! stats, and its benchmark (all implemented in kvtier-server).
+
+use std::process::ExitCode;
+
+use kvtier_server::bench::BenchServerArgs;
+use kvtier_server::cli::{ServeArgs, StatArgs};
+
+#[derive(clap::Subcommand)]
+pub enum ServerCommand {
+    /// Run the local cache server shared by every rank on this host (Unix socket + shared
+    /// memory) until SIGTERM/SIGINT, then finish running requests, flush and exit.
+    Serve(ServeArgs),
+    /// Print a running server's live stats (sessions, mappings, stores).
+    Stat(StatArgs),
+}
+
+pub fn run(command: ServerCommand) -> Result<ExitCode, String> {
+    let code = match command {
+        ServerCommand::Serve(args) => kvtier_server::cli::serve_main(args),
+        ServerCommand::Stat(args) => kvtier_server::cli::stat_main(args),
+    };
+    Ok(ExitCode::from(u8::try_from(code).unwrap_or(2)))
+}
+
+pub fn bench(args: BenchServerArgs) -> Result<ExitCode, String> {
+    kvtier_server::bench::bench_server_main(args).map(|_| ExitCode::SUCCESS)
+}
