@@ -11,7 +11,9 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
-use kvtier_engine::{EngineConfig, EvictionPolicyKind};
+use kvtier_engine::{
+    EngineConfig, EngineError, EvictionPolicyKind, SsdDurabilityMode, SsdIoBackend, SsdWritePolicy,
+};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
@@ -40,6 +42,50 @@ pub struct KvtierConfig {
     /// How many of the coldest objects the eviction policy chooses among.
     #[serde(deserialize_with = "strict::count")]
     pub eviction_candidate_window: u64,
+    /// Turn on the SSD tier (append-only segment log under `ssd_storage_dir`).
+    #[serde(deserialize_with = "strict::boolean")]
+    pub ssd_enabled: bool,
+    /// Directory of the segment files.
+    #[serde(deserialize_with = "strict::string")]
+    pub ssd_storage_dir: String,
+    /// Sub-directory of `ssd_storage_dir` for this store. The SGLang adapter sets it from the
+    /// DP/PP/TP ranks (`dp0_tp1`) when unset, so ranks never share one segment log.
+    #[serde(deserialize_with = "strict::optional_string")]
+    pub ssd_storage_subdir: Option<String>,
+    /// Bound of the segment files' total size.
+    #[serde(deserialize_with = "strict::size")]
+    pub ssd_capacity_bytes: u64,
+    /// Size of one segment file (the unit of space reclaim).
+    #[serde(deserialize_with = "strict::size")]
+    pub ssd_segment_size_bytes: u64,
+    /// Copy puts to SSD in the background (true) or before the put returns (false).
+    #[serde(deserialize_with = "strict::boolean")]
+    pub ssd_copy_async: bool,
+    /// Bound of the DRAM-to-SSD copy queue, in objects.
+    #[serde(deserialize_with = "strict::count")]
+    pub ssd_copy_queue_depth: u64,
+    /// Copy-pipeline worker threads.
+    #[serde(deserialize_with = "strict::count")]
+    pub ssd_copy_worker_threads: u64,
+    /// Most records one write (and one sync) of the copy pipeline carries.
+    #[serde(deserialize_with = "strict::count")]
+    pub ssd_copy_batch_max_ops: u64,
+    /// `strict` (`sync`): a put returns once its record is on disk and synced; `relaxed`
+    /// (`async`): records are written and synced in the background.
+    pub ssd_durability_mode: SsdDurabilityMode,
+    /// `posix` (pread/pwrite, O_DIRECT where the filesystem allows it) or `io_uring`.
+    pub ssd_io_backend: SsdIoBackend,
+    /// `write_through` (every put is copied to SSD) or `write_back` (on DRAM eviction).
+    pub ssd_write_policy: SsdWritePolicy,
+    /// Copy an object read from SSD back into DRAM.
+    #[serde(deserialize_with = "strict::boolean")]
+    pub auto_promote_on_read: bool,
+    /// SSD fill fraction that starts background reclaim.
+    #[serde(deserialize_with = "strict::fraction")]
+    pub ssd_high_watermark: f64,
+    /// SSD fill fraction background reclaim brings usage down to.
+    #[serde(deserialize_with = "strict::fraction")]
+    pub ssd_low_watermark: f64,
     /// Threads that copy one large batch (each gets a contiguous run of pages and at least
     /// 8 MiB); 1 copies on the calling thread only.
     #[serde(deserialize_with = "strict::count")]
@@ -75,6 +121,21 @@ impl Default for KvtierConfig {
             eviction_policy: engine.eviction_policy,
             eviction_candidate_window: engine.eviction_candidate_window as u64,
             copy_threads: default_copy_threads(),
+            ssd_enabled: engine.ssd_enabled,
+            ssd_storage_dir: engine.ssd_storage_dir.to_string_lossy().into_owned(),
+            ssd_storage_subdir: None,
+            ssd_capacity_bytes: engine.ssd_capacity_bytes,
+            ssd_segment_size_bytes: engine.ssd_segment_size_bytes,
+            ssd_copy_async: engine.ssd_copy_async,
+            ssd_copy_queue_depth: engine.ssd_copy_queue_depth as u64,
+            ssd_copy_worker_threads: engine.ssd_copy_worker_threads as u64,
+            ssd_copy_batch_max_ops: engine.ssd_copy_batch_max_ops as u64,
+            ssd_durability_mode: engine.ssd_durability_mode,
+            ssd_io_backend: engine.ssd_io_backend,
+            ssd_write_policy: engine.ssd_write_policy,
+            auto_promote_on_read: engine.auto_promote_on_read,
+            ssd_high_watermark: engine.ssd_high_watermark,
+            ssd_low_watermark: engine.ssd_low_watermark,
             extra_backend_tag: None,
             server_socket: None,
             server_auto_start: false,
@@ -82,6 +143,10 @@ impl Default for KvtierConfig {
             server_staging_bytes: 32 << 20,
         }
     }
+}
+
+fn saturating_usize(v: u64) -> usize {
+    usize::try_from(v).unwrap_or(usize::MAX)
 }
 
 /// Two copy threads where the machine has the cores: one memcpy stream rarely saturates
@@ -289,6 +354,24 @@ impl KvtierConfig {
                 "must be at least 1",
             ));
         }
+        if let Some(sub) = &self.ssd_storage_subdir {
+            let bad = sub.is_empty()
+                || Path::new(sub).is_absolute()
+                || Path::new(sub)
+                    .components()
+                    .any(|c| !matches!(c, std::path::Component::Normal(_)));
+            if bad {
+                return Err(ConfigError::new(
+                    "ssd_storage_subdir",
+                    &origin("ssd_storage_subdir"),
+                    format!("{sub:?} must be a relative path without '..'"),
+                ));
+            }
+        }
+        // The engine owns the SSD tier's rules; report its verdict against our key and origin.
+        if let Err(EngineError::InvalidConfig { key, reason }) = self.engine_config().validate() {
+            return Err(ConfigError::new(key, &origin(key), reason));
+        }
         if !(1..=64).contains(&self.copy_threads) {
             return Err(ConfigError::new(
                 "copy_threads",
@@ -334,7 +417,30 @@ impl KvtierConfig {
             eviction_candidate_window: usize::try_from(self.eviction_candidate_window)
                 .unwrap_or(usize::MAX),
             prefault: self.dram_prefault,
+            ssd_enabled: self.ssd_enabled,
+            ssd_storage_dir: self.ssd_dir(),
+            ssd_capacity_bytes: self.ssd_capacity_bytes,
+            ssd_segment_size_bytes: self.ssd_segment_size_bytes,
+            ssd_copy_async: self.ssd_copy_async,
+            ssd_copy_queue_depth: saturating_usize(self.ssd_copy_queue_depth),
+            ssd_copy_worker_threads: saturating_usize(self.ssd_copy_worker_threads),
+            ssd_copy_batch_max_ops: saturating_usize(self.ssd_copy_batch_max_ops),
+            ssd_durability_mode: self.ssd_durability_mode,
+            ssd_io_backend: self.ssd_io_backend,
+            auto_promote_on_read: self.auto_promote_on_read,
+            ssd_high_watermark: self.ssd_high_watermark,
+            ssd_low_watermark: self.ssd_low_watermark,
+            ssd_write_policy: self.ssd_write_policy,
             ..EngineConfig::default()
+        }
+    }
+
+    /// The segment directory: `ssd_storage_dir`, joined with `ssd_storage_subdir` when set.
+    pub fn ssd_dir(&self) -> PathBuf {
+        let base = PathBuf::from(&self.ssd_storage_dir);
+        match &self.ssd_storage_subdir {
+            Some(sub) => base.join(sub),
+            None => base,
         }
     }
 
@@ -406,6 +512,45 @@ pub mod strict {
                         "{v:?} is not a boolean (true/false, 1/0, yes/no, on/off)"
                     ))),
                 }
+            }
+        }
+        d.deserialize_any(V)
+    }
+
+    pub fn string<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+        match optional_string(d)? {
+            Some(s) => Ok(s),
+            None => Err(de::Error::custom("expected a string")),
+        }
+    }
+
+    /// A number from 0.0 to 1.0 (a float, an integer 0/1, or its string form).
+    pub fn fraction<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = f64;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a fraction from 0.0 to 1.0")
+            }
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<f64, E> {
+                if (0.0..=1.0).contains(&v) {
+                    Ok(v)
+                } else {
+                    Err(E::custom(format!("{v} is not a fraction from 0.0 to 1.0")))
+                }
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<f64, E> {
+                self.visit_f64(v as f64)
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<f64, E> {
+                self.visit_f64(v as f64)
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<f64, E> {
+                let f: f64 = v
+                    .trim()
+                    .parse()
+                    .map_err(|_| E::custom(format!("{v:?} is not a number")))?;
+                self.visit_f64(f)
             }
         }
         d.deserialize_any(V)
@@ -630,6 +775,55 @@ mod tests {
         assert_eq!(e.key, "extra_backend_tag");
         let e = load(&[], json!({"extra_backend_tag": 7})).unwrap_err();
         assert_eq!(e.key, "extra_backend_tag");
+    }
+
+    #[test]
+    fn ssd_keys_are_parsed_strictly_and_checked_by_the_engine() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().to_str().unwrap();
+        let env = [
+            ("KVTIER_SSD_ENABLED", "yes"),
+            ("KVTIER_SSD_STORAGE_DIR", d),
+            ("KVTIER_SSD_DURABILITY_MODE", "sync"),
+            ("KVTIER_SSD_CAPACITY_BYTES", "1GiB"),
+            ("KVTIER_SSD_SEGMENT_SIZE_BYTES", "64MiB"),
+        ];
+        let c = load(
+            &env,
+            json!({"ssd_storage_subdir": "dp0_tp1", "ssd_high_watermark": "0.95"}),
+        )
+        .unwrap();
+        assert!(c.ssd_enabled);
+        assert_eq!(c.ssd_durability_mode, SsdDurabilityMode::Strict);
+        assert_eq!(c.ssd_dir(), dir.path().join("dp0_tp1"));
+        assert_eq!(
+            c.engine_config().ssd_storage_dir,
+            dir.path().join("dp0_tp1")
+        );
+        assert_eq!(c.engine_config().ssd_capacity_bytes, 1 << 30);
+        for (key, bad) in [
+            ("ssd_durability_mode", json!("eventually")),
+            ("ssd_io_backend", json!("spdk")),
+            ("ssd_write_policy", json!("sometimes")),
+            ("ssd_high_watermark", json!(1.5)),
+            ("ssd_low_watermark", json!("low")),
+            ("ssd_enabled", json!("maybe")),
+            ("ssd_storage_subdir", json!("../escape")),
+            ("ssd_storage_subdir", json!("/abs")),
+        ] {
+            let mut x = json!({"ssd_enabled": true, "ssd_storage_dir": d});
+            x[key] = bad.clone();
+            let e = load(&[], x).unwrap_err();
+            assert_eq!(e.key, key, "{bad}: {e}");
+        }
+        // A segment larger than the whole capacity: the engine's rule, reported against the key.
+        let e = load(
+            &[],
+            json!({"ssd_enabled": true, "ssd_storage_dir": d, "ssd_capacity_bytes": "64MiB",
+                   "ssd_segment_size_bytes": "128MiB"}),
+        )
+        .unwrap_err();
+        assert!(e.key.starts_with("ssd_"), "{e}");
     }
 
     #[test]

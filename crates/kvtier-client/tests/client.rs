@@ -142,3 +142,59 @@ fn copy_threads_is_range_checked() {
     .unwrap_err();
     assert_eq!(err.key, "copy_threads");
 }
+
+#[test]
+fn ssd_tier_survives_reopening_the_client() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = json!({
+        "dram_capacity_bytes": "64MiB",
+        "ssd_enabled": true,
+        "ssd_storage_dir": dir.path().to_str().expect("utf8"),
+        "ssd_storage_subdir": "tp0",
+        "ssd_capacity_bytes": "256MiB",
+        "ssd_segment_size_bytes": "16MiB",
+        "ssd_durability_mode": "strict",
+    });
+    let len = 256 << 10;
+    let page_keys = keys(8);
+    let suffixes = [".k", ".v"];
+    {
+        let c = client(cfg.clone());
+        let (_src, refs) = source(&c, 8, len);
+        let batch = PageBatch {
+            prefix: b"",
+            page_keys: &page_keys,
+            suffixes: &suffixes,
+        };
+        assert_eq!(c.put_pages(&batch, &refs, None).ok, vec![true; 8]);
+        c.flush().expect("flush");
+        c.close();
+    }
+    assert!(dir.path().join("tp0").is_dir());
+    let c = client(cfg);
+    let mut dst = vec![0u8; 8 * 2 * len];
+    let base = dst.as_mut_ptr() as usize;
+    // SAFETY: `dst` outlives the client calls below.
+    unsafe { c.register_region(base, dst.len(), "dst") }.expect("register");
+    let out: Vec<MemRef> = (0..16)
+        .map(|i| MemRef {
+            ptr: base + i * len,
+            len,
+        })
+        .collect();
+    let batch = PageBatch {
+        prefix: b"",
+        page_keys: &page_keys,
+        suffixes: &suffixes,
+    };
+    assert_eq!(c.get_pages(&batch, &out).ok, vec![true; 8]);
+    for p in 0..8 {
+        for j in 0..2 {
+            let at = (p * 2 + j) * len;
+            assert!(
+                dst[at..at + len] == pattern(p, j, len)[..],
+                "page {p} comp {j}"
+            );
+        }
+    }
+}
