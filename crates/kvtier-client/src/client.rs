@@ -7,6 +7,8 @@
 //! mismatch or a full store is a `false` for that item plus a reason in the result.
 
 use std::ops::Range;
+
+use parking_lot::RwLock;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use kvtier_engine::{Engine, EngineError, EngineStats, PutMeta, PutOutcome};
@@ -40,7 +42,9 @@ pub const PARALLEL_COPY_MIN_BYTES_PER_THREAD: usize = 8 << 20;
 /// Where the objects live.
 #[derive(Debug)]
 enum Backend {
-    Embedded(Engine),
+    /// `None` once closed: closing drops the engine (flushing the SSD tier and releasing its
+    /// directory), after the batches in flight, which hold the read lock, are done.
+    Embedded(RwLock<Option<Engine>>),
     Server(RemoteStore),
 }
 
@@ -61,7 +65,7 @@ impl Client {
         let backend = if config.server_socket.is_some() {
             Backend::Server(RemoteStore::connect(&config)?)
         } else {
-            Backend::Embedded(Engine::open(config.engine_config())?)
+            Backend::Embedded(RwLock::new(Some(Engine::open(config.engine_config())?)))
         };
         let copy_threads = usize::try_from(config.copy_threads).unwrap_or(1).max(1);
         Ok(Client {
@@ -235,8 +239,8 @@ impl Client {
         if let Err(reason) = self.check_page_shape(batch, buffers, depths) {
             return self.reject_batch(pages, reason);
         }
-        let engine = match &self.backend {
-            Backend::Embedded(engine) => engine,
+        let guard = match &self.backend {
+            Backend::Embedded(slot) => slot.read(),
             Backend::Server(remote) => {
                 return remote.page_io(
                     &self.regions,
@@ -248,6 +252,9 @@ impl Client {
                     depths,
                 )
             }
+        };
+        let Some(engine) = guard.as_ref() else {
+            return BatchResult::all_failed(pages, ClientError::Closed.to_string());
         };
         self.split_pages(batch, buffers, |range| {
             self.put_page_range(engine, batch, buffers, depths, range)
@@ -307,8 +314,8 @@ impl Client {
         if let Err(reason) = self.check_page_shape(batch, buffers, None) {
             return self.reject_batch(pages, reason);
         }
-        let engine = match &self.backend {
-            Backend::Embedded(engine) => engine,
+        let guard = match &self.backend {
+            Backend::Embedded(slot) => slot.read(),
             Backend::Server(remote) => {
                 return remote.page_io(
                     &self.regions,
@@ -320,6 +327,9 @@ impl Client {
                     None,
                 )
             }
+        };
+        let Some(engine) = guard.as_ref() else {
+            return BatchResult::all_failed(pages, ClientError::Closed.to_string());
         };
         self.split_pages(batch, buffers, |range| {
             self.get_page_range(engine, batch, buffers, range)
@@ -435,7 +445,11 @@ impl Client {
     ) -> Result<PutOutcome, ClientError> {
         self.ensure_open()?;
         match &self.backend {
-            Backend::Embedded(engine) => Ok(engine.put(key, value, PutMeta { depth })?),
+            Backend::Embedded(slot) => {
+                let guard = slot.read();
+                let engine = guard.as_ref().ok_or(ClientError::Closed)?;
+                Ok(engine.put(key, value, PutMeta { depth })?)
+            }
             // The server does not say whether the key was new; both count as stored.
             Backend::Server(remote) => remote
                 .put_slice(key, value, depth)
@@ -447,7 +461,11 @@ impl Client {
     pub fn get_into_slice(&self, key: &[u8], dst: &mut [u8]) -> Result<(), ClientError> {
         self.ensure_open()?;
         match &self.backend {
-            Backend::Embedded(engine) => Ok(engine.get_into(key, dst)?),
+            Backend::Embedded(slot) => {
+                let guard = slot.read();
+                let engine = guard.as_ref().ok_or(ClientError::Closed)?;
+                Ok(engine.get_into(key, dst)?)
+            }
             Backend::Server(remote) => match remote.get_into_slice(key, dst)? {
                 true => Ok(()),
                 false => Err(ClientError::Engine(EngineError::NotFound)),
@@ -457,7 +475,7 @@ impl Client {
 
     pub fn object_len(&self, key: &[u8]) -> Option<u64> {
         match &self.backend {
-            Backend::Embedded(engine) => engine.object_len(key),
+            Backend::Embedded(slot) => slot.read().as_ref().and_then(|e| e.object_len(key)),
             Backend::Server(remote) => remote.object_len(key).ok().flatten(),
         }
     }
@@ -467,7 +485,10 @@ impl Client {
             return vec![false; keys.len()];
         }
         match &self.backend {
-            Backend::Embedded(engine) => keys.iter().map(|k| engine.contains(k.as_ref())).collect(),
+            Backend::Embedded(slot) => match slot.read().as_ref() {
+                Some(engine) => keys.iter().map(|k| engine.contains(k.as_ref())).collect(),
+                None => vec![false; keys.len()],
+            },
             Backend::Server(remote) => {
                 let keys: Vec<Vec<u8>> = keys.iter().map(|k| k.as_ref().to_vec()).collect();
                 remote
@@ -485,8 +506,8 @@ impl Client {
         if self.ensure_open().is_err() || batch.components() == 0 {
             return 0;
         }
-        let engine = match &self.backend {
-            Backend::Embedded(engine) => engine,
+        let guard = match &self.backend {
+            Backend::Embedded(slot) => slot.read(),
             Backend::Server(remote) => {
                 let keys = kvtier_proto::server::PageKeys {
                     prefix: batch.prefix.to_vec(),
@@ -499,6 +520,9 @@ impl Client {
                 };
                 return remote.exists_pages_prefix(keys).unwrap_or(0);
             }
+        };
+        let Some(engine) = guard.as_ref() else {
+            return 0;
         };
         let mut key = Vec::new();
         batch
@@ -519,14 +543,21 @@ impl Client {
             return ExistsV2Answer::default();
         }
         match &self.backend {
-            Backend::Embedded(engine) => engine.exists_v2(query),
+            Backend::Embedded(slot) => slot
+                .read()
+                .as_ref()
+                .map(|e| e.exists_v2(query))
+                .unwrap_or_default(),
             Backend::Server(remote) => remote.exists_v2(query).unwrap_or_default(),
         }
     }
 
     pub fn remove_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> usize {
         match &self.backend {
-            Backend::Embedded(engine) => keys.iter().filter(|k| engine.remove(k.as_ref())).count(),
+            Backend::Embedded(slot) => match slot.read().as_ref() {
+                Some(engine) => keys.iter().filter(|k| engine.remove(k.as_ref())).count(),
+                None => 0,
+            },
             Backend::Server(remote) => {
                 let keys: Vec<Vec<u8>> = keys.iter().map(|k| k.as_ref().to_vec()).collect();
                 remote.remove_keys(&keys).unwrap_or(0)
@@ -536,7 +567,11 @@ impl Client {
 
     pub fn clear(&self) {
         match &self.backend {
-            Backend::Embedded(engine) => engine.clear(),
+            Backend::Embedded(slot) => {
+                if let Some(engine) = slot.read().as_ref() {
+                    engine.clear();
+                }
+            }
             Backend::Server(remote) => {
                 let _ = remote.clear();
             }
@@ -548,7 +583,10 @@ impl Client {
     pub fn flush(&self) -> Result<(), ClientError> {
         self.ensure_open()?;
         match &self.backend {
-            Backend::Embedded(engine) => Ok(engine.flush()?),
+            Backend::Embedded(slot) => match slot.read().as_ref() {
+                Some(engine) => Ok(engine.flush()?),
+                None => Err(ClientError::Closed),
+            },
             Backend::Server(remote) => remote.flush(),
         }
     }
@@ -557,17 +595,26 @@ impl Client {
     /// session: the server unmaps this process's memory.
     pub fn close(&self) {
         if !self.closed.swap(true, Ordering::AcqRel) {
-            if let Backend::Server(remote) = &self.backend {
-                remote.close();
+            match &self.backend {
+                Backend::Server(remote) => remote.close(),
+                Backend::Embedded(slot) => {
+                    // Waits for batches in flight; dropping flushes the SSD tier and frees
+                    // its directory for the next store.
+                    if let Some(engine) = slot.write().take() {
+                        if let Err(e) = engine.close() {
+                            tracing::warn!(error = %e, "kvtier: flushing the store at close failed");
+                        }
+                    }
+                }
             }
             self.regions.clear();
         }
     }
 
-    /// The engine of embedded mode (`None` in server mode).
-    pub fn engine(&self) -> Option<&Engine> {
+    /// Run `f` on the engine of embedded mode (`None` in server mode or once closed).
+    pub fn with_engine<R>(&self, f: impl FnOnce(&Engine) -> R) -> Option<R> {
         match &self.backend {
-            Backend::Embedded(engine) => Some(engine),
+            Backend::Embedded(slot) => slot.read().as_ref().map(f),
             Backend::Server(_) => None,
         }
     }
@@ -604,7 +651,9 @@ impl Client {
         let regions = self.regions.regions();
         ClientStats {
             engine: match &self.backend {
-                Backend::Embedded(engine) => engine.stats(),
+                Backend::Embedded(slot) => {
+                    slot.read().as_ref().map(Engine::stats).unwrap_or_default()
+                }
                 Backend::Server(_) => EngineStats::default(),
             },
             rejected_buffers: self.rejected_buffers.load(Ordering::Relaxed),
