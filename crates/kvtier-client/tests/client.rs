@@ -158,18 +158,18 @@ fn ssd_tier_survives_reopening_the_client() {
     let len = 256 << 10;
     let page_keys = keys(8);
     let suffixes = [".k", ".v"];
-    {
-        let c = client(cfg.clone());
-        let (_src, refs) = source(&c, 8, len);
-        let batch = PageBatch {
-            prefix: b"",
-            page_keys: &page_keys,
-            suffixes: &suffixes,
-        };
-        assert_eq!(c.put_pages(&batch, &refs, None).ok, vec![true; 8]);
-        c.flush().expect("flush");
-        c.close();
-    }
+    let first = client(cfg.clone());
+    let (_src, refs) = source(&first, 8, len);
+    let batch = PageBatch {
+        prefix: b"",
+        page_keys: &page_keys,
+        suffixes: &suffixes,
+    };
+    assert_eq!(first.put_pages(&batch, &refs, None).ok, vec![true; 8]);
+    first.flush().expect("flush");
+    // Closing releases the segment directory even while the first client object lives on.
+    first.close();
+    assert!(first.put_pages(&batch, &refs, None).errors[0].contains("closed"));
     assert!(dir.path().join("tp0").is_dir());
     let c = client(cfg);
     let mut dst = vec![0u8; 8 * 2 * len];
