@@ -30,7 +30,7 @@ pub(crate) fn path(dir: &Path) -> PathBuf {
 /// One index entry as checkpointed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct CkptEntry {
-    pub key: Box<[u8]>,
+    pub key: std::sync::Arc<[u8]>,
     pub seg: u32,
     pub offset: u64,
     pub rec_len: u64,
@@ -106,7 +106,7 @@ impl Checkpoint {
         for _ in 0..n {
             let klen = r.u32()? as usize;
             c.entries.push(CkptEntry {
-                key: Box::from(r.bytes(klen)?),
+                key: std::sync::Arc::from(r.bytes(klen)?),
                 seg: r.u32()?,
                 offset: r.u64()?,
                 rec_len: r.u64()?,
@@ -176,7 +176,7 @@ mod tests {
             next_seq: 99,
             segments: vec![(0, 5, 8192), (3, 7, 4096)],
             entries: vec![CkptEntry {
-                key: Box::from(&b"k1"[..]),
+                key: std::sync::Arc::from(&b"k1"[..]),
                 seg: 0,
                 offset: 4096,
                 rec_len: 4096,

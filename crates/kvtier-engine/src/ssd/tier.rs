@@ -1190,7 +1190,7 @@ impl SsdTier {
         for shard in sh.index.shards.iter() {
             for (k, e) in shard.read().iter() {
                 c.entries.push(CkptEntry {
-                    key: Box::from(&**k),
+                    key: Arc::clone(k),
                     seg: e.seg,
                     offset: e.offset,
                     rec_len: e.rec_len,
@@ -1381,7 +1381,8 @@ fn recover(
         }
     }
     let mut trusted = vec![false; files.len()];
-    let mut best: HashMap<Arc<[u8]>, SsdEntry, Hasher> = HashMap::with_hasher(Hasher::default());
+    // Entries vouched for by the checkpoint (unique keys); merged with scans only if needed.
+    let mut from_ckpt: Vec<(Arc<[u8]>, SsdEntry)> = Vec::new();
     let mut in_use: Vec<(u32, u64, u64)> = Vec::new();
     let ckpt = checkpoint::read(dir);
     let ckpt_ok = ckpt.as_ref().is_some_and(|c| {
@@ -1406,7 +1407,7 @@ fn recover(
             trusted[id as usize] = true;
             in_use.push((id, g, end));
         }
-        best.reserve(c.entries.len());
+        from_ckpt.reserve(c.entries.len());
         let mut gen_of = vec![None; files.len()];
         for &(id, g, _) in &c.segments {
             gen_of[id as usize] = Some(g);
@@ -1415,8 +1416,8 @@ fn recover(
             let Some(generation) = gen_of.get(e.seg as usize).copied().flatten() else {
                 continue;
             };
-            best.insert(
-                Arc::from(&*e.key),
+            from_ckpt.push((
+                Arc::clone(&e.key),
                 SsdEntry {
                     seg: e.seg,
                     generation,
@@ -1427,14 +1428,14 @@ fn recover(
                     seq: e.seq,
                     depth: e.depth,
                 },
-            );
+            ));
         }
         report.objects_from_checkpoint = c.entries.len() as u64;
         progress(&RecoveryProgress {
             segments_done: 0,
             segments_total: 0,
             bytes_scanned: 0,
-            records: best.len() as u64,
+            records: from_ckpt.len() as u64,
             elapsed: t0.elapsed(),
             from_checkpoint: true,
         });
@@ -1478,7 +1479,7 @@ fn recover(
         drop(tx);
         let mut done = 0;
         let mut bytes = 0;
-        let mut records = best.len() as u64;
+        let mut records = from_ckpt.len() as u64;
         let mut last = Instant::now();
         for msg in rx {
             match msg {
@@ -1513,6 +1514,19 @@ fn recover(
         return Err(e);
     }
     scans.sort_by_key(|(seg, _)| *seg);
+    if scans.is_empty() {
+        report.objects = from_ckpt.len() as u64;
+        report.elapsed = t0.elapsed();
+        return Ok(Recovered {
+            entries: from_ckpt,
+            in_use,
+            next_seq,
+            report,
+        });
+    }
+    let mut best: HashMap<Arc<[u8]>, SsdEntry, Hasher> = HashMap::with_hasher(Hasher::default());
+    best.reserve(from_ckpt.len());
+    best.extend(from_ckpt);
     for (seg, scan) in scans {
         report.segments_scanned += 1;
         report.bytes_scanned += scan.bytes_scanned;
