@@ -22,13 +22,14 @@ and other rank-replicated pools carry no TP rank: one object per page serves eve
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -115,6 +116,32 @@ def _physical_buffers(pool: Any) -> List[torch.Tensor]:
                 seen.add(extent)
                 flat.append(tensor)
     return flat
+
+
+def _memfd_of(pool: Any, tensor: torch.Tensor) -> Tuple[Optional[Tuple[int, int]], str]:
+    """``((fd, offset), "")`` when ``tensor`` lives in a memfd of the pool's allocator (SGLang's
+    ``ShmHostTensorAllocator`` keeps ``allocator.fds`` / ``allocator.mms``), else ``(None, why)``."""
+    allocator = getattr(pool, "allocator", None)
+    fds = list(getattr(allocator, "fds", None) or [])
+    mms = list(getattr(allocator, "mms", None) or [])
+    if not fds or len(fds) != len(mms):
+        return None, (
+            "its host buffers are plain anonymous memory (allocator %s); add \"allocator\": \"shm\" "
+            "to --hicache-storage-backend-extra-config so the server can map them"
+            % type(allocator).__name__
+        )
+    storage = tensor.untyped_storage()
+    start, size = int(storage.data_ptr()), int(storage.nbytes())
+    for fd, mm in zip(fds, mms):
+        try:
+            view = ctypes.c_char.from_buffer(mm)
+            base = ctypes.addressof(view)
+            del view  # release the buffer export at once
+        except (TypeError, ValueError):
+            continue
+        if base <= start and start + size <= base + len(mm):
+            return (int(fd), start - base), ""
+    return None, "its buffer is not inside any of the allocator's memfds"
 
 
 def _normalize_sizes(sizes: Any, count: int) -> List[int]:
@@ -232,6 +259,9 @@ class KvtierStore(HiCacheStorage):
         own = kvtier_extra_config(extra)
         # Raises ValueError naming the key for an unknown key or a bad value.
         self._store = _native.Store(json.dumps(own))
+        # Server mode (server_socket / KVTIER_SERVER_SOCKET): one store per host, shared by
+        # every rank; embedded mode: a store private to this process.
+        self._server_mode = self._store.mode == "server"
         self._tag = own.get("extra_backend_tag")
         self._prefix = f"{self._tag}/" if self._tag else ""
 
@@ -250,10 +280,11 @@ class KvtierStore(HiCacheStorage):
         self._tp_lcm = (getattr(cfg, "tp_lcm_size", None) or self._tp_size) if cfg else 1
         is_writer = cfg.is_storage_writer if cfg else True
         # An embedded store is private to this process, so every rank must write its own
-        # copy of rank-replicated KV; the local-server mode shares one copy per host.
-        self._store_is_process_private = True
+        # copy of rank-replicated KV; the local-server mode shares one copy per host, written
+        # by SGLang's storage writer rank and read by every rank.
+        self._store_is_process_private = not self._server_mode
         self._writes_replicated_kv = is_writer or self._store_is_process_private
-        if not is_writer:
+        if not is_writer and self._store_is_process_private:
             logger.info(
                 "kvtier: TP rank %d is not the MLA storage writer, but the embedded store is "
                 "private to this process, so it writes its own copy; use kvtier's server mode "
@@ -271,7 +302,8 @@ class KvtierStore(HiCacheStorage):
         self._closed = False
         self._lock = threading.Lock()
         logger.info(
-            "kvtier store opened (embedded, kv path %s): %s",
+            "kvtier store opened (%s, kv path %s): %s",
+            "server mode" if self._server_mode else "embedded",
             "v1 zero-copy" if self._interface_v1 else "legacy tensor copy",
             self._store.config_toml().replace("\n", "; "),
         )
@@ -351,7 +383,24 @@ class KvtierStore(HiCacheStorage):
         ids = []
         for tensor in _physical_buffers(pool):
             storage = tensor.untyped_storage()
-            ids.append(self._store.register_region(int(storage.data_ptr()), int(storage.nbytes()), f"{name}"))
+            ptr, nbytes = int(storage.data_ptr()), int(storage.nbytes())
+            if self._server_mode:
+                memfd, why = _memfd_of(pool, tensor)
+                if memfd is not None:
+                    try:
+                        ids.append(self._store.register_memfd(ptr, nbytes, memfd[0], memfd[1], f"{name}"))
+                        continue
+                    except Exception as exc:  # the server refused the memfd: copy instead
+                        why = f"the server refused its memfd ({exc})"
+                self._warn_once(
+                    f"staged:{name}",
+                    "kvtier server mode: pool %s (%s) is not zero-copy because %s; its pages are "
+                    "copied through a shared-memory staging ring (one extra copy per page).",
+                    name,
+                    type(pool).__name__,
+                    why,
+                )
+            ids.append(self._store.register_region(ptr, nbytes, f"{name}"))
         return ids
 
     def _inside_regions(self, ptrs: Sequence[int], sizes: Sequence[int]) -> bool:

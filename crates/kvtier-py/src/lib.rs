@@ -161,6 +161,47 @@ impl Store {
         Ok(id.0)
     }
 
+    /// Register `[ptr, ptr+size)`, which is `[fd_offset, fd_offset+size)` of the memfd `fd`
+    /// (e.g. a host pool buffer from SGLang's `ShmHostTensorAllocator`). Server mode sends the
+    /// memfd to the server once, which then copies pages straight into and out of this memory;
+    /// embedded mode registers the range like `register_region`. Same lifetime contract as
+    /// `register_region`; the descriptor is duplicated, the caller keeps its own.
+    fn register_memfd(
+        &self,
+        py: Python<'_>,
+        ptr: usize,
+        size: usize,
+        fd: i32,
+        fd_offset: u64,
+        label: &str,
+    ) -> PyResult<u64> {
+        if fd < 0 {
+            return Err(PyValueError::new_err(format!(
+                "invalid file descriptor {fd}"
+            )));
+        }
+        // SAFETY: the caller passes a descriptor it keeps open for this call (it is duplicated
+        // before use and never closed here).
+        let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+        let client = &self.client;
+        // SAFETY: the documented contract of this method, as for register_region.
+        let id = py
+            .detach(|| unsafe { client.register_memfd(ptr, size, fd, fd_offset, label) })
+            .map_err(map_error)?;
+        Ok(id.0)
+    }
+
+    /// `"embedded"` or `"server"`.
+    #[getter]
+    fn mode(&self) -> &'static str {
+        self.client.mode()
+    }
+
+    /// Regions the server maps directly (0 in embedded mode).
+    fn zero_copy_regions(&self) -> usize {
+        self.client.zero_copy_regions()
+    }
+
     fn unregister_region(&self, region_id: u64) -> bool {
         self.client
             .unregister_region(kvtier_client::memory::RegionId(region_id))
@@ -430,7 +471,9 @@ impl Store {
     /// Counters as a dict of int.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let dict = PyDict::new(py);
-        if let Ok(serde_json::Value::Object(map)) = serde_json::to_value(self.client.stats()) {
+        let client = &self.client;
+        let stats = py.detach(|| client.stats_json());
+        if let serde_json::Value::Object(map) = stats {
             for (k, v) in map {
                 match v {
                     serde_json::Value::Number(n) => {

@@ -176,8 +176,13 @@ def build_mha_host_pool(
     dtype: torch.dtype = torch.bfloat16,
     size_pages: int = 64,
     device_pages: int = 4,
+    allocator_type: str = "default",
 ):
     """Real ``MHATokenToKVPoolHost`` over a real CPU ``MHATokenToKVPool``.
+
+    ``allocator_type`` is passed where SGLang takes it: ``"shm"`` allocates the host buffers
+    with SGLang's own ``ShmHostTensorAllocator`` (memfds, kept on ``host.allocator``), as
+    ``"allocator": "shm"`` in the storage extra_config does on a real server.
 
     Built like ``hybrid_pool_assembler._build_mha_mla_host_pool`` (which uses
     ``_mha_host_inputs``) but with ``pin_memory=False`` and an exact host
@@ -210,7 +215,7 @@ def build_mha_host_pool(
         layout=layout,
         pin_memory=False,
         device="cpu",
-        allocator_type="default",
+        allocator_type=allocator_type,
         pool_label="kv",
         host_token_capacity=size_pages * page_size,
         **host_kwargs,
@@ -228,9 +233,11 @@ def build_mla_host_pool(
     dtype: torch.dtype = torch.bfloat16,
     size_pages: int = 64,
     device_pages: int = 4,
+    allocator_type: str = "default",
 ):
     """Real ``MLATokenToKVPoolHost`` over a real CPU ``MLATokenToKVPool``,
     constructed like ``_build_mha_mla_host_pool`` with ``pin_memory=False``.
+    ``allocator_type="shm"``: SGLang's memfd allocator (see ``build_mha_host_pool``).
     Default geometry: 16 tok x 4 layers x 576 bf16 = 72 KiB/page."""
     if layout not in MLA_LAYOUTS:
         raise ValueError(f"unsupported MLA layout {layout!r}; use one of {MLA_LAYOUTS}")
@@ -255,7 +262,7 @@ def build_mla_host_pool(
         layout=layout,
         pin_memory=False,
         device="cpu",
-        allocator_type="default",
+        allocator_type=allocator_type,
         override_kv_cache_dim=device_pool.kv_cache_dim,
         device_capacity_tokens=(
             device_pool.size
