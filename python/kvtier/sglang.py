@@ -26,6 +26,7 @@ import ctypes
 import hashlib
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -78,6 +79,20 @@ _POLICY_NAMES = {
 def kvtier_extra_config(extra_config: Optional[dict]) -> dict:
     """The part of SGLang's extra_config that is kvtier's to parse."""
     return {k: v for k, v in (extra_config or {}).items() if k not in SGLANG_OWNED_KEYS}
+
+
+def ssd_rank_subdir(storage_config: Optional[HiCacheStorageConfig]) -> str:
+    """The SSD sub-directory of one rank: ``dp{D}[_pp{P}]_tp{T}[_cp{C}]``."""
+    cfg = storage_config
+    if cfg is None:
+        return "dp0_tp0"
+    parts = [f"dp{getattr(cfg, 'dp_rank', 0) or 0}"]
+    if cfg.pp_size > 1:
+        parts.append(f"pp{cfg.pp_rank}")
+    parts.append(f"tp{cfg.tp_rank}")
+    if getattr(cfg, "attn_cp_size", 1) > 1:
+        parts.append(f"cp{cfg.attn_cp_rank}")
+    return "_".join(parts)
 
 
 def _uses_interface_v1(extra_config: Optional[dict]) -> bool:
@@ -257,6 +272,10 @@ class KvtierStore(HiCacheStorage):
         extra = dict(getattr(storage_config, "extra_config", None) or {})
         self._interface_v1 = _uses_interface_v1(extra)
         own = kvtier_extra_config(extra)
+        # Every rank is its own process with its own embedded store, so each needs its own
+        # segment log; the same ranks find the same directory again after a restart.
+        if "KVTIER_SSD_STORAGE_SUBDIR" not in os.environ:
+            own.setdefault("ssd_storage_subdir", ssd_rank_subdir(storage_config))
         # Raises ValueError naming the key for an unknown key or a bad value.
         self._store = _native.Store(json.dumps(own))
         # Server mode (server_socket / KVTIER_SERVER_SOCKET): one store per host, shared by
