@@ -331,3 +331,30 @@ def test_stat_cli_and_sigterm_graceful_shutdown(served, ranks):
 
 def test_socket_is_private_by_default(served):
     assert (os.stat(served.socket).st_mode & 0o777) == 0o600
+
+
+def test_restarted_server_serves_ssd_contents_and_clients_reconnect(kvtier_bin, tmp_path, ranks):
+    ssd = tmp_path / "ssd"
+    args = ["--engine", "ssd_enabled=true", "--engine", f"ssd_storage_dir={ssd}",
+            "--engine", "ssd_capacity_bytes=256MiB", "--engine", "ssd_segment_size_bytes=16MiB"]
+    first = Served(kvtier_bin, tmp_path, *args)
+    (r0,) = ranks(1)
+    try:
+        r0("setup", kind="mha", tp_rank=0, tp_size=1, socket=first.socket)
+        keys = keys_for(6, "warm")
+        ok, written = r0("v1_write", keys=keys, seed=9)
+        assert ok == [True] * 6
+    finally:
+        first.stop()  # SIGTERM: flush, sync, exit
+    assert first.proc.returncode == 0, first.output()
+    second = Served(kvtier_bin, tmp_path, *args)
+    try:
+        # The rank's session died with the first server; its next call opens a new one and
+        # registers its memfds again, then reads what the first server stored on SSD.
+        got, data = r0("v1_read", keys=keys)
+        assert got == [True] * 6 and data == written
+        assert r0("stats")["zero_copy_regions"] >= 1, "memfds registered again"
+
+        assert main_store(second.stat())["ssd_hits"] >= 6
+    finally:
+        second.stop()

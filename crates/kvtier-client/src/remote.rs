@@ -392,25 +392,34 @@ impl RemoteStore {
         }
     }
 
-    /// Run one request on a pooled connection; a transport failure drops the connection.
+    /// Run one request on a pooled connection. A transport failure drops the connection and
+    /// the request is tried once more on a fresh one (after opening a new session if the old
+    /// one is gone, e.g. the server restarted): every request is idempotent (puts are
+    /// put-if-absent), so a retry never does anything twice that matters.
     fn with_conn<R>(
         &self,
-        f: impl FnOnce(&mut Conn) -> Result<R, ClientError>,
+        mut f: impl FnMut(&mut Conn) -> Result<R, ClientError>,
     ) -> Result<R, ClientError> {
-        let mut conn = self.checkout()?;
-        match f(&mut conn) {
-            Ok(value) => {
-                self.checkin(conn);
-                Ok(value)
-            }
-            Err(e @ ClientError::ServerRefused { .. }) => {
-                self.checkin(conn);
-                Err(e)
-            }
-            Err(e) => {
-                drop(conn);
-                self.forget_session_if_dead();
-                Err(e)
+        let mut attempt = 0;
+        loop {
+            let mut conn = self.checkout()?;
+            match f(&mut conn) {
+                Ok(value) => {
+                    self.checkin(conn);
+                    return Ok(value);
+                }
+                Err(e @ ClientError::ServerRefused { .. }) => {
+                    self.checkin(conn);
+                    return Err(e);
+                }
+                Err(e) => {
+                    drop(conn);
+                    self.forget_session_if_dead();
+                    attempt += 1;
+                    if attempt >= 2 {
+                        return Err(e);
+                    }
+                }
             }
         }
     }

@@ -561,3 +561,46 @@ fn a_client_dying_mid_session_leaks_no_mapping_and_others_keep_working() {
     );
     server.shutdown(Duration::from_secs(5));
 }
+
+#[test]
+fn a_restarted_server_serves_its_ssd_contents_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let ssd = dir.path().join("ssd");
+    let open = || {
+        let mut flags = Map::new();
+        flags.insert(
+            "socket".into(),
+            json!(dir.path().join("kvtier.sock").display().to_string()),
+        );
+        let mut engine_flags = Map::new();
+        engine_flags.insert("dram_capacity_bytes".into(), json!("16MiB"));
+        engine_flags.insert("dram_prefault".into(), json!(false));
+        engine_flags.insert("ssd_enabled".into(), json!(true));
+        engine_flags.insert("ssd_storage_dir".into(), json!(ssd.display().to_string()));
+        engine_flags.insert("ssd_capacity_bytes".into(), json!("256MiB"));
+        engine_flags.insert("ssd_segment_size_bytes".into(), json!("16MiB"));
+        let config = ServerConfig::load(ServerSources {
+            file: None,
+            env: Vec::new(),
+            flags,
+            engine_flags,
+        })
+        .unwrap();
+        Server::bind(config).unwrap().spawn()
+    };
+    let server = open();
+    let c = client(&server, json!({}));
+    let value: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+    c.put_slice(b"warm", &value, None).unwrap();
+    c.close();
+    let report = server.shutdown(Duration::from_secs(10));
+    assert_eq!(report["shutdown"]["flush_errors"], json!([]));
+    drop(report);
+    // Same directory, new process state: the SSD tier is scanned back in.
+    let server = open();
+    let c = client(&server, json!({}));
+    let mut back = vec![0u8; value.len()];
+    c.get_into_slice(b"warm", &mut back).unwrap();
+    assert!(back == value, "warm restart serves the same bytes");
+    server.shutdown(Duration::from_secs(10));
+}
