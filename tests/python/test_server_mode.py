@@ -358,3 +358,31 @@ def test_restarted_server_serves_ssd_contents_and_clients_reconnect(kvtier_bin, 
         assert main_store(second.stat())["ssd_hits"] >= 6
     finally:
         second.stop()
+
+
+def test_server_auto_start_spawns_kvtier_serve_when_none_listens(kvtier_bin, tmp_path, monkeypatch):
+    from kvtier import _native
+
+    sock = str(tmp_path / "auto.sock")
+    monkeypatch.setenv("KVTIER_SERVER_BIN", str(kvtier_bin))
+    monkeypatch.setenv("KVTIER_DRAM_CAPACITY_BYTES", "64MiB")
+    monkeypatch.setenv("KVTIER_DRAM_PREFAULT", "false")
+    store = _native.Store(json.dumps({"server_socket": sock, "server_auto_start": True}))
+    pid = None
+    try:
+        assert store.mode == "server"
+        assert store.put_buffers(["auto"], [bytearray(b"started")]) == ([True], [])
+        out = subprocess.run(
+            [str(kvtier_bin), "stat", "--socket", sock, "--json"],
+            check=True, capture_output=True, text=True, timeout=30,
+        )
+        pid = json.loads(out.stdout)["server"]["pid"]
+        assert pid != os.getpid()
+    finally:
+        store.close()
+        if pid is not None:
+            os.kill(pid, signal.SIGTERM)
+            deadline = time.time() + 30
+            while _connectable(sock) and time.time() < deadline:
+                time.sleep(0.05)
+    assert not _connectable(sock)

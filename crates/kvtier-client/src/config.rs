@@ -99,9 +99,12 @@ pub struct KvtierConfig {
     #[serde(deserialize_with = "strict::optional_string")]
     pub server_socket: Option<String>,
     /// Server mode: start `kvtier serve --socket <server_socket>` when nothing listens there
-    /// (the binary is `KVTIER_SERVER_BIN`, else `kvtier` on `PATH`).
+    /// (the binary is `server_bin`, else `kvtier` on `PATH`).
     #[serde(deserialize_with = "strict::boolean")]
     pub server_auto_start: bool,
+    /// Server mode: the `kvtier` binary `server_auto_start` runs (default: `kvtier` on `PATH`).
+    #[serde(deserialize_with = "strict::optional_string")]
+    pub server_bin: Option<String>,
     /// Server mode: how long to wait for the socket to accept (after an auto start), in ms.
     #[serde(deserialize_with = "strict::count")]
     pub server_startup_timeout_ms: u64,
@@ -139,6 +142,7 @@ impl Default for KvtierConfig {
             extra_backend_tag: None,
             server_socket: None,
             server_auto_start: false,
+            server_bin: None,
             server_startup_timeout_ms: 10_000,
             server_staging_bytes: 32 << 20,
         }

@@ -93,6 +93,7 @@ pub struct RemoteStore {
     client_name: String,
     staging_bytes: usize,
     auto_start: bool,
+    server_bin: String,
     startup_timeout: Duration,
     state: Mutex<SessionState>,
     /// `(start, end, server region)` of the memfd regions, for pointer translation; rebuilt
@@ -183,6 +184,7 @@ impl RemoteStore {
             client_name: format!("pid{}", std::process::id()),
             staging_bytes: usize::try_from(config.server_staging_bytes).unwrap_or(32 << 20),
             auto_start: config.server_auto_start,
+            server_bin: config.server_bin.clone().unwrap_or_else(|| "kvtier".into()),
             startup_timeout: Duration::from_millis(config.server_startup_timeout_ms),
             state: Mutex::new(SessionState::default()),
             shm_table: RwLock::new((0, Vec::new())),
@@ -239,8 +241,8 @@ impl RemoteStore {
     /// `kvtier serve --socket <socket>` as a detached process (its own session and process
     /// group, so it outlives this one and its signals).
     fn spawn_server(&self) -> Result<(), ClientError> {
-        let bin = std::env::var_os("KVTIER_SERVER_BIN").unwrap_or_else(|| "kvtier".into());
-        let mut command = Command::new(&bin);
+        let bin = &self.server_bin;
+        let mut command = Command::new(bin);
         command
             .arg("serve")
             .arg("--socket")
@@ -256,7 +258,7 @@ impl RemoteStore {
             remote_err(
                 &self.socket,
                 format!(
-                    "server_auto_start: cannot run {:?} serve: {e} (set KVTIER_SERVER_BIN)",
+                    "server_auto_start: cannot run {:?} serve: {e} (set server_bin)",
                     bin
                 ),
             )

@@ -288,10 +288,28 @@ impl ServerConfig {
         })
     }
 
-    /// The engine configuration of tenant partition `tenant` (its quota as DRAM capacity).
-    pub fn partition_config(&self, quota: u64) -> KvtierConfig {
+    /// The engine configuration of tenant partition `tenant`: its quota as DRAM capacity and,
+    /// when the SSD tier is on, its own segment directory `<subdir>/tenant-<name>` (SSD
+    /// capacity is the configured one per partition: SSD quotas are not separate yet).
+    pub fn partition_config(&self, tenant: &str, quota: u64) -> KvtierConfig {
         let mut config = self.engine.clone();
         config.dram_capacity_bytes = quota.max(config.dram_block_size);
+        let safe = !tenant.is_empty()
+            && tenant != "."
+            && tenant != ".."
+            && tenant
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+        let name = if safe {
+            tenant.to_string()
+        } else {
+            tenant.bytes().map(|b| format!("{b:02x}")).collect()
+        };
+        let dir = format!("tenant-{name}");
+        config.ssd_storage_subdir = Some(match &self.engine.ssd_storage_subdir {
+            Some(sub) => format!("{sub}/{dir}"),
+            None => dir,
+        });
         config
     }
 }

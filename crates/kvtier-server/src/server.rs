@@ -223,7 +223,7 @@ impl Server {
         });
         let mut partitions = BTreeMap::new();
         for (tenant, quota) in &config.settings.tenant_dram_quota {
-            let client = Client::open(config.partition_config(*quota))?;
+            let client = Client::open(config.partition_config(tenant, *quota))?;
             partitions.insert(
                 tenant.clone(),
                 Arc::new(Store {

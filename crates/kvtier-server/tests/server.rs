@@ -604,3 +604,37 @@ fn a_restarted_server_serves_its_ssd_contents_again() {
     assert!(back == value, "warm restart serves the same bytes");
     server.shutdown(Duration::from_secs(10));
 }
+
+#[test]
+fn tenant_partitions_get_their_own_ssd_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let ssd = dir.path().join("ssd");
+    let mut flags = Map::new();
+    flags.insert(
+        "socket".into(),
+        json!(dir.path().join("kvtier.sock").display().to_string()),
+    );
+    flags.insert("tenant_dram_quota".into(), json!({"team/a": "4MiB"}));
+    let mut engine_flags = Map::new();
+    engine_flags.insert("dram_capacity_bytes".into(), json!("8MiB"));
+    engine_flags.insert("dram_prefault".into(), json!(false));
+    engine_flags.insert("ssd_enabled".into(), json!(true));
+    engine_flags.insert("ssd_storage_dir".into(), json!(ssd.display().to_string()));
+    engine_flags.insert("ssd_capacity_bytes".into(), json!("64MiB"));
+    engine_flags.insert("ssd_segment_size_bytes".into(), json!("8MiB"));
+    let config = ServerConfig::load(ServerSources {
+        file: None,
+        env: Vec::new(),
+        flags,
+        engine_flags,
+    })
+    .unwrap();
+    let server = Server::bind(config).unwrap().spawn();
+    let c = client(&server, json!({"extra_backend_tag": "team/a"}));
+    c.put_slice(b"x", &[1u8; 5000], None).unwrap();
+    c.flush().unwrap();
+    // "team/a" is not a safe directory name: hex-encoded, inside the SSD directory.
+    assert!(ssd.join("tenant-7465616d2f61").is_dir());
+    c.close();
+    server.shutdown(Duration::from_secs(10));
+}
