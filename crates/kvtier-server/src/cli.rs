@@ -33,6 +33,9 @@ pub struct ServeArgs {
     /// A tenant's own DRAM partition, TENANT=SIZE (repeatable).
     #[arg(long = "tenant-quota", value_name = "TENANT=SIZE")]
     pub tenant_quota: Vec<String>,
+    /// The SSD bound of a tenant's partition, TENANT=SIZE (repeatable; needs --tenant-quota).
+    #[arg(long = "tenant-ssd-quota", value_name = "TENANT=SIZE")]
+    pub tenant_ssd_quota: Vec<String>,
     /// Any engine key, KEY=VALUE (repeatable), e.g. --engine eviction_policy=lru.
     #[arg(long = "engine", value_name = "KEY=VALUE")]
     pub engine: Vec<String>,
@@ -73,6 +76,12 @@ pub fn serve_config(args: &ServeArgs) -> Result<ServerConfig, String> {
         flags.insert(
             "tenant_dram_quota".into(),
             Value::String(args.tenant_quota.join(",")),
+        );
+    }
+    if !args.tenant_ssd_quota.is_empty() {
+        flags.insert(
+            "tenant_ssd_quota".into(),
+            Value::String(args.tenant_ssd_quota.join(",")),
         );
     }
     let mut engine_flags = Map::new();
@@ -187,6 +196,7 @@ pub fn stat_main(args: StatArgs) -> i32 {
             socket_group: None,
             dram_capacity: None,
             tenant_quota: Vec::new(),
+            tenant_ssd_quota: Vec::new(),
             engine: Vec::new(),
             shutdown_timeout: 0,
         }) {

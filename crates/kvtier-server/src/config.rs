@@ -62,6 +62,10 @@ pub struct ServerSettings {
     /// engine's main arena. Env/flag form: `a=8GiB,b=2GiB`.
     #[serde(deserialize_with = "quota_map")]
     pub tenant_dram_quota: BTreeMap<String, u64>,
+    /// Per-tenant SSD quota for tenants with a DRAM partition: the partition's segment log is
+    /// bounded by it instead of the engine's `ssd_capacity_bytes`. Same forms as the DRAM one.
+    #[serde(deserialize_with = "quota_map")]
+    pub tenant_ssd_quota: BTreeMap<String, u64>,
 }
 
 impl Default for ServerSettings {
@@ -75,6 +79,7 @@ impl Default for ServerSettings {
             max_mapped_bytes_per_client: 0,
             prefault_regions: true,
             tenant_dram_quota: BTreeMap::new(),
+            tenant_ssd_quota: BTreeMap::new(),
         }
     }
 }
@@ -256,6 +261,18 @@ impl ServerConfig {
                 ));
             }
         }
+        for tenant in settings.tenant_ssd_quota.keys() {
+            if !settings.tenant_dram_quota.contains_key(tenant) {
+                return Err(ConfigError::new(
+                    "tenant_ssd_quota",
+                    &origin_of("tenant_ssd_quota"),
+                    format!(
+                        "tenant {tenant:?} has no tenant_dram_quota: SSD quotas apply to \
+                         tenants with their own partition"
+                    ),
+                ));
+            }
+        }
         if settings.max_connections == 0 {
             return Err(ConfigError::new(
                 "max_connections",
@@ -280,17 +297,35 @@ impl ServerConfig {
             .as_ref()
             .map(PathBuf::from)
             .unwrap_or_else(default_socket);
-        Ok(ServerConfig {
+        let config = ServerConfig {
             settings,
             engine,
             socket,
             socket_mode,
-        })
+        };
+        // A partition's SSD quota must still hold the segments the engine needs.
+        for (tenant, dram) in &config.settings.tenant_dram_quota {
+            if !config.settings.tenant_ssd_quota.contains_key(tenant) {
+                continue;
+            }
+            if let Err(kvtier_engine::EngineError::InvalidConfig { key, reason }) = config
+                .partition_config(tenant, *dram)
+                .engine_config()
+                .validate()
+            {
+                return Err(ConfigError::new(
+                    "tenant_ssd_quota",
+                    &origin_of("tenant_ssd_quota"),
+                    format!("tenant {tenant:?}: {key}: {reason}"),
+                ));
+            }
+        }
+        Ok(config)
     }
 
     /// The engine configuration of tenant partition `tenant`: its quota as DRAM capacity and,
-    /// when the SSD tier is on, its own segment directory `<subdir>/tenant-<name>` (SSD
-    /// capacity is the configured one per partition: SSD quotas are not separate yet).
+    /// when the SSD tier is on, its own segment directory `<subdir>/tenant-<name>`, bounded by
+    /// its `tenant_ssd_quota` (else by the engine's `ssd_capacity_bytes`).
     pub fn partition_config(&self, tenant: &str, quota: u64) -> KvtierConfig {
         let mut config = self.engine.clone();
         config.dram_capacity_bytes = quota.max(config.dram_block_size);
@@ -305,6 +340,9 @@ impl ServerConfig {
         } else {
             tenant.bytes().map(|b| format!("{b:02x}")).collect()
         };
+        if let Some(ssd_quota) = self.settings.tenant_ssd_quota.get(tenant) {
+            config.ssd_capacity_bytes = *ssd_quota;
+        }
         let dir = format!("tenant-{name}");
         config.ssd_storage_subdir = Some(match &self.engine.ssd_storage_subdir {
             Some(sub) => format!("{sub}/{dir}"),
@@ -324,6 +362,65 @@ mod tests {
             .iter()
             .map(|(a, b)| (a.to_string(), b.to_string()))
             .collect()
+    }
+
+    #[test]
+    fn tenant_ssd_quota_bounds_the_partition_and_needs_a_dram_partition() {
+        let env = |pairs: &[(&str, &str)]| -> Vec<(String, String)> {
+            pairs
+                .iter()
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .collect()
+        };
+        let dir = tempfile_dir();
+        let ssd = [
+            ("KVTIER_SSD_ENABLED", "true"),
+            ("KVTIER_SSD_STORAGE_DIR", dir.as_str()),
+            ("KVTIER_SSD_SEGMENT_SIZE_BYTES", "16MiB"),
+            ("KVTIER_DRAM_CAPACITY_BYTES", "16MiB"),
+            ("KVTIER_SERVE_TENANT_DRAM_QUOTA", "a=4MiB,b=4MiB"),
+        ];
+        let mut vars = ssd.to_vec();
+        vars.push(("KVTIER_SERVE_TENANT_SSD_QUOTA", "a=64MiB"));
+        let c = ServerConfig::load(ServerSources {
+            env: env(&vars),
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(
+            c.partition_config("a", 4 << 20).ssd_capacity_bytes,
+            64 << 20
+        );
+        assert_eq!(
+            c.partition_config("b", 4 << 20).ssd_capacity_bytes,
+            c.engine.ssd_capacity_bytes
+        );
+
+        let mut vars = ssd.to_vec();
+        vars.push(("KVTIER_SERVE_TENANT_SSD_QUOTA", "c=64MiB"));
+        let e = ServerConfig::load(ServerSources {
+            env: env(&vars),
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert_eq!(e.key, "tenant_ssd_quota");
+        assert!(e.reason.contains("\"c\""), "{e}");
+
+        // 16 MiB holds one 16 MiB segment; the engine needs at least two.
+        let mut vars = ssd.to_vec();
+        vars.push(("KVTIER_SERVE_TENANT_SSD_QUOTA", "a=16MiB"));
+        let e = ServerConfig::load(ServerSources {
+            env: env(&vars),
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert_eq!(e.key, "tenant_ssd_quota");
+    }
+
+    fn tempfile_dir() -> String {
+        let dir = std::env::temp_dir().join(format!("kvtier-server-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir.to_string_lossy().into_owned()
     }
 
     #[test]
