@@ -222,15 +222,15 @@ impl Client {
             .map_err(Into::into)
     }
 
-    /// Put every component of every page; `ok[i]` is true when page `i` is fully stored
-    /// (newly or already). Components this call stored for a page that then failed are removed
-    /// again, so a failed page leaves nothing behind. Large batches are copied by several
-    /// threads (`copy_threads`), each taking a contiguous run of pages.
-    pub fn put_pages<K: AsRef<[u8]> + Sync, S: AsRef<[u8]> + Sync>(
+    /// The shared frame of a page batch: open and shape checks, then the server's one round
+    /// trip, or `range_op` over page ranges of the embedded engine (split across copy threads).
+    fn page_batch<K: AsRef<[u8]> + Sync, S: AsRef<[u8]> + Sync>(
         &self,
         batch: &PageBatch<'_, K, S>,
         buffers: &[MemRef],
         depths: Option<&[u32]>,
+        is_put: bool,
+        range_op: impl Fn(&Engine, Range<usize>) -> BatchResult + Sync,
     ) -> BatchResult {
         let pages = batch.pages();
         if let Err(e) = self.ensure_open() {
@@ -244,7 +244,7 @@ impl Client {
             Backend::Server(remote) => {
                 return remote.page_io(
                     &self.regions,
-                    true,
+                    is_put,
                     batch.prefix,
                     batch.page_keys,
                     batch.suffixes,
@@ -256,7 +256,20 @@ impl Client {
         let Some(engine) = guard.as_ref() else {
             return BatchResult::all_failed(pages, ClientError::Closed.to_string());
         };
-        self.split_pages(batch, buffers, |range| {
+        self.split_pages(batch, buffers, |range| range_op(engine, range))
+    }
+
+    /// Put every component of every page; `ok[i]` is true when page `i` is fully stored
+    /// (newly or already). Components this call stored for a page that then failed are removed
+    /// again, so a failed page leaves nothing behind. Large batches are copied by several
+    /// threads (`copy_threads`), each taking a contiguous run of pages.
+    pub fn put_pages<K: AsRef<[u8]> + Sync, S: AsRef<[u8]> + Sync>(
+        &self,
+        batch: &PageBatch<'_, K, S>,
+        buffers: &[MemRef],
+        depths: Option<&[u32]>,
+    ) -> BatchResult {
+        self.page_batch(batch, buffers, depths, true, |engine, range| {
             self.put_page_range(engine, batch, buffers, depths, range)
         })
     }
@@ -307,31 +320,7 @@ impl Client {
         batch: &PageBatch<'_, K, S>,
         buffers: &[MemRef],
     ) -> BatchResult {
-        let pages = batch.pages();
-        if let Err(e) = self.ensure_open() {
-            return BatchResult::all_failed(pages, e.to_string());
-        }
-        if let Err(reason) = self.check_page_shape(batch, buffers, None) {
-            return self.reject_batch(pages, reason);
-        }
-        let guard = match &self.backend {
-            Backend::Embedded(slot) => slot.read(),
-            Backend::Server(remote) => {
-                return remote.page_io(
-                    &self.regions,
-                    false,
-                    batch.prefix,
-                    batch.page_keys,
-                    batch.suffixes,
-                    buffers,
-                    None,
-                )
-            }
-        };
-        let Some(engine) = guard.as_ref() else {
-            return BatchResult::all_failed(pages, ClientError::Closed.to_string());
-        };
-        self.split_pages(batch, buffers, |range| {
+        self.page_batch(batch, buffers, None, false, |engine, range| {
             self.get_page_range(engine, batch, buffers, range)
         })
     }
