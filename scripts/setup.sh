@@ -43,8 +43,8 @@ if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.vers
   log "installing sglang==$SGLANG_VERSION (--no-deps: only its storage modules are used)"
   pip_q --no-deps "sglang==$SGLANG_VERSION"
 fi
-log "installing SGLang's CPU import set, maturin and pytest"
-pip_q -r requirements/sglang-cpu.txt "maturin>=1.7,<2" "pytest>=8"
+log "installing SGLang's CPU import set, maturin, pytest and ruff"
+pip_q -r requirements/sglang-cpu.txt "maturin>=1.7,<2" "pytest>=8" "ruff>=0.6"
 
 log "building kvtier (maturin develop --release)"
 VIRTUAL_ENV="$PWD/$VENV" PATH="$PWD/$VENV/bin:$PATH" "$VENV/bin/maturin" develop --release -q 2>&1 | grep -vE '^(📦|✏️|🔗|🍹|🐍|⚠️ Warning: You.*)' || true

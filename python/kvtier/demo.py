@@ -49,7 +49,15 @@ def chain(parent: str, label: str) -> str:
     return hashlib.sha256(f"{parent}/{label}".encode()).hexdigest()[:32]
 
 
-def make_trace(users: int, turns: int, systems: int, system_pages: int, turn_pages: int, page_size: int, seed: int) -> Trace:
+def make_trace(
+    users: int,
+    turns: int,
+    systems: int,
+    system_pages: int,
+    turn_pages: int,
+    page_size: int,
+    seed: int,
+) -> Trace:
     """Shared system prompts, growing conversations; users interleave turn by turn at random."""
     rng = random.Random(seed)
     system_chains = []
@@ -120,7 +128,13 @@ def _verify(pool, indices, hashes, count) -> tuple[int, int]:
         want = _page_bytes(pool, h)
         if not want:
             continue
-        got = pool.get_data_page(start, flat=True).contiguous().view(__import__("torch").uint8).numpy().tobytes()
+        got = (
+            pool.get_data_page(start, flat=True)
+            .contiguous()
+            .view(__import__("torch").uint8)
+            .numpy()
+            .tobytes()
+        )
         wrong += got != want
         checked += len(want)
     return wrong, checked
@@ -142,7 +156,11 @@ def run_policy(trace: Trace, policy: str, dram: str, quiet: bool) -> RunResult:
     ps = dsv4.page_size
     by_source = {
         PoolName.KV: [s for s in dsv4.side_specs if s.indices_from_pool == PoolName.KV],
-        PoolName.SWA: [s for s in dsv4.side_specs if s.name == PoolName.SWA or s.indices_from_pool == PoolName.SWA],
+        PoolName.SWA: [
+            s
+            for s in dsv4.side_specs
+            if s.name == PoolName.SWA or s.indices_from_pool == PoolName.SWA
+        ],
     }
     result = RunResult(policy)
     for turn, span in enumerate(trace.spans):
@@ -174,15 +192,22 @@ def run_policy(trace: Trace, policy: str, dram: str, quiet: bool) -> RunResult:
                 result.bytes_stored += _fill(spec.host_pool, swa_idx, new[-n_swa:])
             started = time.perf_counter()
             flows.backup_span(
-                backend, dsv4, new, {PoolName.KV: kv_idx, PoolName.SWA: swa_idx}, prefix_keys=span[:hit], storage_config=cfg
+                backend,
+                dsv4,
+                new,
+                {PoolName.KV: kv_idx, PoolName.SWA: swa_idx},
+                prefix_keys=span[:hit],
+                storage_config=cfg,
             )
             result.seconds_io += time.perf_counter() - started
             result.pages_backed_up += len(new)
             dsv4.anchor.free(kv_idx)
             swa.free(swa_idx)
         if not quiet and (turn + 1) % max(1, len(trace.spans) // 6) == 0:
-            print(f"  [{policy:>12}] turn {turn + 1:4d}/{len(trace.spans)}: span {len(span):3d} pages, hit {hit:3d}; "
-                  f"running hit rate {result.hit_rate:6.1%}")
+            print(
+                f"  [{policy:>12}] turn {turn + 1:4d}/{len(trace.spans)}: span {len(span):3d} pages, hit {hit:3d}; "
+                f"running hit rate {result.hit_rate:6.1%}"
+            )
     result.stats = backend.get_stats().as_dict() if hasattr(backend.get_stats(), "as_dict") else {}
     backend.close()
     return result
@@ -195,7 +220,9 @@ def main(argv=None) -> int:
     ap.add_argument("--systems", type=int, default=3, help="shared system prompts")
     ap.add_argument("--system-pages", type=int, default=4)
     ap.add_argument("--turn-pages", type=int, default=3, help="max new pages per turn")
-    ap.add_argument("--dram", default="32MiB", help="kvtier DRAM budget (the working set is larger)")
+    ap.add_argument(
+        "--dram", default="32MiB", help="kvtier DRAM budget (the working set is larger)"
+    )
     ap.add_argument("--policies", default="prefix_depth,lru")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the results here")
@@ -204,28 +231,40 @@ def main(argv=None) -> int:
 
     import kvtier
 
-    trace = make_trace(args.users, args.turns, args.systems, args.system_pages, args.turn_pages, 256, args.seed)
+    trace = make_trace(
+        args.users, args.turns, args.systems, args.system_pages, args.turn_pages, 256, args.seed
+    )
     unique = len({h for s in trace.spans for h in s})
-    print(f"kvtier {kvtier.__version__} demo: DeepSeek-V4-style pool group (logical anchor + SWA, C4, C4 indexer, "
-          f"C128, C4 state, C4 indexer state), {args.users} users x {args.turns} turns, {args.systems} system prompts, "
-          f"{len(trace.spans)} requests over {unique} distinct pages; DRAM budget {args.dram}")
+    print(
+        f"kvtier {kvtier.__version__} demo: DeepSeek-V4-style pool group (logical anchor + SWA, C4, C4 indexer, "
+        f"C128, C4 state, C4 indexer state), {args.users} users x {args.turns} turns, {args.systems} system prompts, "
+        f"{len(trace.spans)} requests over {unique} distinct pages; DRAM budget {args.dram}"
+    )
     results = []
     for policy in args.policies.split(","):
         results.append(run_policy(trace, policy.strip(), args.dram, args.quiet))
 
     print()
-    print(f"{'policy':>13} | {'page hit rate':>13} | {'pages hit':>9} | {'backed up':>9} | {'GB loaded':>9} | {'GB stored':>9} | {'I/O GB/s':>8} | {'evictions':>9} | wrong pages")
+    print(
+        f"{'policy':>13} | {'page hit rate':>13} | {'pages hit':>9} | {'backed up':>9} | {'GB loaded':>9} | {'GB stored':>9} | {'I/O GB/s':>8} | {'evictions':>9} | wrong pages"
+    )
     print("-" * 112)
     for r in results:
         moved = r.bytes_loaded + r.bytes_stored
         gbps = moved / r.seconds_io / 1e9 if r.seconds_io else 0.0
-        print(f"{r.policy:>13} | {r.hit_rate:13.1%} | {r.pages_hit:9d} | {r.pages_backed_up:9d} | {r.bytes_loaded / 1e9:9.3f} | "
-              f"{r.bytes_stored / 1e9:9.3f} | {gbps:8.2f} | {r.stats.get('evictions_capacity', 0):9d} | {r.wrong_pages}")
-    print("\nI/O GB/s counts the bytes the SGLang flows moved (prefetch + backup, including SGLang's own Python "
-          "work per call) over the time spent in them.")
+        print(
+            f"{r.policy:>13} | {r.hit_rate:13.1%} | {r.pages_hit:9d} | {r.pages_backed_up:9d} | {r.bytes_loaded / 1e9:9.3f} | "
+            f"{r.bytes_stored / 1e9:9.3f} | {gbps:8.2f} | {r.stats.get('evictions_capacity', 0):9d} | {r.wrong_pages}"
+        )
+    print(
+        "\nI/O GB/s counts the bytes the SGLang flows moved (prefetch + backup, including SGLang's own Python "
+        "work per call) over the time spent in them."
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([r.__dict__ | {"hit_rate": r.hit_rate} for r in results], f, indent=2, default=str)
+            json.dump(
+                [r.__dict__ | {"hit_rate": r.hit_rate} for r in results], f, indent=2, default=str
+            )
     if any(r.wrong_pages for r in results):
         print("ERROR: some restored pages did not match what was written", file=sys.stderr)
         return 1

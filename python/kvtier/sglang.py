@@ -141,7 +141,7 @@ def _memfd_of(pool: Any, tensor: torch.Tensor) -> Tuple[Optional[Tuple[int, int]
     mms = list(getattr(allocator, "mms", None) or [])
     if not fds or len(fds) != len(mms):
         return None, (
-            "its host buffers are plain anonymous memory (allocator %s); add \"allocator\": \"shm\" "
+            'its host buffers are plain anonymous memory (allocator %s); add "allocator": "shm" '
             "to --hicache-storage-backend-extra-config so the server can map them"
             % type(allocator).__name__
         )
@@ -163,7 +163,9 @@ def _normalize_sizes(sizes: Any, count: int) -> List[int]:
     if isinstance(sizes, int):
         return [sizes] * count
     if type(sizes) is list and sizes and type(sizes[0]) is int and len(set(map(type, sizes))) == 1:
-        sizes = list(sizes)  # already exact ints (SGLang's meta): skip a per-item int() (~10 us/batch)
+        sizes = list(
+            sizes
+        )  # already exact ints (SGLang's meta): skip a per-item int() (~10 us/batch)
     else:
         sizes = [int(s) for s in sizes]
     if len(sizes) == 1 and count != 1:
@@ -262,7 +264,11 @@ class _CallMeter:
 class KvtierStore(HiCacheStorage):
     """SGLang HiCache storage backend on a kvtier store (embedded mode)."""
 
-    def __init__(self, storage_config: Optional[HiCacheStorageConfig] = None, mem_pool_host_or_kwargs: Any = None):
+    def __init__(
+        self,
+        storage_config: Optional[HiCacheStorageConfig] = None,
+        mem_pool_host_or_kwargs: Any = None,
+    ):
         # The dynamic factory passes (storage_config, kwargs); SGLang's built-in path and
         # direct users pass (storage_config, mem_pool_host).
         mem_pool_host = None
@@ -353,7 +359,9 @@ class KvtierStore(HiCacheStorage):
             parts.append(f"dcp{self._dcp_rank}")
         return "".join(f".{p}" for p in parts)
 
-    def _fingerprint(self, name: str, pool: Any, sizes: Sequence[int], replicated: bool, mode: str) -> str:
+    def _fingerprint(
+        self, name: str, pool: Any, sizes: Sequence[int], replicated: bool, mode: str
+    ) -> str:
         tp_part = None if replicated else (self._tp_lcm if self._split_heads else self._tp_size)
         material = repr(
             (
@@ -407,7 +415,9 @@ class KvtierStore(HiCacheStorage):
                 memfd, why = _memfd_of(pool, tensor)
                 if memfd is not None:
                     try:
-                        ids.append(self._store.register_memfd(ptr, nbytes, memfd[0], memfd[1], f"{name}"))
+                        ids.append(
+                            self._store.register_memfd(ptr, nbytes, memfd[0], memfd[1], f"{name}")
+                        )
                         continue
                     except Exception as exc:  # the server refused the memfd: copy instead
                         why = f"the server refused its memfd ({exc})"
@@ -454,7 +464,9 @@ class KvtierStore(HiCacheStorage):
             sizes = _normalize_sizes(raw_sizes, len(ptrs))
             last_ptrs, last_sizes = self._probe_meta(pool, split_factor, first=False)
             last_sizes = _normalize_sizes(last_sizes, len(last_ptrs))
-            if zero_copy and not (self._inside_regions(ptrs, sizes) and self._inside_regions(last_ptrs, last_sizes)):
+            if zero_copy and not (
+                self._inside_regions(ptrs, sizes) and self._inside_regions(last_ptrs, last_sizes)
+            ):
                 zero_copy = False
                 reason = "its page pointers fall outside the buffers it exposes"
         except Exception as exc:  # pools without page metadata
@@ -485,7 +497,10 @@ class KvtierStore(HiCacheStorage):
             )
         page_bytes = 0
         try:
-            page_bytes = int(pool.get_dummy_flat_data_page().numel() * pool.get_dummy_flat_data_page().element_size())
+            page_bytes = int(
+                pool.get_dummy_flat_data_page().numel()
+                * pool.get_dummy_flat_data_page().element_size()
+            )
         except Exception:
             pass
         page_fp = self._fingerprint(str(name), pool, [page_bytes], replicated, "flat-page")
@@ -509,7 +524,10 @@ class KvtierStore(HiCacheStorage):
         if self._anchor_is_logical:
             # A logical anchor (LogicalHostPool) owns page indices only: no bytes to store.
             self._anchor = None
-            logger.info("kvtier: KV anchor %s is logical; side pools carry the data.", type(mem_pool_host).__name__)
+            logger.info(
+                "kvtier: KV anchor %s is logical; side pools carry the data.",
+                type(mem_pool_host).__name__,
+            )
             return
         layout = getattr(mem_pool_host, "layout", None)
         if layout not in SUPPORTED_LAYOUTS:
@@ -534,8 +552,13 @@ class KvtierStore(HiCacheStorage):
     def on_host_pools_registered(self) -> None:
         logger.info(
             "kvtier: pools registered: anchor=%s, side pools=%s, regions=%d",
-            "logical" if self._anchor_is_logical else (self._anchor.suffixes if self._anchor else None),
-            {name: ("zero-copy" if p.zero_copy else "flat-page") for name, p in self._plans.items()},
+            "logical"
+            if self._anchor_is_logical
+            else (self._anchor.suffixes if self._anchor else None),
+            {
+                name: ("zero-copy" if p.zero_copy else "flat-page")
+                for name, p in self._plans.items()
+            },
             len(self._store.regions()),
         )
 
@@ -552,7 +575,13 @@ class KvtierStore(HiCacheStorage):
         ok, errors = reply
         self._log_errors(op, pool, errors)
         if len(ok) != pages:
-            logger.error("kvtier %s %s: %d results for %d pages; treating all as failed", op, pool, len(ok), pages)
+            logger.error(
+                "kvtier %s %s: %d results for %d pages; treating all as failed",
+                op,
+                pool,
+                len(ok),
+                pages,
+            )
             return [False] * pages
         return list(ok)
 
@@ -582,17 +611,30 @@ class KvtierStore(HiCacheStorage):
         started = time.perf_counter()
         if plan.zero_copy:
             if plan.split_factor > 1:
-                ptrs, sizes = plan.pool.get_split_heads_page_buffer_meta(host_indices, plan.split_factor)
+                ptrs, sizes = plan.pool.get_split_heads_page_buffer_meta(
+                    host_indices, plan.split_factor
+                )
             else:
                 ptrs, sizes = plan.pool.get_page_buffer_meta(host_indices)
             sizes = _normalize_sizes(sizes, len(ptrs))
             want = pages * len(plan.suffixes)
             if len(ptrs) != want or len(sizes) != want:
-                logger.error("kvtier %s %s: %d buffers for %d objects; failing the batch", op, plan.name, len(ptrs), want)
+                logger.error(
+                    "kvtier %s %s: %d buffers for %d objects; failing the batch",
+                    op,
+                    plan.name,
+                    len(ptrs),
+                    want,
+                )
                 return [False] * pages
             if is_set:
                 reply = self._store.put_pages(
-                    self._prefix, keys, plan.suffixes, list(ptrs), sizes, self._depths(extra_info, pages)
+                    self._prefix,
+                    keys,
+                    plan.suffixes,
+                    list(ptrs),
+                    sizes,
+                    self._depths(extra_info, pages),
                 )
             else:
                 reply = self._store.get_pages(self._prefix, keys, plan.suffixes, list(ptrs), sizes)
@@ -625,18 +667,29 @@ class KvtierStore(HiCacheStorage):
 
     def _no_anchor(self, op: str) -> bool:
         if self._anchor is None and not self._anchor_is_logical:
-            self._warn_once(f"noanchor:{op}", "kvtier %s called before register_mem_pool_host; failing it", op)
+            self._warn_once(
+                f"noanchor:{op}", "kvtier %s called before register_mem_pool_host; failing it", op
+            )
             return True
         return False
 
     # ------------------------------------------------------------------ v1 (zero copy)
-    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+    def batch_set_v1(
+        self,
+        keys: List[str],
+        host_indices: torch.Tensor,
+        extra_info: Optional[HiCacheStorageExtraInfo] = None,
+    ) -> List[bool]:
         try:
             if self._anchor_is_logical:
                 return [True] * len(keys)
             if self._no_anchor("batch_set_v1"):
                 return [False] * len(keys)
-            if self._anchor is not None and self._anchor.replicated and not self._writes_replicated_kv:
+            if (
+                self._anchor is not None
+                and self._anchor.replicated
+                and not self._writes_replicated_kv
+            ):
                 # Another rank writes the one shared copy of this page.
                 return [True] * len(keys)
             return self._page_io(self._anchor, list(keys), host_indices, True, extra_info)
@@ -644,7 +697,12 @@ class KvtierStore(HiCacheStorage):
             logger.exception("kvtier batch_set_v1 failed; reporting every page as failed")
             return [False] * len(keys)
 
-    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+    def batch_get_v1(
+        self,
+        keys: List[str],
+        host_indices: torch.Tensor,
+        extra_info: Optional[HiCacheStorageExtraInfo] = None,
+    ) -> List[bool]:
         try:
             if self._anchor_is_logical:
                 return [True] * len(keys)
@@ -655,7 +713,9 @@ class KvtierStore(HiCacheStorage):
             logger.exception("kvtier batch_get_v1 failed; reporting every page as missing")
             return [False] * len(keys)
 
-    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+    def batch_exists(
+        self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None
+    ) -> int:
         try:
             if self._anchor_is_logical:
                 return len(keys)
@@ -674,7 +734,13 @@ class KvtierStore(HiCacheStorage):
             return None
         return f"{self._prefix}{key}{self._anchor.page_suffix}"
 
-    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None) -> bool:
+    def batch_set(
+        self,
+        keys: List[str],
+        values: Optional[Any] = None,
+        target_locations: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
+    ) -> bool:
         try:
             if not keys:
                 return True
@@ -682,34 +748,57 @@ class KvtierStore(HiCacheStorage):
                 return True
             if values is None and target_locations is not None and target_sizes is not None:
                 sizes = _normalize_sizes(target_sizes, len(keys))
-                reply = self._store.put_keys(list(keys), [int(p) for p in target_locations], sizes, None)
+                reply = self._store.put_keys(
+                    list(keys), [int(p) for p in target_locations], sizes, None
+                )
                 return all(self._checked("batch_set", "raw", reply, len(keys)))
             if values is None or len(values) != len(keys) or self._no_anchor("batch_set"):
-                logger.error("kvtier batch_set: %d keys but %s values", len(keys), None if values is None else len(values))
+                logger.error(
+                    "kvtier batch_set: %d keys but %s values",
+                    len(keys),
+                    None if values is None else len(values),
+                )
                 return False
             names = [self._legacy_key(k) for k in keys]
             started = time.perf_counter()
             views = [_byte_view(v) for v in values]
-            ok = self._checked("batch_set", "kv", self._store.put_buffers(names, views, None), len(keys))
-            self._meter.record(True, sum(ok), sum(v.nbytes for v in views), time.perf_counter() - started)
+            ok = self._checked(
+                "batch_set", "kv", self._store.put_buffers(names, views, None), len(keys)
+            )
+            self._meter.record(
+                True, sum(ok), sum(v.nbytes for v in views), time.perf_counter() - started
+            )
             return all(ok)
         except Exception:
             logger.exception("kvtier batch_set failed")
             return False
 
-    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None):
+    def batch_get(
+        self,
+        keys: List[str],
+        target_locations: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
+    ):
         try:
             if not keys:
                 return []
             if self._anchor_is_logical:
-                return list(target_locations) if target_locations is not None else [None] * len(keys)
+                return (
+                    list(target_locations) if target_locations is not None else [None] * len(keys)
+                )
             if target_locations is None or len(target_locations) != len(keys):
-                logger.error("kvtier batch_get: %d keys but %s targets", len(keys), None if target_locations is None else len(target_locations))
+                logger.error(
+                    "kvtier batch_get: %d keys but %s targets",
+                    len(keys),
+                    None if target_locations is None else len(target_locations),
+                )
                 return [None] * len(keys)
             if target_sizes is not None and not isinstance(target_locations[0], torch.Tensor):
                 sizes = _normalize_sizes(target_sizes, len(keys))
                 ptrs = [int(p) for p in target_locations]
-                ok = self._checked("batch_get", "raw", self._store.get_keys(list(keys), ptrs, sizes), len(keys))
+                ok = self._checked(
+                    "batch_get", "raw", self._store.get_keys(list(keys), ptrs, sizes), len(keys)
+                )
                 return [p if hit else None for p, hit in zip(target_locations, ok)]
             if self._no_anchor("batch_get"):
                 return [None] * len(keys)
@@ -720,19 +809,31 @@ class KvtierStore(HiCacheStorage):
                 if v.ctypes.data != t.data_ptr():
                     raise ValueError("legacy batch_get targets must be contiguous CPU tensors")
             ok = self._checked("batch_get", "kv", self._store.get_buffers(names, views), len(keys))
-            self._meter.record(False, sum(ok), sum(v.nbytes for v in views), time.perf_counter() - started)
+            self._meter.record(
+                False, sum(ok), sum(v.nbytes for v in views), time.perf_counter() - started
+            )
             return [t if hit else None for t, hit in zip(target_locations, ok)]
         except Exception:
             logger.exception("kvtier batch_get failed; reporting every page as missing")
             return [None] * len(keys)
 
-    def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None):
+    def get(
+        self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None
+    ):
         if target_location is None:
             return None
-        result = self.batch_get([key], [target_location], [target_sizes] if target_sizes is not None else None)
+        result = self.batch_get(
+            [key], [target_location], [target_sizes] if target_sizes is not None else None
+        )
         return result[0] if result else None
 
-    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> bool:
+    def set(
+        self,
+        key: str,
+        value: Optional[Any] = None,
+        target_location: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
+    ) -> bool:
         if value is not None:
             return self.batch_set([key], [value])
         if target_location is not None and target_sizes is not None:
@@ -754,24 +855,37 @@ class KvtierStore(HiCacheStorage):
             names = {}
             pools = []
             for transfer in pool_transfers or []:
-                name = str(transfer.name.value if isinstance(transfer.name, PoolName) else transfer.name)
+                name = str(
+                    transfer.name.value if isinstance(transfer.name, PoolName) else transfer.name
+                )
                 names[name] = transfer.name
                 plan = self._plans.get(name)
                 if plan is None:
-                    self._warn_once(f"unreg:{name}", "kvtier batch_exists_v2: pool %s is not registered; its pages are misses", name)
+                    self._warn_once(
+                        f"unreg:{name}",
+                        "kvtier batch_exists_v2: pool %s is not registered; its pages are misses",
+                        name,
+                    )
                     suffixes: List[str] = []
                 else:
                     suffixes = plan.active_suffixes
                 policy = _POLICY_NAMES.get(transfer.hit_policy)
                 if policy is None:
-                    logger.error("kvtier batch_exists_v2: pool %s has unknown hit policy %r; treating as a miss", name, transfer.hit_policy)
+                    logger.error(
+                        "kvtier batch_exists_v2: pool %s has unknown hit policy %r; treating as a miss",
+                        name,
+                        transfer.hit_policy,
+                    )
                     policy, suffixes = "all_pages", []
                 if transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
                     param = max(1, len(transfer.keys) if transfer.keys else 1)
                 elif transfer.hit_policy == PoolHitPolicy.BLOCK_GROUPS:
                     param = int(transfer.group_pages or 0)
                     if param <= 0:
-                        logger.error("kvtier batch_exists_v2: pool %s BLOCK_GROUPS without group_pages; no verdict", name)
+                        logger.error(
+                            "kvtier batch_exists_v2: pool %s BLOCK_GROUPS without group_pages; no verdict",
+                            name,
+                        )
                         suffixes = []
                         param = 1
                 else:
@@ -779,9 +893,15 @@ class KvtierStore(HiCacheStorage):
                 pools.append((name, suffixes, policy, param))
             if self._no_anchor("batch_exists_v2"):
                 return PoolTransferResult(0, {}, [])
-            kv_hit, pool_hits, restorable = self._store.exists_v2(self._prefix, keys, self._anchor_suffixes(), pools)
+            kv_hit, pool_hits, restorable = self._store.exists_v2(
+                self._prefix, keys, self._anchor_suffixes(), pools
+            )
             if not 0 <= kv_hit <= len(keys):
-                logger.error("kvtier batch_exists_v2: kv hit %d outside [0, %d]; reporting a miss", kv_hit, len(keys))
+                logger.error(
+                    "kvtier batch_exists_v2: kv hit %d outside [0, %d]; reporting a miss",
+                    kv_hit,
+                    len(keys),
+                )
                 return PoolTransferResult(0, {}, [])
             hit_count = {}
             for name, boundary in pool_hits:
@@ -791,27 +911,44 @@ class KvtierStore(HiCacheStorage):
             logger.exception("kvtier batch_exists_v2 failed; reporting a miss")
             return PoolTransferResult(0, {}, [])
 
-    def _batch_io_v2(self, transfers: List[PoolTransfer], is_set: bool, extra_info) -> Dict[Any, List[bool]]:
+    def _batch_io_v2(
+        self, transfers: List[PoolTransfer], is_set: bool, extra_info
+    ) -> Dict[Any, List[bool]]:
         results: Dict[Any, List[bool]] = {}
         for transfer in transfers or []:
             keys = list(transfer.keys or [])
-            name = str(transfer.name.value if isinstance(transfer.name, PoolName) else transfer.name)
+            name = str(
+                transfer.name.value if isinstance(transfer.name, PoolName) else transfer.name
+            )
             try:
                 plan = self._plans.get(name)
                 if plan is None:
-                    self._warn_once(f"unreg-io:{name}", "kvtier batch_%s_v2: pool %s is not registered; failing its pages", "set" if is_set else "get", name)
+                    self._warn_once(
+                        f"unreg-io:{name}",
+                        "kvtier batch_%s_v2: pool %s is not registered; failing its pages",
+                        "set" if is_set else "get",
+                        name,
+                    )
                     results[transfer.name] = [False] * len(keys)
                     continue
-                results[transfer.name] = self._page_io(plan, keys, transfer.host_indices, is_set, extra_info)
+                results[transfer.name] = self._page_io(
+                    plan, keys, transfer.host_indices, is_set, extra_info
+                )
             except Exception:
-                logger.exception("kvtier batch_%s_v2 failed for pool %s", "set" if is_set else "get", name)
+                logger.exception(
+                    "kvtier batch_%s_v2 failed for pool %s", "set" if is_set else "get", name
+                )
                 results[transfer.name] = [False] * len(keys)
         return results
 
-    def batch_get_v2(self, transfers: List[PoolTransfer], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> Dict[Any, List[bool]]:
+    def batch_get_v2(
+        self, transfers: List[PoolTransfer], extra_info: Optional[HiCacheStorageExtraInfo] = None
+    ) -> Dict[Any, List[bool]]:
         return self._batch_io_v2(transfers, False, extra_info)
 
-    def batch_set_v2(self, transfers: List[PoolTransfer], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> Dict[Any, List[bool]]:
+    def batch_set_v2(
+        self, transfers: List[PoolTransfer], extra_info: Optional[HiCacheStorageExtraInfo] = None
+    ) -> Dict[Any, List[bool]]:
         return self._batch_io_v2(transfers, True, extra_info)
 
     # ------------------------------------------------------------------ lifecycle

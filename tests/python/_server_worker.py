@@ -58,7 +58,9 @@ def v1_write(keys, seed):
     if STATE["v1"]:
         ok = store.batch_set_v1(list(keys), idx)
     else:
-        pages = [host.get_data_page(int(idx[i * host.page_size]), flat=True) for i in range(len(keys))]
+        pages = [
+            host.get_data_page(int(idx[i * host.page_size]), flat=True) for i in range(len(keys))
+        ]
         ok = [store.batch_set(list(keys), pages)] * len(keys)
     sp.free_indices(host, idx)
     return list(ok), written
@@ -111,7 +113,7 @@ def v2_backup(keys, seed):
         idx = swa_idx if on_swa else kv_idx
         sp.fill_pages(s.host_pool, idx, seed)
         pages = sp.read_pages(s.host_pool, idx)
-        truth[str(s.name)] = dict(zip(keys[-len(pages):], pages))
+        truth[str(s.name)] = dict(zip(keys[-len(pages) :], pages))
     res = cf.backup_span(store, stack, keys, per_pool, prefix_keys=[], use_v1=True)
     sp.free_indices(stack.anchor, kv_idx)
     sp.free_indices(swa.host_pool, swa_idx)
@@ -135,7 +137,9 @@ def v2_prefetch(keys):
             continue
         on_swa = s.name == PoolName.SWA or s.indices_from_pool == PoolName.SWA
         sp.zero_pages(s.host_pool, swa_idx if on_swa else kv_idx)
-    res = cf.prefetch_span(store, stack, keys, prefix_keys=[], use_v1=True, host_indices_per_pool=per_pool)
+    res = cf.prefetch_span(
+        store, stack, keys, prefix_keys=[], use_v1=True, host_indices_per_pool=per_pool
+    )
     got = {}
     for s in stack.specs:
         if s.is_anchor or res.hit_pages == 0:

@@ -18,4 +18,3 @@ def file_storage_dir(tmp_path, monkeypatch):
     path = tmp_path / "hicache_file"
     path.mkdir()
     return str(path)
-

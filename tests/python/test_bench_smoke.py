@@ -73,15 +73,33 @@ def test_dsv4_workload_tiny(tmp_path):
     assert ops["exists_v2_4pools"]["pools"] == 4
     assert ops["exists_v2_all_pools"]["pools"] == len(r["pools"]) >= 4
     ver = r["verified"]
-    assert ver[bw.KVTIER] == {"get": True, "exists_v2_4pools": True, "exists_v2_all_pools": True, "prefetch": True}
+    assert ver[bw.KVTIER] == {
+        "get": True,
+        "exists_v2_4pools": True,
+        "exists_v2_all_pools": True,
+        "prefetch": True,
+    }
     assert ver[bw.FILE] == {"get": True, "prefetch": True}
     assert r["kvtier_stats"]["evictions_capacity"] == 0
 
 
 def test_cli_tiny_json_and_markdown(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    rc = main(["sglang", "--scale", "tiny", "--only", "mha-32KiB", "--json", str(out), "--markdown",
-               "--storage-dir", str(tmp_path), "-q"])
+    rc = main(
+        [
+            "sglang",
+            "--scale",
+            "tiny",
+            "--only",
+            "mha-32KiB",
+            "--json",
+            str(out),
+            "--markdown",
+            "--storage-dir",
+            str(tmp_path),
+            "-q",
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "| workload |" in text and "| target |" in text and "targets:" in text

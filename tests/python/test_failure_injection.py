@@ -119,14 +119,18 @@ class Rig:
                 self._fill(s, swa_idx, keys[-1:])
             else:
                 self._fill(s, kv_idx, keys)
-        res = cf.backup_span(backend, self.target, keys, per_pool, prefix_keys=list(before), use_v1=self.use_v1)
+        res = cf.backup_span(
+            backend, self.target, keys, per_pool, prefix_keys=list(before), use_v1=self.use_v1
+        )
         sp.free_indices(self.anchor, kv_idx)
         if swa_idx is not None:
             sp.free_indices(self.stack.spec(PoolName.SWA).host_pool, swa_idx)
         return res
 
     def clean_hit(self, inner, span):
-        return cf.query_span(inner, span, self.target if self.stack is None else self.stack).kv_hit_pages
+        return cf.query_span(
+            inner, span, self.target if self.stack is None else self.stack
+        ).kv_hit_pages
 
     def prefetch(self, backend, span):
         kv_idx = sp.alloc_indices(self.anchor, len(span))
@@ -141,7 +145,11 @@ class Rig:
                     zero_page(s.host_pool, start)
         try:
             res = cf.prefetch_span(
-                backend, self.target, span, prefix_keys=[], use_v1=self.use_v1,
+                backend,
+                self.target,
+                span,
+                prefix_keys=[],
+                use_v1=self.use_v1,
                 host_indices_per_pool=per_pool,
             )
             self.check_restored(res)
@@ -170,7 +178,11 @@ class Rig:
     def random_chain(self, rng):
         """A new conversation: fresh, or an earlier one's prefix plus new pages; returns
         (keys, number of leading pages shared with earlier conversations)."""
-        length = rng.choice([1, 2, 3, 5, 8, 13, 20]) if rng.random() < 0.9 or self.stack else rng.randint(129, self.max_span)
+        length = (
+            rng.choice([1, 2, 3, 5, 8, 13, 20])
+            if rng.random() < 0.9 or self.stack
+            else rng.randint(129, self.max_span)
+        )
         length = min(length, self.max_span)
         tag = f"c{len(self.chains)}"
         if self.chains and rng.random() < 0.5:
@@ -233,7 +245,10 @@ def clean_round(rig, inner):
 
 
 def make_injected(monkeypatch, rig, *, failure=None, delay=None):
-    for var, value in (("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", failure), ("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", delay)):
+    for var, value in (
+        ("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", failure),
+        ("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", delay),
+    ):
         if value is None:
             monkeypatch.delenv(var, raising=False)
         else:

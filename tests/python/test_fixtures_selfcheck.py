@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import os
 
 import pytest
 import torch
@@ -146,8 +145,14 @@ def test_mha_page_first_round_trip_legacy_two_batches(file_storage_dir):
 
     sp.zero_pages(pool, idx)
     backend.reset()
-    pre = cf.prefetch_span(backend, pool, keys, prefix_keys=prefix, use_v1=False,
-                           host_indices_per_pool={PoolName.KV: idx})
+    pre = cf.prefetch_span(
+        backend,
+        pool,
+        keys,
+        prefix_keys=prefix,
+        use_v1=False,
+        host_indices_per_pool={PoolName.KV: idx},
+    )
     assert pre.hit_pages == n and pre.counts == {PoolName.KV: n}
     assert sp.read_pages(pool, idx) == written
     # one batch_exists for the whole span, then batch_get per 128-page batch
@@ -174,13 +179,18 @@ def test_v1_batches_carry_prefix_keys(file_storage_dir):
     idx = sp.alloc_indices(pool, n)
     written = sp.fill_pages(pool, idx, seed=9)
     backend.reset()
-    assert cf.backup_span(backend, pool, keys, {PoolName.KV: idx}, prefix_keys=prefix).completed_pages == n
+    assert (
+        cf.backup_span(backend, pool, keys, {PoolName.KV: idx}, prefix_keys=prefix).completed_pages
+        == n
+    )
     sets = [c for c in backend.calls if c.method == "batch_set_v1"]
     assert [c.args["extra_info"]["prefix_keys"] for c in sets] == [prefix, prefix + keys[:128]]
     assert [c.args["n_host_indices"] for c in sets] == [128 * 16, 3 * 16]
     sp.zero_pages(pool, idx)
     backend.reset()
-    pre = cf.prefetch_span(backend, pool, keys, prefix_keys=prefix, host_indices_per_pool={PoolName.KV: idx})
+    pre = cf.prefetch_span(
+        backend, pool, keys, prefix_keys=prefix, host_indices_per_pool={PoolName.KV: idx}
+    )
     assert pre.counts[PoolName.KV] == n and sp.read_pages(pool, idx) == written
     assert backend.calls[0].method == "batch_exists"
     assert backend.calls[0].args["extra_info"]["prefix_keys"] == prefix
@@ -197,10 +207,14 @@ def test_mha_layouts_round_trip(file_storage_dir, layout, use_v1):
     keys = hashes(3, f"mha-{layout}")
     idx = sp.alloc_indices(pool, 3)
     written = sp.fill_pages(pool, idx, seed=2)
-    assert cf.backup_span(backend, pool, keys, {PoolName.KV: idx}, use_v1=use_v1).completed_pages == 3
+    assert (
+        cf.backup_span(backend, pool, keys, {PoolName.KV: idx}, use_v1=use_v1).completed_pages == 3
+    )
     assert ("batch_set_v1" in backend.methods()) == use_v1
     sp.zero_pages(pool, idx)
-    pre = cf.prefetch_span(backend, pool, keys, use_v1=use_v1, host_indices_per_pool={PoolName.KV: idx})
+    pre = cf.prefetch_span(
+        backend, pool, keys, use_v1=use_v1, host_indices_per_pool={PoolName.KV: idx}
+    )
     assert pre.counts[PoolName.KV] == 3
     assert sp.read_pages(pool, idx) == written
 
@@ -215,10 +229,14 @@ def test_mla_round_trip(file_storage_dir, layout, use_v1):
     idx = sp.alloc_indices(pool, 4)
     written = sp.fill_pages(pool, idx, seed=3)
     assert sp.page_nbytes(pool) == sp.mla_page_bytes(16, 4)
-    assert cf.backup_span(backend, pool, keys, {PoolName.KV: idx}, use_v1=use_v1).completed_pages == 4
+    assert (
+        cf.backup_span(backend, pool, keys, {PoolName.KV: idx}, use_v1=use_v1).completed_pages == 4
+    )
     sp.zero_pages(pool, idx)
     other = sp.alloc_indices(pool, 4)
-    pre = cf.prefetch_span(backend, pool, keys, use_v1=use_v1, host_indices_per_pool={PoolName.KV: other})
+    pre = cf.prefetch_span(
+        backend, pool, keys, use_v1=use_v1, host_indices_per_pool={PoolName.KV: other}
+    )
     assert pre.counts[PoolName.KV] == 4
     assert sp.read_pages(pool, other) == written
 
@@ -267,7 +285,11 @@ def test_dsv4_group_shape(dsv4):
     assert type(dsv4.anchor).__name__ == "LogicalHostPool" and dsv4.anchor.kv_buffer is None
     assert by_name[PoolName.SWA].hit_policy == PoolHitPolicy.TRAILING_PAGES
     assert by_name[PoolName.SWA].window_pages == 1  # 128-token window, 256-token pages
-    for name in (PoolName.DEEPSEEK_V4_C4, PoolName.DEEPSEEK_V4_C4_INDEXER, PoolName.DEEPSEEK_V4_C128):
+    for name in (
+        PoolName.DEEPSEEK_V4_C4,
+        PoolName.DEEPSEEK_V4_C4_INDEXER,
+        PoolName.DEEPSEEK_V4_C128,
+    ):
         assert by_name[name].hit_policy == PoolHitPolicy.ALL_PAGES
         assert by_name[name].indices_from_pool == PoolName.KV
         assert type(by_name[name].host_pool).__name__ == "DeepSeekV4PagedHostPool"
@@ -300,8 +322,14 @@ def test_dsv4_backup_query_prefetch_round_trip(file_storage_dir, dsv4, use_v1):
     written = _dsv4_fill(dsv4, kv_idx, swa_idx, seed=11)
 
     backend.reset()
-    res = cf.backup_span(backend, dsv4, keys, {PoolName.KV: kv_idx, PoolName.SWA: swa_idx},
-                         prefix_keys=prefix, use_v1=use_v1)
+    res = cf.backup_span(
+        backend,
+        dsv4,
+        keys,
+        {PoolName.KV: kv_idx, PoolName.SWA: swa_idx},
+        prefix_keys=prefix,
+        use_v1=use_v1,
+    )
     assert res.completed_pages == n
     methods = backend.methods()
     # side pools first, grouped by prefix chain, then KV (0-byte logical pages)
@@ -337,11 +365,13 @@ def test_dsv4_backup_query_prefetch_round_trip(file_storage_dir, dsv4, use_v1):
         expect = n if s.indices_from_pool == PoolName.KV else swa.window_pages
         assert pre.counts[s.name] == expect, s.name
         got = sp.read_pages(s.host_pool, pre.host_indices[s.name])
-        want = written[s.name][-len(got):] if s.is_trailing else written[s.name]
+        want = written[s.name][-len(got) :] if s.is_trailing else written[s.name]
         assert got == want, s.name
     # staging came from the real allocators, not the backed-up indices
     assert not torch.equal(pre.host_indices[PoolName.KV], kv_idx)
-    assert torch.equal(pre.host_indices[PoolName.DEEPSEEK_V4_C4_STATE], pre.host_indices[PoolName.SWA])
+    assert torch.equal(
+        pre.host_indices[PoolName.DEEPSEEK_V4_C4_STATE], pre.host_indices[PoolName.SWA]
+    )
     assert pre.key_ranges[PoolName.SWA] == keys[-1:]
     # KV batch (logical, 0 bytes) + KV-derived batch_get_v2, then trailing pools
     kv_get = "batch_get_v1" if use_v1 else "batch_get"
@@ -360,9 +390,14 @@ def test_dsv4_trailing_state_hole(file_storage_dir, dsv4):
         kv_idx = sp.alloc_indices(dsv4.anchor, hi - lo)
         swa_idx = sp.alloc_indices(swa.host_pool, 1)
         node_written.append(_dsv4_fill(dsv4, kv_idx, swa_idx, seed=100 + lo))
-        res = cf.backup_span(backend, dsv4, keys[lo:hi],
-                             {PoolName.KV: kv_idx, PoolName.SWA: swa_idx},
-                             prefix_keys=keys[:lo], use_v1=False)
+        res = cf.backup_span(
+            backend,
+            dsv4,
+            keys[lo:hi],
+            {PoolName.KV: kv_idx, PoolName.SWA: swa_idx},
+            prefix_keys=keys[:lo],
+            use_v1=False,
+        )
         assert res.completed_pages == hi - lo
 
     q = cf.query_span(backend, keys, dsv4, prefix_keys=[])
@@ -383,7 +418,9 @@ def test_dsv4_trailing_state_hole(file_storage_dir, dsv4):
         pool = dsv4.spec(name).host_pool
         assert sp.read_pages(pool, pre.host_indices[name]) == node_written[0][name][-1:]
     c4 = dsv4.spec(PoolName.DEEPSEEK_V4_C4).host_pool
-    assert sp.read_pages(c4, pre.host_indices[PoolName.KV]) == node_written[0][PoolName.DEEPSEEK_V4_C4]
+    assert (
+        sp.read_pages(c4, pre.host_indices[PoolName.KV]) == node_written[0][PoolName.DEEPSEEK_V4_C4]
+    )
 
     # and of all 4 pages: window from node 2, compressed from both nodes
     pre4 = cf.prefetch_span(backend, dsv4, keys, prefix_keys=[], use_v1=False)
@@ -392,8 +429,9 @@ def test_dsv4_trailing_state_hole(file_storage_dir, dsv4):
         node_written[0][PoolName.DEEPSEEK_V4_C4] + node_written[1][PoolName.DEEPSEEK_V4_C4]
     )
     state = dsv4.spec(PoolName.DEEPSEEK_V4_C4_INDEXER_STATE).host_pool
-    assert sp.read_pages(state, pre4.host_indices[PoolName.DEEPSEEK_V4_C4_INDEXER_STATE]) == (
-        node_written[1][PoolName.DEEPSEEK_V4_C4_INDEXER_STATE]
+    assert (
+        sp.read_pages(state, pre4.host_indices[PoolName.DEEPSEEK_V4_C4_INDEXER_STATE])
+        == (node_written[1][PoolName.DEEPSEEK_V4_C4_INDEXER_STATE])
     )
 
 
@@ -408,11 +446,19 @@ def test_dsv4_mid_tree_short_span_sends_empty_batch_get_v2(file_storage_dir, dsv
     keys = hashes(1, "short")
     kv_idx = sp.alloc_indices(dsv4.anchor, 1)
     sp.fill_pages(dsv4.spec(PoolName.DEEPSEEK_V4_C4).host_pool, kv_idx, seed=5)
-    cf.backup_span(backend, dsv4, keys, {PoolName.KV: kv_idx}, prefix_keys=["p"], use_v1=False,
-                   pool_specs=specs)
+    cf.backup_span(
+        backend,
+        dsv4,
+        keys,
+        {PoolName.KV: kv_idx},
+        prefix_keys=["p"],
+        use_v1=False,
+        pool_specs=specs,
+    )
     backend.reset()
-    pre = cf.prefetch_span(backend, dsv4, keys, prefix_keys=None, use_v1=False,
-                           pool_specs=specs, at_root=False)
+    pre = cf.prefetch_span(
+        backend, dsv4, keys, prefix_keys=None, use_v1=False, pool_specs=specs, at_root=False
+    )
     assert pre.counts[PoolName.DEEPSEEK_V4_C4] == 1
     last = backend.calls[-1]
     assert last.method == "batch_get_v2" and last.args["transfers"] == []
@@ -433,7 +479,9 @@ def test_factory_backend_and_failure_injector(file_storage_dir, monkeypatch):
     keys = hashes(2, "fail")
     idx = sp.alloc_indices(pool, 2)
     sp.fill_pages(pool, idx, seed=1)
-    assert cf.backup_span(failing, pool, keys, {PoolName.KV: idx}, use_v1=False).completed_pages == 0
+    assert (
+        cf.backup_span(failing, pool, keys, {PoolName.KV: idx}, use_v1=False).completed_pages == 0
+    )
     assert cf.backup_span(failing, pool, keys, {PoolName.KV: idx}, use_v1=True).completed_pages == 0
     assert cf.query_span(failing, keys, pool).kv_hit_pages == 0
     assert cf.prefetch_span(failing, pool, keys, use_v1=False).counts == {}

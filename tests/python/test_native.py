@@ -83,7 +83,9 @@ def test_a_failed_component_rolls_back_the_page():
     s = store()
     buf = registered(s, 8192)
     outside = np.zeros(64, dtype=np.uint8)
-    ok, _ = s.put_pages("", ["p"], [".k", ".v"], [buf.ctypes.data, outside.ctypes.data], [64, 64], None)
+    ok, _ = s.put_pages(
+        "", ["p"], [".k", ".v"], [buf.ctypes.data, outside.ctypes.data], [64, 64], None
+    )
     assert ok == [False]
     assert s.exists_keys(["p.k", "p.v"]) == [False, False]
 

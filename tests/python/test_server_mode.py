@@ -18,7 +18,6 @@ import shutil
 import signal
 import socket as socketlib
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -59,8 +58,17 @@ class Served:
         self.socket = str(tmp_path / "kvtier.sock")
         self.log = open(tmp_path / "serve.log", "w+")
         self.proc = subprocess.Popen(
-            [str(binary), "serve", "--socket", self.socket, "--dram-capacity", "256MiB",
-             "--engine", "dram_prefault=false", *args],
+            [
+                str(binary),
+                "serve",
+                "--socket",
+                self.socket,
+                "--dram-capacity",
+                "256MiB",
+                "--engine",
+                "dram_prefault=false",
+                *args,
+            ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )
@@ -79,7 +87,10 @@ class Served:
     def stat(self):
         out = subprocess.run(
             [str(self.binary), "stat", "--socket", self.socket, "--json"],
-            check=True, capture_output=True, text=True, timeout=30,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=30,
         )
         return json.loads(out.stdout)
 
@@ -283,9 +294,11 @@ def test_sigkill_during_a_batch_leaves_the_server_serving_and_no_mapping(served,
     victim.kill()
     doc = served.wait_for(
         "the victim's session and mappings to go",
-        lambda d: d["server"]["sessions"] == 1
-        and d["server"]["live_mappings"] < maps_before
-        and all(s["pid"] != vi["pid"] for s in d["sessions"]),
+        lambda d: (
+            d["server"]["sessions"] == 1
+            and d["server"]["live_mappings"] < maps_before
+            and all(s["pid"] != vi["pid"] for s in d["sessions"])
+        ),
     )
     assert doc["server"]["mapped_bytes"] == doc["sessions"][0]["mapped_bytes"]
     # No pinned leftovers: every allocated block belongs to a visible object (4 KiB blocks).
@@ -316,7 +329,10 @@ def test_stat_cli_and_sigterm_graceful_shutdown(served, ranks):
     r0("v1_write", keys=keys_for(3, "t"), seed=1)
     text = subprocess.run(
         [str(served.binary), "stat", "--socket", served.socket],
-        check=True, capture_output=True, text=True, timeout=30,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=30,
     ).stdout
     assert "sessions 1" in text and "store main" in text, text
     served.proc.send_signal(signal.SIGTERM)
@@ -335,8 +351,16 @@ def test_socket_is_private_by_default(served):
 
 def test_restarted_server_serves_ssd_contents_and_clients_reconnect(kvtier_bin, tmp_path, ranks):
     ssd = tmp_path / "ssd"
-    args = ["--engine", "ssd_enabled=true", "--engine", f"ssd_storage_dir={ssd}",
-            "--engine", "ssd_capacity_bytes=256MiB", "--engine", "ssd_segment_size_bytes=16MiB"]
+    args = [
+        "--engine",
+        "ssd_enabled=true",
+        "--engine",
+        f"ssd_storage_dir={ssd}",
+        "--engine",
+        "ssd_capacity_bytes=256MiB",
+        "--engine",
+        "ssd_segment_size_bytes=16MiB",
+    ]
     first = Served(kvtier_bin, tmp_path, *args)
     (r0,) = ranks(1)
     try:
@@ -374,7 +398,10 @@ def test_server_auto_start_spawns_kvtier_serve_when_none_listens(kvtier_bin, tmp
         assert store.put_buffers(["auto"], [bytearray(b"started")]) == ([True], [])
         out = subprocess.run(
             [str(kvtier_bin), "stat", "--socket", sock, "--json"],
-            check=True, capture_output=True, text=True, timeout=30,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=30,
         )
         pid = json.loads(out.stdout)["server"]["pid"]
         assert pid != os.getpid()

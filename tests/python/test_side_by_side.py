@@ -30,7 +30,6 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-import torch
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, PoolHitPolicy, PoolName
 
@@ -180,13 +179,17 @@ class SideBySide:
             on_swa = s.name == PoolName.SWA or s.indices_from_pool == PoolName.SWA
             idx = swa_idx if on_swa else kv_idx
             sp.fill_pages(s.host_pool, idx, self.seed)
-            self._snapshot(s.name, idx, keys[-(idx.numel() // s.page_size):])
+            self._snapshot(s.name, idx, keys[-(idx.numel() // s.page_size) :])
         results = []
         for backend in (self.kv, self.file):
             results.append(
                 cf.backup_span(
-                    backend, self.target, keys, per_pool,
-                    prefix_keys=self.prefix(before), use_v1=self.use_v1,
+                    backend,
+                    self.target,
+                    keys,
+                    per_pool,
+                    prefix_keys=self.prefix(before),
+                    use_v1=self.use_v1,
                 )
             )
         rk, rf = results
@@ -219,7 +222,9 @@ class SideBySide:
             vk = self.kv.batch_exists_v2(keys, [])
             vf = self.file.batch_exists_v2(keys, [])
             assert (vk.kv_hit_pages, vk.restorable_prefix_pages, vk.extra_pool_hit_pages) == (
-                vf.kv_hit_pages, vf.restorable_prefix_pages, vf.extra_pool_hit_pages
+                vf.kv_hit_pages,
+                vf.restorable_prefix_pages,
+                vf.extra_pool_hit_pages,
             )
             assert vk.kv_hit_pages == qk.kv_hit_pages
         return qk
@@ -260,8 +265,12 @@ class SideBySide:
                 on_swa = s.name == PoolName.SWA or s.indices_from_pool == PoolName.SWA
                 sp.zero_pages(s.host_pool, swa_idx if on_swa else kv_idx)
             res = cf.prefetch_span(
-                backend, self.target, keys, prefix_keys=self.prefix(before),
-                use_v1=self.use_v1, host_indices_per_pool=per_pool,
+                backend,
+                self.target,
+                keys,
+                prefix_keys=self.prefix(before),
+                use_v1=self.use_v1,
+                host_indices_per_pool=per_pool,
             )
             assert res.hit_pages == expect_hit
             self._check_restored(res)
@@ -299,7 +308,9 @@ class SideBySide:
 
 
 CASES = [
-    pytest.param(kind, v1, pfx, id=f"{kind}-{'v1' if v1 else 'legacy'}-{'prefix' if pfx else 'noprefix'}")
+    pytest.param(
+        kind, v1, pfx, id=f"{kind}-{'v1' if v1 else 'legacy'}-{'prefix' if pfx else 'noprefix'}"
+    )
     for kind in ("mha", "mla", "dsv4")
     for v1 in (False, True)
     for pfx in (True, False)

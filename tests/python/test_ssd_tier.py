@@ -16,7 +16,12 @@ from kvtier.harness.pools import (
 )
 from kvtier.sglang import KvtierStore, ssd_rank_subdir
 
-DYNAMIC = {"backend_name": "kvtier", "module_path": "kvtier.sglang", "class_name": "KvtierStore", "interface_v1": 1}
+DYNAMIC = {
+    "backend_name": "kvtier",
+    "module_path": "kvtier.sglang",
+    "class_name": "KvtierStore",
+    "interface_v1": 1,
+}
 
 
 def ssd_extra(path, **kw):

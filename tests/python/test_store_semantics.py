@@ -3,7 +3,6 @@ layouts, the key scheme, v1 and legacy paths, strict configuration, and failing 
 
 Nothing here is mocked except where a test says so (to forge a misbehaving part)."""
 
-import ctypes
 import json
 import logging
 
@@ -41,7 +40,21 @@ def extra(**kw):
 
 
 def make(host=None, *, v1=True, **kw):
-    cfg_kw = {k: kw.pop(k) for k in list(kw) if k in ("tp_rank", "tp_size", "is_mla", "model_name", "pp_rank", "pp_size", "attn_cp_rank", "attn_cp_size")}
+    cfg_kw = {
+        k: kw.pop(k)
+        for k in list(kw)
+        if k
+        in (
+            "tp_rank",
+            "tp_size",
+            "is_mla",
+            "model_name",
+            "pp_rank",
+            "pp_size",
+            "attn_cp_rank",
+            "attn_cp_size",
+        )
+    }
     ec = extra(**kw)
     if not v1:
         ec.pop("interface_v1")
@@ -414,7 +427,9 @@ def test_unregistered_pool_in_v2_is_a_miss_not_an_exception():
     assert store.batch_get_v2([]) == {}
     idx = fill_and_index(host, 2)
     store.batch_set_v1(keys, idx)
-    res = store.batch_exists_v2(keys, [PoolTransfer(name=PoolName.SWA, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)])
+    res = store.batch_exists_v2(
+        keys, [PoolTransfer(name=PoolName.SWA, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)]
+    )
     assert res.kv_hit_pages == 0
 
 
@@ -455,7 +470,9 @@ def test_split_heads_yield_one_object_pair_per_split_rank():
     # tp_size 2 on a tp_lcm_size 4 store: each rank's page holds the heads of 2 lcm ranks.
     host = build_mha_host_pool(layout="page_head", head_num=4)
     ec = extra()
-    cfg = make_storage_config(tp_rank=1, tp_size=2, extra_config=ec, tp_lcm_size=4, should_split_heads=True)
+    cfg = make_storage_config(
+        tp_rank=1, tp_size=2, extra_config=ec, tp_lcm_size=4, should_split_heads=True
+    )
     store = KvtierStore(cfg, host)
     suffixes = store._anchor.suffixes
     assert len(suffixes) == 4

@@ -26,8 +26,17 @@ import kvtier.harness.pools as sp
 from kvtier.sglang import KvtierStore
 
 DYNAMIC = {"backend_name": "kvtier", "module_path": "kvtier.sglang", "class_name": "KvtierStore"}
-ALL, TRAIL, GROUPS = PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES, PoolHitPolicy.BLOCK_GROUPS
-SWA, C4, IDX, C128 = PoolName.SWA, PoolName.DEEPSEEK_V4_C4, PoolName.DEEPSEEK_V4_C4_INDEXER, PoolName.DEEPSEEK_V4_C128
+ALL, TRAIL, GROUPS = (
+    PoolHitPolicy.ALL_PAGES,
+    PoolHitPolicy.TRAILING_PAGES,
+    PoolHitPolicy.BLOCK_GROUPS,
+)
+SWA, C4, IDX, C128 = (
+    PoolName.SWA,
+    PoolName.DEEPSEEK_V4_C4,
+    PoolName.DEEPSEEK_V4_C4_INDEXER,
+    PoolName.DEEPSEEK_V4_C128,
+)
 C4_STATE = PoolName.DEEPSEEK_V4_C4_STATE
 PH = cf.PLACEHOLDER_KEY
 
@@ -64,7 +73,9 @@ def put_pages(store, stack, name, keys, seed, extra_info=None):
     """Fill len(keys) fresh pages of pool ``name`` and store them under ``keys``."""
     idx = idx_for(stack, name, len(keys))
     written = sp.fill_pages(pool_of(stack, name), idx, seed)
-    res = store.batch_set_v2([PoolTransfer(name=name, host_indices=idx, keys=list(keys))], extra_info)
+    res = store.batch_set_v2(
+        [PoolTransfer(name=name, host_indices=idx, keys=list(keys))], extra_info
+    )
     assert res == {name: [True] * len(keys)}
     return idx, written
 
@@ -75,7 +86,11 @@ def present_at(store, stack, name, keys, pages, seed=1):
     if not chosen:
         return {}
     idx, written = put_pages(store, stack, name, chosen, seed)
-    owner = pool_of(stack, SWA) if name in (SWA, C4_STATE, PoolName.DEEPSEEK_V4_C4_INDEXER_STATE) else stack.anchor
+    owner = (
+        pool_of(stack, SWA)
+        if name in (SWA, C4_STATE, PoolName.DEEPSEEK_V4_C4_INDEXER_STATE)
+        else stack.anchor
+    )
     sp.free_indices(owner, idx)  # the bytes are in the store now
     return dict(zip(chosen, written))
 
@@ -114,9 +129,13 @@ def test_trailing_state_with_a_hole_at_prefix_3(dsv4):
     # Per-page get of the window page: present at keys[1], absent at keys[2].
     idx = idx_for(dsv4, SWA, 1)
     sp.zero_pages(pool_of(dsv4, SWA), idx)
-    assert store.batch_get_v2([PoolTransfer(name=SWA, host_indices=idx, keys=[keys[1]])]) == {SWA: [True]}
+    assert store.batch_get_v2([PoolTransfer(name=SWA, host_indices=idx, keys=[keys[1]])]) == {
+        SWA: [True]
+    }
     assert sp.read_pages(pool_of(dsv4, SWA), idx) == [swa[keys[1]]]
-    assert store.batch_get_v2([PoolTransfer(name=SWA, host_indices=idx, keys=[keys[2]])]) == {SWA: [False]}
+    assert store.batch_get_v2([PoolTransfer(name=SWA, host_indices=idx, keys=[keys[2]])]) == {
+        SWA: [False]
+    }
 
 
 @pytest.mark.parametrize(
@@ -187,7 +206,11 @@ def test_all_pages_pools_are_folded_in_order_with_narrowing(dsv4):
     assert len(rec.exists_calls) == 2
     prefix, sent_keys, kv_suffixes, pools = rec.exists_calls[1]
     assert sent_keys == keys and kv_suffixes is None  # logical anchor
-    assert [(p[0], p[2]) for p in pools] == [("deepseek_v4_c128", "all_pages"), ("deepseek_v4_c4", "all_pages"), ("deepseek_v4_c4_indexer", "all_pages")]
+    assert [(p[0], p[2]) for p in pools] == [
+        ("deepseek_v4_c128", "all_pages"),
+        ("deepseek_v4_c4", "all_pages"),
+        ("deepseek_v4_c4_indexer", "all_pages"),
+    ]
     assert [p[1] for p in pools] == [store._plans[str(n)].suffixes for n in (C128, C4, IDX)]
 
     # Once the fold reaches 0 the remaining pools are not reported at all.
@@ -327,8 +350,12 @@ def _forge_foreign_pointers(pool, monkeypatch):
     pool._kvtier_shadow = shadow
 
 
-@pytest.mark.parametrize("forge", [_forge_no_meta, _forge_foreign_pointers], ids=["no-meta", "foreign-pointers"])
-def test_pool_without_zero_copy_warns_once_and_round_trips_byte_exact(dsv4, caplog, monkeypatch, forge):
+@pytest.mark.parametrize(
+    "forge", [_forge_no_meta, _forge_foreign_pointers], ids=["no-meta", "foreign-pointers"]
+)
+def test_pool_without_zero_copy_warns_once_and_round_trips_byte_exact(
+    dsv4, caplog, monkeypatch, forge
+):
     c4 = pool_of(dsv4, C4)
     forge(c4, monkeypatch)
     with caplog.at_level(logging.WARNING, logger="kvtier.sglang"):
@@ -343,15 +370,23 @@ def test_pool_without_zero_copy_warns_once_and_round_trips_byte_exact(dsv4, capl
         sp.zero_pages(c4, idx)
         idx128 = idx_for(dsv4, C128, 3)
         got = store.batch_get_v2(
-            [PoolTransfer(name=C4, host_indices=idx, keys=keys), PoolTransfer(name=C128, host_indices=idx128, keys=keys)]
+            [
+                PoolTransfer(name=C4, host_indices=idx, keys=keys),
+                PoolTransfer(name=C128, host_indices=idx128, keys=keys),
+            ]
         )
         assert got == {C4: [True] * 3, C128: [True] * 3}
         assert sp.read_pages(c4, idx) == written
         assert sp.read_pages(pool_of(dsv4, C128), idx128) == written128
         put_pages(store, dsv4, C4, keys_for(2, "again"), 9)
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "zero-copy" in r.getMessage()]
+    warnings = [
+        r for r in caplog.records if r.levelno == logging.WARNING and "zero-copy" in r.getMessage()
+    ]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
-    assert "deepseek_v4_c4" in warnings[0].getMessage() and "DeepSeekV4PagedHostPool" in warnings[0].getMessage()
+    assert (
+        "deepseek_v4_c4" in warnings[0].getMessage()
+        and "DeepSeekV4PagedHostPool" in warnings[0].getMessage()
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -381,7 +416,10 @@ def test_wrong_host_indices_length_fails_only_that_pool(dsv4, caplog):
     short = c4_idx[: 2 * dsv4.page_size]
     with caplog.at_level(logging.ERROR, logger="kvtier.sglang"):
         got = store.batch_get_v2(
-            [PoolTransfer(name=C4, host_indices=short, keys=keys), PoolTransfer(name=C128, host_indices=c128_idx, keys=keys)]
+            [
+                PoolTransfer(name=C4, host_indices=short, keys=keys),
+                PoolTransfer(name=C128, host_indices=c128_idx, keys=keys),
+            ]
         )
     assert got == {C4: [False] * 3, C128: [True] * 3}
     assert "host indices" in caplog.text
@@ -392,14 +430,19 @@ def test_wrong_host_indices_length_fails_only_that_pool(dsv4, caplog):
     fresh = keys_for(2, "fresh")
     idx4, idx128 = idx_for(dsv4, C4, 2), idx_for(dsv4, C128, 2)
     put = store.batch_set_v2(
-        [PoolTransfer(name=C4, host_indices=idx4[:-1], keys=fresh), PoolTransfer(name=C128, host_indices=idx128, keys=fresh)]
+        [
+            PoolTransfer(name=C4, host_indices=idx4[:-1], keys=fresh),
+            PoolTransfer(name=C128, host_indices=idx128, keys=fresh),
+        ]
     )
     assert put == {C4: [False, False], C128: [True, True]}
     _, hits, _ = exists(store, fresh, [q(C128, ALL)])
     assert hits[C128] == 2
     assert exists(store, fresh, [q(C4, ALL)])[0] == 0
     # None host indices: also a clean failure for that pool only
-    assert store.batch_get_v2([PoolTransfer(name=C4, host_indices=None, keys=keys)]) == {C4: [False] * 3}
+    assert store.batch_get_v2([PoolTransfer(name=C4, host_indices=None, keys=keys)]) == {
+        C4: [False] * 3
+    }
 
 
 def test_empty_v2_batches():
@@ -407,7 +450,9 @@ def test_empty_v2_batches():
     store = make_store(host, is_mla=False)
     assert store.batch_get_v2([]) == {}
     assert store.batch_set_v2([]) == {}
-    assert store.batch_get_v2([PoolTransfer(name=SWA, host_indices=torch.empty(0, dtype=torch.int64), keys=[])]) == {SWA: []}
+    assert store.batch_get_v2(
+        [PoolTransfer(name=SWA, host_indices=torch.empty(0, dtype=torch.int64), keys=[])]
+    ) == {SWA: []}
 
 
 # ---------------------------------------------------------------------------
@@ -429,7 +474,9 @@ def test_mha_anchor_with_a_side_pool():
     a_want = sp.fill_pages(anchor, a_idx, 1)
     s_want = sp.fill_pages(side, s_idx, 2)
     assert store.batch_set_v1(keys[:3], a_idx[: 3 * 16]) == [True] * 3  # KV for 3 pages
-    assert store.batch_set_v2([PoolTransfer(name=SWA, host_indices=s_idx, keys=keys)]) == {SWA: [True] * 4}
+    assert store.batch_set_v2([PoolTransfer(name=SWA, host_indices=s_idx, keys=keys)]) == {
+        SWA: [True] * 4
+    }
     # real KV anchor: the KV run (3) bounds everything
     hit, hits, restorable = exists(store, keys, [q(SWA, TRAIL, 2)])
     assert (hit, restorable) == (3, [1, 2, 3]) and hits == {PoolName.KV: 3, SWA: 3}
@@ -437,7 +484,9 @@ def test_mha_anchor_with_a_side_pool():
     sp.zero_pages(anchor, a_idx)
     sp.zero_pages(side, s_idx)
     assert store.batch_get_v1(keys[:3], a_idx[: 3 * 16]) == [True] * 3
-    assert store.batch_get_v2([PoolTransfer(name=SWA, host_indices=s_idx, keys=keys)]) == {SWA: [True] * 4}
+    assert store.batch_get_v2([PoolTransfer(name=SWA, host_indices=s_idx, keys=keys)]) == {
+        SWA: [True] * 4
+    }
     assert sp.read_pages(anchor, a_idx)[:3] == a_want[:3]
     assert sp.read_pages(side, s_idx) == s_want
 
@@ -455,7 +504,9 @@ def _write_chain(store, stack, chain, with_prefix):
         batch = chain[i : i + 8]
         sp.fill_pages(pool, idx, seed=i)
         info = HiCacheStorageExtraInfo(prefix_keys=list(done)) if with_prefix else None
-        assert store.batch_set_v2([PoolTransfer(name=C4, host_indices=idx, keys=batch)], info) == {C4: [True] * 8}
+        assert store.batch_set_v2([PoolTransfer(name=C4, host_indices=idx, keys=batch)], info) == {
+            C4: [True] * 8
+        }
         done += batch
 
 

@@ -21,16 +21,32 @@ def _parser() -> argparse.ArgumentParser:
         "set/get/batch_exists_v2 calls and SGLang's backup/query/prefetch flows.",
     )
     mode = s.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="~1 minute: fewer sizes, smaller pools, fewer reps")
+    mode.add_argument(
+        "--quick", action="store_true", help="~1 minute: fewer sizes, smaller pools, fewer reps"
+    )
     mode.add_argument("--scale", choices=("full", "quick", "tiny"), help=argparse.SUPPRESS)
-    s.add_argument("--json", metavar="PATH", help="write every figure (and the machine, versions, targets) as JSON")
+    s.add_argument(
+        "--json",
+        metavar="PATH",
+        help="write every figure (and the machine, versions, targets) as JSON",
+    )
     s.add_argument("--markdown", action="store_true", help="print README-ready markdown tables")
-    s.add_argument("--storage-dir", metavar="DIR", default=None,
-                   help="parent of HiCacheFile's temporary storage directory (default: the system temp dir)")
-    s.add_argument("--only", metavar="NAME", action="append",
-                   help="run only workloads whose name contains NAME (repeatable): mha-32KiB, mha-2MiB, dsv4 ...")
+    s.add_argument(
+        "--storage-dir",
+        metavar="DIR",
+        default=None,
+        help="parent of HiCacheFile's temporary storage directory (default: the system temp dir)",
+    )
+    s.add_argument(
+        "--only",
+        metavar="NAME",
+        action="append",
+        help="run only workloads whose name contains NAME (repeatable): mha-32KiB, mha-2MiB, dsv4 ...",
+    )
     s.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
-    pr = sub.add_parser("profile", help="split kvtier's call time into native copy, SGLang metadata and adapter")
+    pr = sub.add_parser(
+        "profile", help="split kvtier's call time into native copy, SGLang metadata and adapter"
+    )
     pr.add_argument("--quick", action="store_true")
     pr.add_argument("--json", metavar="PATH")
     return p

@@ -61,7 +61,9 @@ def memcpy_stream(total: int = GiB, block: int = 2 * MiB, passes: int = 5) -> Di
     )
 
 
-def memcpy_objects(size: int, region: int = 256 * MiB, objects: int = 256, passes: int = 5, seed: int = 1) -> Dict[str, float]:
+def memcpy_objects(
+    size: int, region: int = 256 * MiB, objects: int = 256, passes: int = 5, seed: int = 1
+) -> Dict[str, float]:
     """Copy ``objects`` objects of ``size`` bytes (random picks from a ``region`` source)."""
     n_src = max(objects, region // size)
     src = _prefaulted(n_src * size, 3).reshape(n_src, size)
@@ -85,10 +87,14 @@ def memcpy_objects(size: int, region: int = 256 * MiB, objects: int = 256, passe
     )
 
 
-def measure(object_sizes: Sequence[int], *, total: int, passes: int, region: int) -> Dict[str, object]:
+def measure(
+    object_sizes: Sequence[int], *, total: int, passes: int, region: int
+) -> Dict[str, object]:
     stream = memcpy_stream(total=total, passes=passes)
     per_size = {}
     for size in sorted(set(int(s) for s in object_sizes)):
         objects = max(16, min(1024, (64 * MiB) // size))
-        per_size[str(size)] = memcpy_objects(size, region=max(region, 2 * objects * size), objects=objects, passes=passes)
+        per_size[str(size)] = memcpy_objects(
+            size, region=max(region, 2 * objects * size), objects=objects, passes=passes
+        )
     return dict(stream=stream, objects=per_size)

@@ -79,7 +79,9 @@ def _split(call: Callable[[], Any], clock: _Clock, reps: int) -> Dict[str, float
             for k in parts:
                 parts[k].append(clock.ns.get(k, 0))
     adapter = [t - sum(parts[k][i] for k in parts) for i, t in enumerate(totals)]
-    out = dict(total_us=statistics.median(totals) / 1e3, adapter_us=statistics.median(adapter) / 1e3)
+    out = dict(
+        total_us=statistics.median(totals) / 1e3, adapter_us=statistics.median(adapter) / 1e3
+    )
     out.update({f"{k}_us": statistics.median(v) / 1e3 for k, v in parts.items()})
     return out
 
@@ -101,7 +103,9 @@ def profile_mha(component_bytes: int, reps: int = 30, batch: int = 128) -> Dict[
     geom = bw.mha_geometry(component_bytes)
     pool = sp.build_mha_host_pool("page_first", size_pages=batch, device_pages=4, **geom)
     bw.fill_random(pool, 1)
-    be = bw.open_backends(pool, is_mla=False, capacity=batch * 2 * component_bytes * 2 + 64 * MiB, storage_root=None)
+    be = bw.open_backends(
+        pool, is_mla=False, capacity=batch * 2 * component_bytes * 2 + 64 * MiB, storage_root=None
+    )
     clock = _Clock()
     try:
         kv = be.kv
@@ -131,7 +135,13 @@ def profile_mha(component_bytes: int, reps: int = 30, batch: int = 128) -> Dict[
             for _ in range(reps):
                 clock.reset()
                 one_set()
-                sets.append((clock.ns["_set_total"], clock.ns.get("native", 0), clock.ns.get("sglang_meta", 0)))
+                sets.append(
+                    (
+                        clock.ns["_set_total"],
+                        clock.ns.get("native", 0),
+                        clock.ns.get("sglang_meta", 0),
+                    )
+                )
         set_split = dict(
             total_us=statistics.median(s[0] for s in sets) / 1e3,
             native_us=statistics.median(s[1] for s in sets) / 1e3,
@@ -145,14 +155,23 @@ def profile_mha(component_bytes: int, reps: int = 30, batch: int = 128) -> Dict[
         for s in (set_split, get_split):
             s["gbps"] = nbytes / (s["total_us"] * 1e3)
             s["native_gbps"] = nbytes / (s["native_us"] * 1e3) if s["native_us"] else float("nan")
-        return dict(workload=f"mha-{bw._fmt_size(component_bytes)}", bytes=nbytes, set=set_split, get=get_split,
-                    get_cprofile=_cprofile(lambda: kv.batch_get_v1(keys, idx, extra), reps))
+        return dict(
+            workload=f"mha-{bw._fmt_size(component_bytes)}",
+            bytes=nbytes,
+            set=set_split,
+            get=get_split,
+            get_cprofile=_cprofile(lambda: kv.batch_get_v1(keys, idx, extra), reps),
+        )
     finally:
         be.close()
 
 
-def profile_dsv4_exists(reps: int = 500, batch: int = 128, device_pages: int = 64) -> Dict[str, Any]:
-    stack = sp.build_dsv4_pool_group("page_first", device_full_pages=device_pages, device_swa_pages=device_pages)
+def profile_dsv4_exists(
+    reps: int = 500, batch: int = 128, device_pages: int = 64
+) -> Dict[str, Any]:
+    stack = sp.build_dsv4_pool_group(
+        "page_first", device_full_pages=device_pages, device_swa_pages=device_pages
+    )
     be = bw.open_backends(stack, is_mla=True, capacity=512 * MiB, storage_root=None)
     clock = _Clock()
     try:
@@ -161,13 +180,29 @@ def profile_dsv4_exists(reps: int = 500, batch: int = 128, device_pages: int = 6
         idx = torch.arange(0, batch * ps, dtype=torch.int64)
         keys = bw.fresh_keys(batch)
         extra = bw._extra()
-        t = [PoolTransfer(name=s.name, keys=keys, host_indices=idx, hit_policy=s.hit_policy) for s in stack.side_specs]
+        t = [
+            PoolTransfer(name=s.name, keys=keys, host_indices=idx, hit_policy=s.hit_policy)
+            for s in stack.side_specs
+        ]
         assert bw._all_true_v2(kv.batch_set_v2(t, extra), t)
         _instrument(kv, [s.host_pool for s in stack.side_specs], clock)
-        four = [s for s in stack.specs if s.is_anchor or s.name in (
-            PoolName.SWA, PoolName.DEEPSEEK_V4_C4, PoolName.DEEPSEEK_V4_C4_INDEXER, PoolName.DEEPSEEK_V4_C128)]
+        four = [
+            s
+            for s in stack.specs
+            if s.is_anchor
+            or s.name
+            in (
+                PoolName.SWA,
+                PoolName.DEEPSEEK_V4_C4,
+                PoolName.DEEPSEEK_V4_C4_INDEXER,
+                PoolName.DEEPSEEK_V4_C128,
+            )
+        ]
         out: Dict[str, Any] = dict(workload="dsv4")
-        for label, specs in (("exists_v2_4pools", four), ("exists_v2_all_pools", list(stack.specs))):
+        for label, specs in (
+            ("exists_v2_4pools", four),
+            ("exists_v2_all_pools", list(stack.specs)),
+        ):
             q = cf.build_prefetch_transfers(batch, specs)
             out[label] = _split(lambda: kv.batch_exists_v2(keys, q, extra), clock, reps)
             out[label]["pools"] = len(q)
@@ -180,22 +215,40 @@ def profile_dsv4_exists(reps: int = 500, batch: int = 128, device_pages: int = 6
         be.close()
 
 
-def profile_flows(component_bytes: int = 32 * 1024, span: int = 256, reps: int = 20) -> Dict[str, Any]:
+def profile_flows(
+    component_bytes: int = 32 * 1024, span: int = 256, reps: int = 20
+) -> Dict[str, Any]:
     """``prefetch_span`` / ``backup_span`` on kvtier: the backend's share vs the harness and
     SGLang controller code around it."""
     geom = bw.mha_geometry(component_bytes)
     pool = sp.build_mha_host_pool("page_first", size_pages=span, device_pages=4, **geom)
     bw.fill_random(pool, 2)
-    be = bw.open_backends(pool, is_mla=False, capacity=span * 2 * component_bytes * 2 + 64 * MiB, storage_root=None)
+    be = bw.open_backends(
+        pool, is_mla=False, capacity=span * 2 * component_bytes * 2 + 64 * MiB, storage_root=None
+    )
     clock = _Clock()
     try:
         kv = be.kv
         idx = sp.alloc_indices(pool, span)
         keys = bw.fresh_keys(span)
         prefix = bw.fresh_keys(4)
-        res = cf.backup_span(kv, pool, keys, {PoolName.KV: idx}, prefix_keys=prefix, use_v1=True, storage_config=be.kv_cfg)
+        res = cf.backup_span(
+            kv,
+            pool,
+            keys,
+            {PoolName.KV: idx},
+            prefix_keys=prefix,
+            use_v1=True,
+            storage_config=be.kv_cfg,
+        )
         assert res.completed_pages == span
-        for name in ("batch_get_v1", "batch_set_v1", "batch_exists", "batch_exists_v2", "batch_get_v2"):
+        for name in (
+            "batch_get_v1",
+            "batch_set_v1",
+            "batch_exists",
+            "batch_exists_v2",
+            "batch_get_v2",
+        ):
             setattr(kv, name, clock.wrap("backend", getattr(kv, name)))
 
         def split(call):
@@ -208,15 +261,32 @@ def profile_flows(component_bytes: int = 32 * 1024, span: int = 256, reps: int =
                     call()
                     totals.append(now_ns() - t0)
                     backend.append(clock.ns.get("backend", 0))
-            return dict(total_us=statistics.median(totals) / 1e3, backend_us=statistics.median(backend) / 1e3,
-                        controller_and_harness_us=statistics.median(t - b for t, b in zip(totals, backend)) / 1e3)
+            return dict(
+                total_us=statistics.median(totals) / 1e3,
+                backend_us=statistics.median(backend) / 1e3,
+                controller_and_harness_us=statistics.median(t - b for t, b in zip(totals, backend))
+                / 1e3,
+            )
 
-        pre = split(lambda: cf.prefetch_span(kv, pool, keys, prefix_keys=prefix, use_v1=True,
-                                             host_indices_per_pool={PoolName.KV: idx}, storage_config=be.kv_cfg))
+        pre = split(
+            lambda: cf.prefetch_span(
+                kv,
+                pool,
+                keys,
+                prefix_keys=prefix,
+                use_v1=True,
+                host_indices_per_pool={PoolName.KV: idx},
+                storage_config=be.kv_cfg,
+            )
+        )
         qry = split(lambda: cf.query_span(kv, keys, pool, prefix_keys=prefix))
         mk = split(lambda: cf.make_controller(kv, pool, use_v1=True, storage_config=be.kv_cfg))
-        return dict(workload=f"mha-{bw._fmt_size(component_bytes)} span {span}", prefetch_span=pre, query_span=qry,
-                    make_controller=mk)
+        return dict(
+            workload=f"mha-{bw._fmt_size(component_bytes)} span {span}",
+            prefetch_span=pre,
+            query_span=qry,
+            make_controller=mk,
+        )
     finally:
         be.close()
 
@@ -233,27 +303,36 @@ def run(quick: bool = False) -> Dict[str, Any]:
 
 
 def format_report(r: Dict[str, Any]) -> str:
-    lines = ["kvtier call time split (median us per 128-page call): total = native + sglang_meta + adapter"]
+    lines = [
+        "kvtier call time split (median us per 128-page call): total = native + sglang_meta + adapter"
+    ]
     for m in r["mha"]:
         for op in ("set", "get"):
             s = m[op]
             lines.append(
                 f"  {m['workload']:<11} {op:<4} total {s['total_us']:8.1f}  native {s['native_us']:8.1f} "
                 f"({s['native_gbps']:.2f} GB/s)  sglang_meta {s['sglang_meta_us']:6.1f}  adapter {s['adapter_us']:6.1f}"
-                f"  -> {s['gbps']:.2f} GB/s")
+                f"  -> {s['gbps']:.2f} GB/s"
+            )
     d = r["dsv4"]
     for label in ("exists_v2_4pools", "exists_v2_all_pools"):
         s = d[label]
-        lines.append(f"  dsv4 {label} ({s['pools']} pools): total {s['total_us']:.1f}  native {s['native_us']:.1f}  "
-                     f"adapter {s['adapter_us']:.1f}")
+        lines.append(
+            f"  dsv4 {label} ({s['pools']} pools): total {s['total_us']:.1f}  native {s['native_us']:.1f}  "
+            f"adapter {s['adapter_us']:.1f}"
+        )
     s = d["get_v2"]
-    lines.append(f"  dsv4 batch_get_v2: total {s['total_us']:.1f}  native {s['native_us']:.1f}  sglang_meta "
-                 f"{s['sglang_meta_us']:.1f}  adapter {s['adapter_us']:.1f}  -> {s['bytes'] / (s['total_us'] * 1e3):.2f} GB/s")
+    lines.append(
+        f"  dsv4 batch_get_v2: total {s['total_us']:.1f}  native {s['native_us']:.1f}  sglang_meta "
+        f"{s['sglang_meta_us']:.1f}  adapter {s['adapter_us']:.1f}  -> {s['bytes'] / (s['total_us'] * 1e3):.2f} GB/s"
+    )
     f = r["flows"]
     for k in ("prefetch_span", "query_span", "make_controller"):
         s = f[k]
-        lines.append(f"  {f['workload']} {k}: total {s['total_us']:.1f}  in backend calls {s['backend_us']:.1f}  "
-                     f"controller+harness {s['controller_and_harness_us']:.1f}")
+        lines.append(
+            f"  {f['workload']} {k}: total {s['total_us']:.1f}  in backend calls {s['backend_us']:.1f}  "
+            f"controller+harness {s['controller_and_harness_us']:.1f}"
+        )
     lines.append("")
     lines.append(f"cProfile, {r['mha'][0]['workload']} batch_get_v1 (tottime):")
     lines.append(r["mha"][0]["get_cprofile"])

@@ -47,11 +47,20 @@ def _mem_total() -> Optional[int]:
 def _git_rev() -> Optional[str]:
     here = os.path.dirname(os.path.abspath(__file__))
     try:
-        rev = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
+        rev = subprocess.run(
+            ["git", "-C", here, "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
         if rev.returncode != 0:
             return None
-        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(
+            ["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
         return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except Exception:
         return None
@@ -117,8 +126,14 @@ class Verdict:
         return self.measured <= self.threshold
 
     def as_dict(self) -> Dict[str, Any]:
-        return dict(target=self.target, where=self.where, measured=self.measured, threshold=self.threshold,
-                    unit=self.unit, verdict="PASS" if self.passed else "MISS")
+        return dict(
+            target=self.target,
+            where=self.where,
+            measured=self.measured,
+            threshold=self.threshold,
+            unit=self.unit,
+            verdict="PASS" if self.passed else "MISS",
+        )
 
 
 def _gbps(s: Optional[dict]) -> float:
@@ -164,29 +179,69 @@ def evaluate_targets(results: Dict[str, Any]) -> List[Verdict]:
             if not op:
                 continue
             if cls == "large":
-                out.append(Verdict(f"{op_name} >=256 KiB objects >= 60% of memcpy", f"{name} {op_name}",
-                                   _gbps(op.get(KVTIER)) / memcpy, 0.60, True, "x memcpy"))
+                out.append(
+                    Verdict(
+                        f"{op_name} >=256 KiB objects >= 60% of memcpy",
+                        f"{name} {op_name}",
+                        _gbps(op.get(KVTIER)) / memcpy,
+                        0.60,
+                        True,
+                        "x memcpy",
+                    )
+                )
             if op_name == "set":
-                out.append(Verdict("set >= 10x HiCacheFile", f"{name} set", speedup(op), 10.0, True, "x"))
+                out.append(
+                    Verdict("set >= 10x HiCacheFile", f"{name} set", speedup(op), 10.0, True, "x")
+                )
             elif cls in ("large", "mixed"):
-                label = "get >=256 KiB >= 1.2x HiCacheFile" + (" (mixed sizes, mostly >=256 KiB bytes)" if cls == "mixed" else "")
+                label = "get >=256 KiB >= 1.2x HiCacheFile" + (
+                    " (mixed sizes, mostly >=256 KiB bytes)" if cls == "mixed" else ""
+                )
                 out.append(Verdict(label, f"{name} get", speedup(op), 1.2, True, "x"))
             elif cls == "small":
-                out.append(Verdict("get <128 KiB >= 3x HiCacheFile", f"{name} get", speedup(op), 3.0, True, "x"))
+                out.append(
+                    Verdict(
+                        "get <128 KiB >= 3x HiCacheFile", f"{name} get", speedup(op), 3.0, True, "x"
+                    )
+                )
         for op_name in ("exists_v2_4pools", "exists_v2_all_pools"):
             op = ops.get(op_name)
             if not op:
                 continue
             pools = op.get("pools", "?")
-            out.append(Verdict(f"batch_exists_v2 128 pages x {pools} pools p50 <= 100 us", f"{name} {op_name}",
-                               _p50(op.get(KVTIER)), 100.0, False, "us"))
-            out.append(Verdict("batch_exists_v2 >= 10x HiCacheFile", f"{name} {op_name}",
-                               _p50(op.get(FILE)) / _p50(op.get(KVTIER)), 10.0, True, "x"))
+            out.append(
+                Verdict(
+                    f"batch_exists_v2 128 pages x {pools} pools p50 <= 100 us",
+                    f"{name} {op_name}",
+                    _p50(op.get(KVTIER)),
+                    100.0,
+                    False,
+                    "us",
+                )
+            )
+            out.append(
+                Verdict(
+                    "batch_exists_v2 >= 10x HiCacheFile",
+                    f"{name} {op_name}",
+                    _p50(op.get(FILE)) / _p50(op.get(KVTIER)),
+                    10.0,
+                    True,
+                    "x",
+                )
+            )
         for op_name in ("flow_backup", "flow_query", "flow_prefetch"):
             op = ops.get(op_name)
             if op:
-                out.append(Verdict(f"{op_name.split('_')[1]} flow ahead of HiCacheFile", f"{name} {op_name}",
-                                   speedup(op), 1.0, True, "x"))
+                out.append(
+                    Verdict(
+                        f"{op_name.split('_')[1]} flow ahead of HiCacheFile",
+                        f"{name} {op_name}",
+                        speedup(op),
+                        1.0,
+                        True,
+                        "x",
+                    )
+                )
     return out
 
 
@@ -200,7 +255,10 @@ def render(headers: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool
         lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
         lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
         return "\n".join(lines)
-    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    widths = [
+        max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(h)
+        for i, h in enumerate(headers)
+    ]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     lines = [fmt.format(*headers), "  ".join("-" * w for w in widths)]
     lines += [fmt.format(*[str(c) for c in r]) for r in rows]
@@ -271,8 +329,17 @@ def results_table(results: Dict[str, Any], verdicts: List[Verdict], markdown: bo
     by_where: Dict[str, List[Verdict]] = {}
     for v in verdicts:
         by_where.setdefault(v.where, []).append(v)
-    headers = ["workload", "objects", "op", "kvtier", "HiCacheFile", "kvtier/File", "kvtier/memcpy",
-               "memcpy@size", "targets"]
+    headers = [
+        "workload",
+        "objects",
+        "op",
+        "kvtier",
+        "HiCacheFile",
+        "kvtier/File",
+        "kvtier/memcpy",
+        "memcpy@size",
+        "targets",
+    ]
     rows = []
     for w in results["workloads"]:
         for op_name, op in w["ops"].items():
@@ -287,13 +354,26 @@ def results_table(results: Dict[str, Any], verdicts: List[Verdict], markdown: bo
             extra = ""
             if op_name == "set_repeat" and kv and "dedup_skip_rate" in kv:
                 extra = f", dedup skips {kv['dedup_skip_rate'] * 100:.0f}%"
-            tcell = "; ".join(
-                f"{_short(v)} {'PASS' if v.passed else 'MISS'}" for v in by_where.get(f"{w['workload']} {op_name}", [])
-            ) or "-"
-            rows.append([
-                w["workload"], _objects_label(w), OP_LABELS.get(op_name, op_name), _cell(op_name, kv) + extra,
-                _cell(op_name, fb), _fmt_x(speedup(op)), ratio_mem, same_cell, tcell,
-            ])
+            tcell = (
+                "; ".join(
+                    f"{_short(v)} {'PASS' if v.passed else 'MISS'}"
+                    for v in by_where.get(f"{w['workload']} {op_name}", [])
+                )
+                or "-"
+            )
+            rows.append(
+                [
+                    w["workload"],
+                    _objects_label(w),
+                    OP_LABELS.get(op_name, op_name),
+                    _cell(op_name, kv) + extra,
+                    _cell(op_name, fb),
+                    _fmt_x(speedup(op)),
+                    ratio_mem,
+                    same_cell,
+                    tcell,
+                ]
+            )
     return render(headers, rows, markdown)
 
 
@@ -325,8 +405,11 @@ def verification_lines(results: Dict[str, Any]) -> List[str]:
             checks = ver.get(side, {})
             if checks:
                 bad = [k for k, ok in checks.items() if not ok]
-                parts.append(f"{side}: " + ("all bytes verified" if not bad else "FAILED " + ", ".join(bad))
-                             + f" ({', '.join(checks)})")
+                parts.append(
+                    f"{side}: "
+                    + ("all bytes verified" if not bad else "FAILED " + ", ".join(bad))
+                    + f" ({', '.join(checks)})"
+                )
         lines.append(f"  {w['workload']}: " + "; ".join(parts))
     return lines
 
@@ -344,9 +427,16 @@ def header_lines(results: Dict[str, Any]) -> List[str]:
         f"medians over interleaved reps",
         "memcpy (1 thread, best of np.copyto / libc memmove of 2 MiB blocks over a cold {:.0f} MiB src/dst): best {:.2f} GB/s at start, "
         "{:.2f} GB/s at end -> reference {:.2f} GB/s".format(
-            mem["start"]["total_bytes"] / 2**20, mem["start"]["best_gbps"], mem["end"]["best_gbps"], mem["reference_gbps"]),
-        "memcpy at object size (np.take of random objects, best): " + ", ".join(
+            mem["start"]["total_bytes"] / 2**20,
+            mem["start"]["best_gbps"],
+            mem["end"]["best_gbps"],
+            mem["reference_gbps"],
+        ),
+        "memcpy at object size (np.take of random objects, best): "
+        + ", ".join(
             f"{int(k) // KiB if int(k) >= KiB else int(k)}{'KiB' if int(k) >= KiB else 'B'} {v['best_gbps']:.2f}"
-            for k, v in sorted(mem["objects"].items(), key=lambda kv: int(kv[0]))) + " GB/s",
+            for k, v in sorted(mem["objects"].items(), key=lambda kv: int(kv[0]))
+        )
+        + " GB/s",
     ]
     return lines

@@ -219,7 +219,10 @@ def component_views(pool, host_indices: torch.Tensor) -> List[np.ndarray]:
     ptrs, sizes = meta
     if isinstance(sizes, int):
         sizes = [sizes] * len(ptrs)
-    return [np.ctypeslib.as_array((ctypes.c_uint8 * int(s)).from_address(int(p))) for p, s in zip(ptrs, sizes)]
+    return [
+        np.ctypeslib.as_array((ctypes.c_uint8 * int(s)).from_address(int(p)))
+        for p, s in zip(ptrs, sizes)
+    ]
 
 
 class Snapshot:
@@ -239,7 +242,9 @@ class Snapshot:
                 v.fill(0)
 
     def matches(self) -> bool:
-        return all(np.array_equal(v, c) for views, copies in self.items for v, c in zip(views, copies))
+        return all(
+            np.array_equal(v, c) for views, copies in self.items for v, c in zip(views, copies)
+        )
 
     def nbytes(self) -> int:
         return sum(c.nbytes for _, copies in self.items for c in copies)
@@ -284,7 +289,9 @@ class Backends:
             shutil.rmtree(self.file_dir, ignore_errors=True)
 
 
-def open_backends(group_or_pool, *, is_mla: bool, capacity: int, storage_root: Optional[str]) -> Backends:
+def open_backends(
+    group_or_pool, *, is_mla: bool, capacity: int, storage_root: Optional[str]
+) -> Backends:
     """kvtier through ``--hicache-storage-backend dynamic`` and HiCacheFile through ``file``,
     both made by SGLang's StorageBackendFactory and attached in the controller's order."""
     os.environ.pop("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", None)
@@ -308,7 +315,9 @@ def _extra(prefix: Optional[List[str]] = None) -> HiCacheStorageExtraInfo:
 def _all_true_v2(result, transfers) -> bool:
     if not isinstance(result, dict) or len(result) != len(transfers):
         return False
-    return all(len(result.get(t.name, [])) == len(t.keys or []) and all(result[t.name]) for t in transfers)
+    return all(
+        len(result.get(t.name, [])) == len(t.keys or []) and all(result[t.name]) for t in transfers
+    )
 
 
 def _file_set_setup(backend, scale: Scale):
@@ -324,7 +333,9 @@ def _op_stub():
 
 def _runner(setup, timed, samples, reps) -> Runner:
     lo, hi, budget = reps
-    return Runner(setup=setup, timed=timed, samples=samples, min_reps=lo, max_reps=hi, budget_s=budget)
+    return Runner(
+        setup=setup, timed=timed, samples=samples, min_reps=lo, max_reps=hi, budget_s=budget
+    )
 
 
 def _memcpy_runner(obj_bytes: int, objects: int, scale: Scale, reps) -> Runner:
@@ -368,7 +379,9 @@ def mha_geometry(component_bytes: int) -> dict:
     per_layer = page_size * head_num * 64 * 2
     if component_bytes % per_layer:
         raise ValueError(f"component size {component_bytes} is not a multiple of {per_layer}")
-    return dict(page_size=page_size, layer_num=component_bytes // per_layer, head_num=head_num, head_dim=64)
+    return dict(
+        page_size=page_size, layer_num=component_bytes // per_layer, head_num=head_num, head_dim=64
+    )
 
 
 def _fmt_size(n: int) -> str:
@@ -379,7 +392,13 @@ def _fmt_size(n: int) -> str:
     return f"{n}B"
 
 
-def mha_workload(scale: Scale, component_bytes: int, *, storage_root: Optional[str] = None, flows: Optional[bool] = None) -> dict:
+def mha_workload(
+    scale: Scale,
+    component_bytes: int,
+    *,
+    storage_root: Optional[str] = None,
+    flows: Optional[bool] = None,
+) -> dict:
     geom = mha_geometry(component_bytes)
     ps = geom["page_size"]
     batch = scale.batch_pages
@@ -435,10 +454,18 @@ def mha_workload(scale: Scale, component_bytes: int, *, storage_root: Optional[s
             return fresh_keys(batch), win_idx[rep % windows]
 
         runners = {
-            KVTIER: _runner(kv_set_setup, lambda a: all(be.kv.batch_set_v1(a[0], a[1], extra)),
-                            Samples(batch_bytes, batch), scale.io_reps),
-            FILE: _runner(file_set_setup, lambda a: bool(cc_file._generic_page_set(a[0], a[1], extra)),
-                          Samples(batch_bytes, batch), scale.io_reps_file),
+            KVTIER: _runner(
+                kv_set_setup,
+                lambda a: all(be.kv.batch_set_v1(a[0], a[1], extra)),
+                Samples(batch_bytes, batch),
+                scale.io_reps,
+            ),
+            FILE: _runner(
+                file_set_setup,
+                lambda a: bool(cc_file._generic_page_set(a[0], a[1], extra)),
+                Samples(batch_bytes, batch),
+                scale.io_reps_file,
+            ),
             MEMCPY: _memcpy_runner(component_bytes, 2 * batch, scale, scale.io_reps),
         }
         out["ops"]["set"] = _summaries(interleave(runners, scale.rounds))
@@ -449,27 +476,39 @@ def mha_workload(scale: Scale, component_bytes: int, *, storage_root: Optional[s
         keys = [fresh_keys(batch) for _ in range(windows)]
         for w in range(windows):
             assert all(be.kv.batch_set_v1(keys[w], win_idx[w], extra)), "kvtier populate failed"
-            assert cc_file._generic_page_set(keys[w], win_idx[w], extra), "HiCacheFile populate failed"
+            assert cc_file._generic_page_set(keys[w], win_idx[w], extra), (
+                "HiCacheFile populate failed"
+            )
         before = dict(be.kv.get_stats().store)
 
         # ---- set of keys that are all present (dedup skip)
         runners = {
-            KVTIER: _runner(lambda rep: (keys[rep % windows], win_idx[rep % windows]),
-                            lambda a: all(be.kv.batch_set_v1(a[0], a[1], extra)),
-                            Samples(batch_bytes, batch), scale.io_reps),
-            FILE: _runner(lambda rep: (keys[rep % windows], win_idx[rep % windows]),
-                          lambda a: bool(cc_file._generic_page_set(a[0], a[1], extra)),
-                          Samples(batch_bytes, batch), scale.io_reps_file),
+            KVTIER: _runner(
+                lambda rep: (keys[rep % windows], win_idx[rep % windows]),
+                lambda a: all(be.kv.batch_set_v1(a[0], a[1], extra)),
+                Samples(batch_bytes, batch),
+                scale.io_reps,
+            ),
+            FILE: _runner(
+                lambda rep: (keys[rep % windows], win_idx[rep % windows]),
+                lambda a: bool(cc_file._generic_page_set(a[0], a[1], extra)),
+                Samples(batch_bytes, batch),
+                scale.io_reps_file,
+            ),
         }
         out["ops"]["set_repeat"] = _summaries(interleave(runners, 1))
         after = dict(be.kv.get_stats().store)
         reps = out["ops"]["set_repeat"][KVTIER]["reps"] + 1  # + warm-up
         asked = reps * batch * 2
-        out["ops"]["set_repeat"][KVTIER]["dedup_skip_rate"] = (after["dedup_skips"] - before["dedup_skips"]) / asked
+        out["ops"]["set_repeat"][KVTIER]["dedup_skip_rate"] = (
+            after["dedup_skips"] - before["dedup_skips"]
+        ) / asked
         out["ops"]["set_repeat"][KVTIER]["copied_bytes"] = after["bytes_in"] - before["bytes_in"]
 
         snap = Snapshot([(pool, win_idx[0])])
-        out["verified"][KVTIER]["get"] = _verify(snap, lambda: all(be.kv.batch_get_v1(keys[0], win_idx[0], extra)))
+        out["verified"][KVTIER]["get"] = _verify(
+            snap, lambda: all(be.kv.batch_get_v1(keys[0], win_idx[0], extra))
+        )
         out["verified"][FILE]["get"] = _verify(
             snap, lambda: cc_file._generic_page_get(_op_stub(), keys[0], win_idx[0], extra) == batch
         )
@@ -478,12 +517,18 @@ def mha_workload(scale: Scale, component_bytes: int, *, storage_root: Optional[s
             raise AssertionError(f"{name}: a verified read left wrong bytes")
 
         runners = {
-            KVTIER: _runner(lambda rep: (keys[rep % windows], win_idx[rep % windows]),
-                            lambda a: all(be.kv.batch_get_v1(a[0], a[1], extra)),
-                            Samples(batch_bytes, batch), scale.io_reps),
-            FILE: _runner(lambda rep: (keys[rep % windows], win_idx[rep % windows]),
-                          lambda a: cc_file._generic_page_get(_op_stub(), a[0], a[1], extra) == batch,
-                          Samples(batch_bytes, batch), scale.io_reps_file),
+            KVTIER: _runner(
+                lambda rep: (keys[rep % windows], win_idx[rep % windows]),
+                lambda a: all(be.kv.batch_get_v1(a[0], a[1], extra)),
+                Samples(batch_bytes, batch),
+                scale.io_reps,
+            ),
+            FILE: _runner(
+                lambda rep: (keys[rep % windows], win_idx[rep % windows]),
+                lambda a: cc_file._generic_page_get(_op_stub(), a[0], a[1], extra) == batch,
+                Samples(batch_bytes, batch),
+                scale.io_reps_file,
+            ),
             MEMCPY: _memcpy_runner(component_bytes, 2 * batch, scale, scale.io_reps),
         }
         out["ops"]["get"] = _summaries(interleave(runners, scale.rounds))
@@ -499,7 +544,9 @@ def mha_workload(scale: Scale, component_bytes: int, *, storage_root: Optional[s
     return out
 
 
-def _mha_flows(scale: Scale, pool, be: Backends, all_idx, span: int, page_bytes: int, out: dict) -> dict:
+def _mha_flows(
+    scale: Scale, pool, be: Backends, all_idx, span: int, page_bytes: int, out: dict
+) -> dict:
     ps = pool.page_size
     n_spans = max(1, all_idx.numel() // (span * ps))
     span_idx = [all_idx[s * span * ps : (s + 1) * span * ps] for s in range(n_spans)]
@@ -519,15 +566,28 @@ def _mha_flows(scale: Scale, pool, be: Backends, all_idx, span: int, page_bytes:
             return fresh_keys(span), span_idx[rep % n_spans]
 
         def timed(a):
-            res = cf.backup_span(backend[which], pool, a[0], {PoolName.KV: a[1]}, prefix_keys=prefix,
-                                 use_v1=use_v1[which], storage_config=cfgs[which])
+            res = cf.backup_span(
+                backend[which],
+                pool,
+                a[0],
+                {PoolName.KV: a[1]},
+                prefix_keys=prefix,
+                use_v1=use_v1[which],
+                storage_config=cfgs[which],
+            )
             return res.completed_pages == span
 
         return _runner(setup, timed, Samples(span_bytes, span), reps)
 
-    ops["flow_backup"] = _summaries(interleave(
-        {KVTIER: backup_runner(KVTIER, scale.flow_reps), FILE: backup_runner(FILE, scale.flow_reps_file)},
-        scale.rounds))
+    ops["flow_backup"] = _summaries(
+        interleave(
+            {
+                KVTIER: backup_runner(KVTIER, scale.flow_reps),
+                FILE: backup_runner(FILE, scale.flow_reps_file),
+            },
+            scale.rounds,
+        )
+    )
 
     # Populate every span once on both backends through the real backup flow.
     be.kv.clear()
@@ -535,22 +595,47 @@ def _mha_flows(scale: Scale, pool, be: Backends, all_idx, span: int, page_bytes:
     keys = [fresh_keys(span) for _ in range(n_spans)]
     for s in range(n_spans):
         for which in (KVTIER, FILE):
-            res = cf.backup_span(backend[which], pool, keys[s], {PoolName.KV: span_idx[s]}, prefix_keys=prefix,
-                                 use_v1=use_v1[which], storage_config=cfgs[which])
+            res = cf.backup_span(
+                backend[which],
+                pool,
+                keys[s],
+                {PoolName.KV: span_idx[s]},
+                prefix_keys=prefix,
+                use_v1=use_v1[which],
+                storage_config=cfgs[which],
+            )
             assert res.completed_pages == span, f"{which} populate backup failed"
 
     def query_runner(which, reps):
-        return _runner(lambda rep: keys[rep % n_spans],
-                       lambda k: cf.query_span(backend[which], k, pool, prefix_keys=prefix).kv_hit_pages == span,
-                       Samples(0, span), reps)
+        return _runner(
+            lambda rep: keys[rep % n_spans],
+            lambda k: (
+                cf.query_span(backend[which], k, pool, prefix_keys=prefix).kv_hit_pages == span
+            ),
+            Samples(0, span),
+            reps,
+        )
 
-    ops["flow_query"] = _summaries(interleave(
-        {KVTIER: query_runner(KVTIER, scale.exists_reps_file), FILE: query_runner(FILE, scale.exists_reps_file)},
-        scale.rounds))
+    ops["flow_query"] = _summaries(
+        interleave(
+            {
+                KVTIER: query_runner(KVTIER, scale.exists_reps_file),
+                FILE: query_runner(FILE, scale.exists_reps_file),
+            },
+            scale.rounds,
+        )
+    )
 
     def prefetch(which, s):
-        pre = cf.prefetch_span(backend[which], pool, keys[s], prefix_keys=prefix, use_v1=use_v1[which],
-                               host_indices_per_pool={PoolName.KV: span_idx[s]}, storage_config=cfgs[which])
+        pre = cf.prefetch_span(
+            backend[which],
+            pool,
+            keys[s],
+            prefix_keys=prefix,
+            use_v1=use_v1[which],
+            host_indices_per_pool={PoolName.KV: span_idx[s]},
+            storage_config=cfgs[which],
+        )
         return pre.hit_pages == span and pre.counts[PoolName.KV] == span
 
     snap = Snapshot([(pool, span_idx[0])])
@@ -560,11 +645,19 @@ def _mha_flows(scale: Scale, pool, be: Backends, all_idx, span: int, page_bytes:
         raise AssertionError("a verified prefetch left wrong bytes")
 
     def prefetch_runner(which, reps):
-        return _runner(lambda rep: rep % n_spans, lambda s: prefetch(which, s), Samples(span_bytes, span), reps)
+        return _runner(
+            lambda rep: rep % n_spans, lambda s: prefetch(which, s), Samples(span_bytes, span), reps
+        )
 
-    ops["flow_prefetch"] = _summaries(interleave(
-        {KVTIER: prefetch_runner(KVTIER, scale.flow_reps), FILE: prefetch_runner(FILE, scale.flow_reps_file)},
-        scale.rounds))
+    ops["flow_prefetch"] = _summaries(
+        interleave(
+            {
+                KVTIER: prefetch_runner(KVTIER, scale.flow_reps),
+                FILE: prefetch_runner(FILE, scale.flow_reps_file),
+            },
+            scale.rounds,
+        )
+    )
     return ops
 
 
@@ -585,7 +678,10 @@ def dsv4_workload(scale: Scale, *, storage_root: Optional[str] = None) -> dict:
         raise ValueError(f"DSV4 pools have {pool_pages} pages; need >= {batch}")
     for s in side:
         fill_random(s.host_pool, seed=zlib.crc32(str(s.name).encode()))
-    win_idx = [torch.arange(w * batch * ps, (w + 1) * batch * ps, dtype=torch.int64) for w in range(windows)]
+    win_idx = [
+        torch.arange(w * batch * ps, (w + 1) * batch * ps, dtype=torch.int64)
+        for w in range(windows)
+    ]
     page_bytes = {str(s.name.value): s.page_bytes for s in side}
     batch_bytes = batch * sum(page_bytes.values())
 
@@ -593,12 +689,25 @@ def dsv4_workload(scale: Scale, *, storage_root: Optional[str] = None) -> dict:
         workload="dsv4",
         kind="dsv4",
         layout="page_first",
-        model=dict(page_size=ps, compression_ratios=[0, 4, 128, 4], dtype="float8_e4m3fn",
-                   device_full_pages=d, anchor=type(stack.anchor).__name__),
-        pools={str(s.name.value): dict(cls=type(s.host_pool).__name__, hit_policy=s.hit_policy.value,
-                                      indices_from=None if s.indices_from_pool is None else str(s.indices_from_pool.value),
-                                      page_bytes=s.page_bytes, host_pages=s.host_pool.size // s.page_size)
-               for s in side},
+        model=dict(
+            page_size=ps,
+            compression_ratios=[0, 4, 128, 4],
+            dtype="float8_e4m3fn",
+            device_full_pages=d,
+            anchor=type(stack.anchor).__name__,
+        ),
+        pools={
+            str(s.name.value): dict(
+                cls=type(s.host_pool).__name__,
+                hit_policy=s.hit_policy.value,
+                indices_from=None
+                if s.indices_from_pool is None
+                else str(s.indices_from_pool.value),
+                page_bytes=s.page_bytes,
+                host_pages=s.host_pool.size // s.page_size,
+            )
+            for s in side
+        },
         object_bytes=sorted(page_bytes.values()),
         page_bytes=sum(page_bytes.values()),
         batch_pages=batch,
@@ -617,9 +726,13 @@ def dsv4_workload(scale: Scale, *, storage_root: Optional[str] = None) -> dict:
     extra = _extra()
 
     def transfers(keys, w):
-        return [PoolTransfer(name=s.name, keys=keys, host_indices=win_idx[w], hit_policy=s.hit_policy) for s in side]
+        return [
+            PoolTransfer(name=s.name, keys=keys, host_indices=win_idx[w], hit_policy=s.hit_policy)
+            for s in side
+        ]
 
     try:
+
         def set_setup(which):
             def setup(rep):
                 if which == FILE:
@@ -627,13 +740,22 @@ def dsv4_workload(scale: Scale, *, storage_root: Optional[str] = None) -> dict:
                 else:
                     be.kv.clear()
                 return transfers(fresh_keys(batch), rep % windows)
+
             return setup
 
         runners = {
-            KVTIER: _runner(set_setup(KVTIER), lambda t: _all_true_v2(be.kv.batch_set_v2(t, extra), t),
-                            Samples(batch_bytes, batch), scale.io_reps),
-            FILE: _runner(set_setup(FILE), lambda t: _all_true_v2(be.file.batch_set_v2(t, extra), t),
-                          Samples(batch_bytes, batch), scale.io_reps_file),
+            KVTIER: _runner(
+                set_setup(KVTIER),
+                lambda t: _all_true_v2(be.kv.batch_set_v2(t, extra), t),
+                Samples(batch_bytes, batch),
+                scale.io_reps,
+            ),
+            FILE: _runner(
+                set_setup(FILE),
+                lambda t: _all_true_v2(be.file.batch_set_v2(t, extra), t),
+                Samples(batch_bytes, batch),
+                scale.io_reps_file,
+            ),
         }
         out["ops"]["set"] = _summaries(interleave(runners, scale.rounds))
 
@@ -647,56 +769,99 @@ def dsv4_workload(scale: Scale, *, storage_root: Optional[str] = None) -> dict:
             assert _all_true_v2(be.file.batch_set_v2(t, extra), t), "HiCacheFile populate failed"
             # The KV anchor pages too, as the controller's KV loop writes them (logical anchor:
             # a no-op for kvtier, 0-byte files for HiCacheFile), so that existence queries hit.
-            assert all(be.kv.batch_set_v1(keys[w], win_idx[w], extra)), "kvtier anchor populate failed"
-            assert cc_file._generic_page_set(keys[w], win_idx[w], extra), "HiCacheFile anchor populate failed"
+            assert all(be.kv.batch_set_v1(keys[w], win_idx[w], extra)), (
+                "kvtier anchor populate failed"
+            )
+            assert cc_file._generic_page_set(keys[w], win_idx[w], extra), (
+                "HiCacheFile anchor populate failed"
+            )
 
         runners = {
-            KVTIER: _runner(lambda rep: transfers(keys[rep % windows], rep % windows),
-                            lambda t: _all_true_v2(be.kv.batch_set_v2(t, extra), t),
-                            Samples(batch_bytes, batch), scale.io_reps),
-            FILE: _runner(lambda rep: transfers(keys[rep % windows], rep % windows),
-                          lambda t: _all_true_v2(be.file.batch_set_v2(t, extra), t),
-                          Samples(batch_bytes, batch), scale.io_reps_file),
+            KVTIER: _runner(
+                lambda rep: transfers(keys[rep % windows], rep % windows),
+                lambda t: _all_true_v2(be.kv.batch_set_v2(t, extra), t),
+                Samples(batch_bytes, batch),
+                scale.io_reps,
+            ),
+            FILE: _runner(
+                lambda rep: transfers(keys[rep % windows], rep % windows),
+                lambda t: _all_true_v2(be.file.batch_set_v2(t, extra), t),
+                Samples(batch_bytes, batch),
+                scale.io_reps_file,
+            ),
         }
         before = dict(be.kv.get_stats().store)
         out["ops"]["set_repeat"] = _summaries(interleave(runners, 1))
         after = dict(be.kv.get_stats().store)
         asked = (out["ops"]["set_repeat"][KVTIER]["reps"] + 1) * batch * len(side)
-        out["ops"]["set_repeat"][KVTIER]["dedup_skip_rate"] = (after["dedup_skips"] - before["dedup_skips"]) / asked
+        out["ops"]["set_repeat"][KVTIER]["dedup_skip_rate"] = (
+            after["dedup_skips"] - before["dedup_skips"]
+        ) / asked
         out["ops"]["set_repeat"][KVTIER]["copied_bytes"] = after["bytes_in"] - before["bytes_in"]
 
         snap = Snapshot([(s.host_pool, win_idx[0]) for s in side])
         for which, backend in ((KVTIER, be.kv), (FILE, be.file)):
             t = transfers(keys[0], 0)
-            out["verified"][which]["get"] = _verify(snap, lambda: _all_true_v2(backend.batch_get_v2(t, extra), t))
+            out["verified"][which]["get"] = _verify(
+                snap, lambda: _all_true_v2(backend.batch_get_v2(t, extra), t)
+            )
         out["verified"]["bytes"] = snap.nbytes()
         if not snap.matches():
             raise AssertionError("dsv4: a verified read left wrong bytes")
 
         runners = {
-            KVTIER: _runner(lambda rep: transfers(keys[rep % windows], rep % windows),
-                            lambda t: _all_true_v2(be.kv.batch_get_v2(t, extra), t),
-                            Samples(batch_bytes, batch), scale.io_reps),
-            FILE: _runner(lambda rep: transfers(keys[rep % windows], rep % windows),
-                          lambda t: _all_true_v2(be.file.batch_get_v2(t, extra), t),
-                          Samples(batch_bytes, batch), scale.io_reps_file),
+            KVTIER: _runner(
+                lambda rep: transfers(keys[rep % windows], rep % windows),
+                lambda t: _all_true_v2(be.kv.batch_get_v2(t, extra), t),
+                Samples(batch_bytes, batch),
+                scale.io_reps,
+            ),
+            FILE: _runner(
+                lambda rep: transfers(keys[rep % windows], rep % windows),
+                lambda t: _all_true_v2(be.file.batch_get_v2(t, extra), t),
+                Samples(batch_bytes, batch),
+                scale.io_reps_file,
+            ),
         }
         out["ops"]["get"] = _summaries(interleave(runners, scale.rounds))
 
         # ---- batch_exists_v2: the transfers a prefetch sends, 128 pages, every page present
-        four = [s for s in stack.specs if s.is_anchor or s.name in (
-            PoolName.SWA, PoolName.DEEPSEEK_V4_C4, PoolName.DEEPSEEK_V4_C4_INDEXER, PoolName.DEEPSEEK_V4_C128)]
-        for label, specs in (("exists_v2_4pools", four), ("exists_v2_all_pools", list(stack.specs))):
+        four = [
+            s
+            for s in stack.specs
+            if s.is_anchor
+            or s.name
+            in (
+                PoolName.SWA,
+                PoolName.DEEPSEEK_V4_C4,
+                PoolName.DEEPSEEK_V4_C4_INDEXER,
+                PoolName.DEEPSEEK_V4_C128,
+            )
+        ]
+        for label, specs in (
+            ("exists_v2_4pools", four),
+            ("exists_v2_all_pools", list(stack.specs)),
+        ):
             q = cf.build_prefetch_transfers(batch, specs)
-            answers = {which: b.batch_exists_v2(keys[0], q, extra) for which, b in ((KVTIER, be.kv), (FILE, be.file))}
-            agree = (answers[KVTIER].kv_hit_pages == answers[FILE].kv_hit_pages == batch
-                     and list(answers[KVTIER].restorable_prefix_pages) == list(answers[FILE].restorable_prefix_pages))
+            answers = {
+                which: b.batch_exists_v2(keys[0], q, extra)
+                for which, b in ((KVTIER, be.kv), (FILE, be.file))
+            }
+            agree = answers[KVTIER].kv_hit_pages == answers[FILE].kv_hit_pages == batch and list(
+                answers[KVTIER].restorable_prefix_pages
+            ) == list(answers[FILE].restorable_prefix_pages)
             out["verified"][KVTIER][label] = bool(agree)
             runners = {
-                which: _runner(lambda rep: keys[rep % windows],
-                               (lambda b: lambda k: b.batch_exists_v2(k, q, extra).kv_hit_pages == batch)(b),
-                               Samples(0, batch), reps)
-                for which, b, reps in ((KVTIER, be.kv, scale.exists_reps), (FILE, be.file, scale.exists_reps_file))
+                which: _runner(
+                    lambda rep: keys[rep % windows],
+                    (lambda b: lambda k: b.batch_exists_v2(k, q, extra).kv_hit_pages == batch)(b),
+                    Samples(0, batch),
+                    reps,
+                )
+                for which, b, reps in (
+                    (KVTIER, be.kv, scale.exists_reps),
+                    (FILE, be.file, scale.exists_reps_file),
+                )
             }
             out["ops"][label] = _summaries(interleave(runners, scale.rounds))
             out["ops"][label]["pools"] = len(q)
@@ -716,8 +881,13 @@ def _dsv4_flows(scale: Scale, stack, be: Backends, out: dict) -> dict:
     swa = stack.spec(PoolName.SWA)
     window = swa.window_pages or 1
     n_spans = max(1, min(stack.full_host_pages // span, stack.swa_host_pages // window))
-    kv_idx = [torch.arange(s * span * ps, (s + 1) * span * ps, dtype=torch.int64) for s in range(n_spans)]
-    swa_idx = [torch.arange(s * window * ps, (s + 1) * window * ps, dtype=torch.int64) for s in range(n_spans)]
+    kv_idx = [
+        torch.arange(s * span * ps, (s + 1) * span * ps, dtype=torch.int64) for s in range(n_spans)
+    ]
+    swa_idx = [
+        torch.arange(s * window * ps, (s + 1) * window * ps, dtype=torch.int64)
+        for s in range(n_spans)
+    ]
     side = stack.side_specs
     span_bytes = sum(s.page_bytes * (min(window, span) if s.is_trailing else span) for s in side)
     out["flow_span_pages"] = span
@@ -729,8 +899,15 @@ def _dsv4_flows(scale: Scale, stack, be: Backends, out: dict) -> dict:
     ops = {}
 
     def backup(which, keys, s):
-        res = cf.backup_span(backend[which], stack, keys, {PoolName.KV: kv_idx[s], PoolName.SWA: swa_idx[s]},
-                             prefix_keys=prefix, use_v1=use_v1[which], storage_config=cfgs[which])
+        res = cf.backup_span(
+            backend[which],
+            stack,
+            keys,
+            {PoolName.KV: kv_idx[s], PoolName.SWA: swa_idx[s]},
+            prefix_keys=prefix,
+            use_v1=use_v1[which],
+            storage_config=cfgs[which],
+        )
         want = {str(x.name): (min(window, span) if x.is_trailing else span) for x in side}
         got = {str(k): v for k, v in res.pool_hits.items()}
         return res.completed_pages == span and all(got.get(k) == v for k, v in want.items())
@@ -745,9 +922,15 @@ def _dsv4_flows(scale: Scale, stack, be: Backends, out: dict) -> dict:
 
         return _runner(setup, lambda a: backup(which, a[0], a[1]), Samples(span_bytes, span), reps)
 
-    ops["flow_backup"] = _summaries(interleave(
-        {KVTIER: backup_runner(KVTIER, scale.flow_reps), FILE: backup_runner(FILE, scale.flow_reps_file)},
-        scale.rounds))
+    ops["flow_backup"] = _summaries(
+        interleave(
+            {
+                KVTIER: backup_runner(KVTIER, scale.flow_reps),
+                FILE: backup_runner(FILE, scale.flow_reps_file),
+            },
+            scale.rounds,
+        )
+    )
 
     be.kv.clear()
     be.file.clear()
@@ -760,16 +943,29 @@ def _dsv4_flows(scale: Scale, stack, be: Backends, out: dict) -> dict:
         def timed(k):
             q = cf.query_span(backend[which], k, stack, prefix_keys=prefix)
             return q.kv_hit_pages == span
+
         return _runner(lambda rep: keys[rep % n_spans], timed, Samples(0, span), reps)
 
-    ops["flow_query"] = _summaries(interleave(
-        {KVTIER: query_runner(KVTIER, scale.exists_reps_file), FILE: query_runner(FILE, scale.exists_reps_file)},
-        scale.rounds))
+    ops["flow_query"] = _summaries(
+        interleave(
+            {
+                KVTIER: query_runner(KVTIER, scale.exists_reps_file),
+                FILE: query_runner(FILE, scale.exists_reps_file),
+            },
+            scale.rounds,
+        )
+    )
 
     def prefetch(which, s):
-        pre = cf.prefetch_span(backend[which], stack, keys[s], prefix_keys=prefix, use_v1=use_v1[which],
-                               host_indices_per_pool={PoolName.KV: kv_idx[s], PoolName.SWA: swa_idx[s]},
-                               storage_config=cfgs[which])
+        pre = cf.prefetch_span(
+            backend[which],
+            stack,
+            keys[s],
+            prefix_keys=prefix,
+            use_v1=use_v1[which],
+            host_indices_per_pool={PoolName.KV: kv_idx[s], PoolName.SWA: swa_idx[s]},
+            storage_config=cfgs[which],
+        )
         want = {x.name: (min(window, span) if x.is_trailing else span) for x in side}
         return pre.hit_pages == span and all(pre.counts.get(k) == v for k, v in want.items())
 
@@ -784,11 +980,19 @@ def _dsv4_flows(scale: Scale, stack, be: Backends, out: dict) -> dict:
         raise AssertionError("dsv4: a verified prefetch left wrong bytes")
 
     def prefetch_runner(which, reps):
-        return _runner(lambda rep: rep % n_spans, lambda s: prefetch(which, s), Samples(span_bytes, span), reps)
+        return _runner(
+            lambda rep: rep % n_spans, lambda s: prefetch(which, s), Samples(span_bytes, span), reps
+        )
 
-    ops["flow_prefetch"] = _summaries(interleave(
-        {KVTIER: prefetch_runner(KVTIER, scale.flow_reps), FILE: prefetch_runner(FILE, scale.flow_reps_file)},
-        scale.rounds))
+    ops["flow_prefetch"] = _summaries(
+        interleave(
+            {
+                KVTIER: prefetch_runner(KVTIER, scale.flow_reps),
+                FILE: prefetch_runner(FILE, scale.flow_reps_file),
+            },
+            scale.rounds,
+        )
+    )
     return ops
 
 
@@ -807,19 +1011,30 @@ def configure_runtime() -> None:
     quiet_logs()
 
 
-def run_all(scale: Scale, *, storage_root: Optional[str] = None, only: Optional[Sequence[str]] = None,
-            progress: Callable[[str], None] = lambda s: None) -> Dict[str, Any]:
+def run_all(
+    scale: Scale,
+    *,
+    storage_root: Optional[str] = None,
+    only: Optional[Sequence[str]] = None,
+    progress: Callable[[str], None] = lambda s: None,
+) -> Dict[str, Any]:
     from kvtier.bench import baselines, report
 
     configure_runtime()
     started = time.perf_counter()
-    results: Dict[str, Any] = dict(machine=report.machine_info(), scale=dataclasses.asdict(scale), workloads=[])
+    results: Dict[str, Any] = dict(
+        machine=report.machine_info(), scale=dataclasses.asdict(scale), workloads=[]
+    )
     results["scale"]["storage_root"] = storage_root or tempfile.gettempdir()
     sizes = list(scale.mha_components) + list(DSV4_OBJECT_SIZES)
     progress("memcpy baseline")
-    start = baselines.measure(sizes, total=scale.memcpy_total, passes=scale.memcpy_passes, region=scale.region_bytes)
-    plan: List[tuple] = [(f"mha-{_fmt_size(c)}", lambda c=c: mha_workload(scale, c, storage_root=storage_root))
-                         for c in scale.mha_components]
+    start = baselines.measure(
+        sizes, total=scale.memcpy_total, passes=scale.memcpy_passes, region=scale.region_bytes
+    )
+    plan: List[tuple] = [
+        (f"mha-{_fmt_size(c)}", lambda c=c: mha_workload(scale, c, storage_root=storage_root))
+        for c in scale.mha_components
+    ]
     plan.append(("dsv4", lambda: dsv4_workload(scale, storage_root=storage_root)))
     for name, fn in plan:
         if only and not any(o in name for o in only):
@@ -831,7 +1046,9 @@ def run_all(scale: Scale, *, storage_root: Optional[str] = None, only: Optional[
     progress("memcpy baseline (end)")
     end = baselines.memcpy_stream(total=scale.memcpy_total, passes=scale.memcpy_passes)
     results["memcpy"] = dict(
-        start=start["stream"], end=end, objects=start["objects"],
+        start=start["stream"],
+        end=end,
+        objects=start["objects"],
         reference_gbps=max(start["stream"]["best_gbps"], end["best_gbps"]),
         reference="best of the start and end passes of the 2 MiB-block streaming copy",
     )

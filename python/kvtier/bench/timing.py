@@ -131,8 +131,10 @@ def interleave(runners: Dict[str, Runner], rounds: int = 3) -> Dict[str, Samples
                 share_ns = r.budget_s * 1e9 * (rnd + 1) / rounds
                 target_min = math.ceil(r.min_reps * (rnd + 1) / rounds)
                 done = 0
-                while r.wants_more() and done < share_reps and (
-                    r.samples.reps < target_min or r._spent_ns < share_ns
+                while (
+                    r.wants_more()
+                    and done < share_reps
+                    and (r.samples.reps < target_min or r._spent_ns < share_ns)
                 ):
                     r.run_one()
                     done += 1

@@ -43,7 +43,6 @@ from queue import Queue
 from typing import Any, Optional, Sequence
 from unittest import mock
 
-import torch
 
 from sglang.srt.managers.cache_controller import PrefetchAck
 from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
@@ -51,7 +50,6 @@ from sglang.srt.mem_cache.hicache_storage import (
     STORAGE_BATCH_SIZE,
     HiCacheStorage,
     HiCacheStorageConfig,
-    HiCacheStorageExtraInfo,
     PoolHitPolicy,
     PoolName,
     PoolTransfer,
@@ -245,9 +243,7 @@ class RecordingBackend(HiCacheStorage):
         )
 
     def on_host_pools_registered(self):
-        return self._rec(
-            "on_host_pools_registered", {}, self.inner.on_host_pools_registered
-        )
+        return self._rec("on_host_pools_registered", {}, self.inner.on_host_pools_registered)
 
     # v2
     def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None):
@@ -279,39 +275,49 @@ class RecordingBackend(HiCacheStorage):
     def batch_get_v1(self, keys, host_indices, extra_info=None):
         return self._rec(
             "batch_get_v1",
-            dict(keys=list(keys), n_host_indices=int(host_indices.numel()),
-                 extra_info=_summ_extra(extra_info)),
+            dict(
+                keys=list(keys),
+                n_host_indices=int(host_indices.numel()),
+                extra_info=_summ_extra(extra_info),
+            ),
             lambda: self.inner.batch_get_v1(keys, host_indices, extra_info),
         )
 
     def batch_set_v1(self, keys, host_indices, extra_info=None):
         return self._rec(
             "batch_set_v1",
-            dict(keys=list(keys), n_host_indices=int(host_indices.numel()),
-                 extra_info=_summ_extra(extra_info)),
+            dict(
+                keys=list(keys),
+                n_host_indices=int(host_indices.numel()),
+                extra_info=_summ_extra(extra_info),
+            ),
             lambda: self.inner.batch_set_v1(keys, host_indices, extra_info),
         )
 
     # legacy
     def get(self, key, target_location=None, target_sizes=None):
-        return self._rec("get", dict(key=key),
-                         lambda: self.inner.get(key, target_location, target_sizes))
+        return self._rec(
+            "get", dict(key=key), lambda: self.inner.get(key, target_location, target_sizes)
+        )
 
     def batch_get(self, keys, target_locations=None, target_sizes=None):
         return self._rec(
-            "batch_get", dict(keys=list(keys)),
+            "batch_get",
+            dict(keys=list(keys)),
             lambda: self.inner.batch_get(keys, target_locations, target_sizes),
         )
 
     def set(self, key, value=None, target_location=None, target_sizes=None):
-        return self._rec("set", dict(key=key),
-                         lambda: self.inner.set(key, value, target_location, target_sizes))
+        return self._rec(
+            "set", dict(key=key), lambda: self.inner.set(key, value, target_location, target_sizes)
+        )
 
     def batch_set(self, keys, values=None, target_locations=None, target_sizes=None):
         return self._rec(
             "batch_set",
-            dict(keys=list(keys),
-                 value_nbytes=[v.numel() * v.element_size() for v in values or []]),
+            dict(
+                keys=list(keys), value_nbytes=[v.numel() * v.element_size() for v in values or []]
+            ),
             lambda: self.inner.batch_set(keys, values, target_locations, target_sizes),
         )
 
@@ -593,9 +599,7 @@ def _run_hit_query(cc, op, page_hashes) -> tuple[list, int, Any]:
     real_backend = cc.storage_backend
     cc.storage_backend = tap
     try:
-        with mock.patch.object(
-            _hcc, "get_storage_hash_str", lambda *a, **k: list(page_hashes)
-        ):
+        with mock.patch.object(_hcc, "get_storage_hash_str", lambda *a, **k: list(page_hashes)):
             hash_value, hit_tokens = cc._storage_hit_query(op)
     finally:
         cc.storage_backend = real_backend

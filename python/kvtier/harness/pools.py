@@ -22,7 +22,6 @@ Byte sizes of one storage page (what one key's value is):
 from __future__ import annotations
 
 import ctypes
-import math
 import os
 import zlib
 from dataclasses import dataclass, field
@@ -563,9 +562,7 @@ def build_dsv4_pool_group(
         window_pages=window_pages,
         full_host_pages=group.anchor_entry.host_pool.size // page_size,
         swa_host_pages=(
-            entry_map[PoolName.SWA].host_pool.size // page_size
-            if PoolName.SWA in entry_map
-            else 0
+            entry_map[PoolName.SWA].host_pool.size // page_size if PoolName.SWA in entry_map else 0
         ),
         controller_kwargs=recorded.get("kwargs", {}),
     )
@@ -652,9 +649,7 @@ def read_page_components(host_pool, host_indices: torch.Tensor) -> list[list[byt
     ps = host_pool.page_size
     out = []
     for start in page_starts(host_pool, host_indices):
-        meta = host_pool.get_page_buffer_meta(
-            torch.arange(start, start + ps, dtype=torch.int64)
-        )
+        meta = host_pool.get_page_buffer_meta(torch.arange(start, start + ps, dtype=torch.int64))
         if meta is None:
             out.append([])
             continue
@@ -688,9 +683,7 @@ def describe_pool(host_pool, n_pages: int = 2) -> dict:
     idx = torch.arange(0, n_pages * ps, dtype=torch.int64)
     meta = host_pool.get_page_buffer_meta(idx)
     buffers = (
-        host_pool.get_hybrid_pool_buffer()
-        if hasattr(host_pool, "get_hybrid_pool_buffer")
-        else None
+        host_pool.get_hybrid_pool_buffer() if hasattr(host_pool, "get_hybrid_pool_buffer") else None
     )
     kv = getattr(host_pool, "kv_buffer", None)
     return dict(
@@ -714,9 +707,7 @@ def describe_pool(host_pool, n_pages: int = 2) -> dict:
             else [(tuple(b.shape), str(b.dtype), b.data_ptr()) for b in buffers]
         ),
         meta_first_pages=(
-            None
-            if meta is None
-            else dict(n_ptrs=len(meta[0]), ptrs=meta[0], sizes=meta[1])
+            None if meta is None else dict(n_ptrs=len(meta[0]), ptrs=meta[0], sizes=meta[1])
         ),
     )
 
@@ -741,11 +732,15 @@ if __name__ == "__main__":  # pragma: no cover - by-hand verification
         _print_description(f"MLA {layout}", build_mla_host_pool(layout, size_pages=8))
     for layout in ("page_first", "layer_first"):
         stack = build_dsv4_pool_group(layout)
-        print(f"#### DSV4 {layout}: window_pages={stack.window_pages} "
-              f"full_host_pages={stack.full_host_pages} swa_host_pages={stack.swa_host_pages}")
+        print(
+            f"#### DSV4 {layout}: window_pages={stack.window_pages} "
+            f"full_host_pages={stack.full_host_pages} swa_host_pages={stack.swa_host_pages}"
+        )
         for s in stack.specs:
-            print(f"   spec {s.name.value}: {type(s.host_pool).__name__} "
-                  f"policy={s.hit_policy.value} from={s.indices_from_pool} "
-                  f"page_size={s.page_size} window={s.window_pages} page_bytes={s.page_bytes}")
+            print(
+                f"   spec {s.name.value}: {type(s.host_pool).__name__} "
+                f"policy={s.hit_policy.value} from={s.indices_from_pool} "
+                f"page_size={s.page_size} window={s.window_pages} page_bytes={s.page_bytes}"
+            )
         for s in stack.specs:
             _print_description(f"DSV4 {layout} {s.name.value}", s.host_pool)
