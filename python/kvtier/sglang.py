@@ -905,8 +905,9 @@ class KvtierStore(HiCacheStorage):
                 return PoolTransferResult(0, {}, [])
             hit_count = {}
             for name, boundary in pool_hits:
-                hit_count[PoolName.KV if name == "kv" else names.get(name, name)] = int(boundary)
-            return PoolTransferResult(int(kv_hit), hit_count, [int(p) for p in restorable])
+                hit_count[PoolName.KV if name == "kv" else names.get(name, name)] = boundary
+            # The native call returns ints already: no per-item conversion on this hot path.
+            return PoolTransferResult(kv_hit, hit_count, list(restorable))
         except Exception:
             logger.exception("kvtier batch_exists_v2 failed; reporting a miss")
             return PoolTransferResult(0, {}, [])
