@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything kvtier needs on a fresh Debian machine with a Rust toolchain and Python 3.11:
-# system packages, a Python venv (.venv) with torch + SGLang 0.5.23 (CPU use), and the kvtier
-# Python module built by maturin (release). Safe to run again: finished steps are skipped fast.
+# system packages, a Python venv (.venv) with torch + SGLang 0.5.23 (CPU use), the kvtier
+# Python module built by maturin (release) and the `kvtier` command (target/release/kvtier). Safe to run again: finished steps are skipped fast.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -48,4 +48,6 @@ pip_q -r requirements/sglang-cpu.txt "maturin>=1.7,<2" "pytest>=8" "ruff>=0.6"
 
 log "building kvtier (maturin develop --release)"
 VIRTUAL_ENV="$PWD/$VENV" PATH="$PWD/$VENV/bin:$PATH" "$VENV/bin/maturin" develop --release -q 2>&1 | grep -vE '^(📦|✏️|🔗|🍹|🐍|⚠️ Warning: You.*)' || true
+log "building the kvtier command (cargo build --release -p kvtier-cli -> target/release/kvtier)"
+cargo build --release --quiet -p kvtier-cli
 "$VENV/bin/python" -c "import kvtier; print('[setup] kvtier', kvtier.__version__, 'ready in', '$VENV')"
