@@ -338,6 +338,26 @@ def _runner(setup, timed, samples, reps) -> Runner:
     )
 
 
+def _kvtier_vs_file(runner, kvtier_reps, file_reps, rounds):
+    """Interleave kvtier's and HiCacheFile's runs of one operation and summarize both."""
+    return _summaries(
+        interleave({KVTIER: runner(KVTIER, kvtier_reps), FILE: runner(FILE, file_reps)}, rounds)
+    )
+
+
+def _verified_prefetch_flow(out, snap, prefetch, n_spans, samples, scale, label=""):
+    """Check one prefetch per backend byte for byte (untimed), then time the prefetch flow."""
+    for which in (KVTIER, FILE):
+        out["verified"][which]["prefetch"] = _verify(snap, lambda: prefetch(which, 0))
+    if not snap.matches():
+        raise AssertionError(f"{label}a verified prefetch left wrong bytes")
+
+    def runner(which, reps):
+        return _runner(lambda rep: rep % n_spans, lambda s: prefetch(which, s), samples, reps)
+
+    return _kvtier_vs_file(runner, scale.flow_reps, scale.flow_reps_file, scale.rounds)
+
+
 def _memcpy_runner(obj_bytes: int, objects: int, scale: Scale, reps) -> Runner:
     """The same number of same-size objects gathered from a cold region, interleaved with the
     backends' repetitions (a same-time reference on a noisy machine)."""
@@ -579,14 +599,8 @@ def _mha_flows(
 
         return _runner(setup, timed, Samples(span_bytes, span), reps)
 
-    ops["flow_backup"] = _summaries(
-        interleave(
-            {
-                KVTIER: backup_runner(KVTIER, scale.flow_reps),
-                FILE: backup_runner(FILE, scale.flow_reps_file),
-            },
-            scale.rounds,
-        )
+    ops["flow_backup"] = _kvtier_vs_file(
+        backup_runner, scale.flow_reps, scale.flow_reps_file, scale.rounds
     )
 
     # Populate every span once on both backends through the real backup flow.
@@ -616,14 +630,8 @@ def _mha_flows(
             reps,
         )
 
-    ops["flow_query"] = _summaries(
-        interleave(
-            {
-                KVTIER: query_runner(KVTIER, scale.exists_reps_file),
-                FILE: query_runner(FILE, scale.exists_reps_file),
-            },
-            scale.rounds,
-        )
+    ops["flow_query"] = _kvtier_vs_file(
+        query_runner, scale.exists_reps_file, scale.exists_reps_file, scale.rounds
     )
 
     def prefetch(which, s):
@@ -639,24 +647,8 @@ def _mha_flows(
         return pre.hit_pages == span and pre.counts[PoolName.KV] == span
 
     snap = Snapshot([(pool, span_idx[0])])
-    for which in (KVTIER, FILE):
-        out["verified"][which]["prefetch"] = _verify(snap, lambda: prefetch(which, 0))
-    if not snap.matches():
-        raise AssertionError("a verified prefetch left wrong bytes")
-
-    def prefetch_runner(which, reps):
-        return _runner(
-            lambda rep: rep % n_spans, lambda s: prefetch(which, s), Samples(span_bytes, span), reps
-        )
-
-    ops["flow_prefetch"] = _summaries(
-        interleave(
-            {
-                KVTIER: prefetch_runner(KVTIER, scale.flow_reps),
-                FILE: prefetch_runner(FILE, scale.flow_reps_file),
-            },
-            scale.rounds,
-        )
+    ops["flow_prefetch"] = _verified_prefetch_flow(
+        out, snap, prefetch, n_spans, Samples(span_bytes, span), scale, ""
     )
     return ops
 
@@ -922,14 +914,8 @@ def _dsv4_flows(scale: Scale, stack, be: Backends, out: dict) -> dict:
 
         return _runner(setup, lambda a: backup(which, a[0], a[1]), Samples(span_bytes, span), reps)
 
-    ops["flow_backup"] = _summaries(
-        interleave(
-            {
-                KVTIER: backup_runner(KVTIER, scale.flow_reps),
-                FILE: backup_runner(FILE, scale.flow_reps_file),
-            },
-            scale.rounds,
-        )
+    ops["flow_backup"] = _kvtier_vs_file(
+        backup_runner, scale.flow_reps, scale.flow_reps_file, scale.rounds
     )
 
     be.kv.clear()
@@ -946,14 +932,8 @@ def _dsv4_flows(scale: Scale, stack, be: Backends, out: dict) -> dict:
 
         return _runner(lambda rep: keys[rep % n_spans], timed, Samples(0, span), reps)
 
-    ops["flow_query"] = _summaries(
-        interleave(
-            {
-                KVTIER: query_runner(KVTIER, scale.exists_reps_file),
-                FILE: query_runner(FILE, scale.exists_reps_file),
-            },
-            scale.rounds,
-        )
+    ops["flow_query"] = _kvtier_vs_file(
+        query_runner, scale.exists_reps_file, scale.exists_reps_file, scale.rounds
     )
 
     def prefetch(which, s):
@@ -974,24 +954,8 @@ def _dsv4_flows(scale: Scale, stack, be: Backends, out: dict) -> dict:
         idx = swa_idx[0] if (x.is_trailing) else kv_idx[0]
         restored.append((x.host_pool, idx))
     snap = Snapshot(restored)
-    for which in (KVTIER, FILE):
-        out["verified"][which]["prefetch"] = _verify(snap, lambda: prefetch(which, 0))
-    if not snap.matches():
-        raise AssertionError("dsv4: a verified prefetch left wrong bytes")
-
-    def prefetch_runner(which, reps):
-        return _runner(
-            lambda rep: rep % n_spans, lambda s: prefetch(which, s), Samples(span_bytes, span), reps
-        )
-
-    ops["flow_prefetch"] = _summaries(
-        interleave(
-            {
-                KVTIER: prefetch_runner(KVTIER, scale.flow_reps),
-                FILE: prefetch_runner(FILE, scale.flow_reps_file),
-            },
-            scale.rounds,
-        )
+    ops["flow_prefetch"] = _verified_prefetch_flow(
+        out, snap, prefetch, n_spans, Samples(span_bytes, span), scale, "dsv4: "
     )
     return ops
 
