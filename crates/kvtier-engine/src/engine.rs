@@ -269,6 +269,9 @@ impl Engine {
         let needed_blocks = self.dram.blocks_for(len);
         let window = self.config.eviction_candidate_window;
         let mut skip = 0;
+        // A pass that started while copies were pending may have skipped objects the queue
+        // released since; NoSpace only after one whole pass that saw the queue empty.
+        let mut idle_pass = false;
         let mut candidates = Vec::with_capacity(window);
         loop {
             if let Some(a) = self.dram.try_allocate(len) {
@@ -281,6 +284,12 @@ impl Engine {
                 // finished batch releases some. Only when nothing is pending is it NoSpace.
                 if let Some(ssd) = self.ssd.as_ref().filter(|s| s.pending() > 0) {
                     ssd.wait_progress();
+                    skip = 0;
+                    idle_pass = false;
+                    continue;
+                }
+                if !idle_pass && skip > 0 {
+                    idle_pass = true;
                     skip = 0;
                     continue;
                 }
@@ -299,6 +308,7 @@ impl Engine {
                 }
             }
             skip = if evicted_any {
+                idle_pass = false;
                 0
             } else {
                 skip + candidates.len()
