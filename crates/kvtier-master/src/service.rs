@@ -1,0 +1,425 @@
+//! The tonic service of `kvtier master` and the process around it (lease sweeper, election).
+//!
+//! Every RPC but `Cluster` is refused with `FAILED_PRECONDITION` on a master that is not the
+//! leader, so a client never reads or writes a follower's (empty) directory; clients find the
+//! leader with `Cluster` on each configured master address.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvtier_proto::{Decode, Encode, ExistsV2Query};
+use tonic::{Request, Response, Status};
+
+use crate::directory::{Claim, Directory, NodeSpec, NodeState, PlaceRequest};
+use crate::election::{campaign, ElectionConfig, Leadership};
+use crate::rpc::master_server::{Master, MasterServer};
+use crate::rpc::*;
+
+/// Most keys one RPC may carry.
+pub const MAX_KEYS_PER_CALL: usize = kvtier_proto::limits::MAX_KEYS_PER_BATCH;
+
+/// Settings of one master process.
+#[derive(Clone, Debug)]
+pub struct MasterConfig {
+    pub listen: SocketAddr,
+    /// The address clients and nodes use for this master (default: `listen`).
+    pub advertise: Option<String>,
+    /// A node not heard from for this long is dropped.
+    pub lease: Duration,
+    /// A put claim not committed within this is released.
+    pub claim_timeout: Duration,
+    pub default_replication: usize,
+    /// Replication factor per namespace (the client's `extra_backend_tag`).
+    pub replication: BTreeMap<String, usize>,
+    /// etcd endpoints; empty: single-master mode.
+    pub etcd_endpoints: Vec<String>,
+    pub election_key: String,
+    pub election_ttl: Duration,
+}
+
+impl Default for MasterConfig {
+    fn default() -> Self {
+        MasterConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 7700)),
+            advertise: None,
+            lease: Duration::from_secs(3),
+            claim_timeout: Duration::from_secs(30),
+            default_replication: 1,
+            replication: BTreeMap::new(),
+            etcd_endpoints: Vec::new(),
+            election_key: "/kvtier/master/leader".into(),
+            election_ttl: Duration::from_secs(2),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum MasterError {
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("rpc server failed: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+/// The state every RPC works on.
+pub struct MasterService {
+    directory: Arc<Directory>,
+    leadership: Arc<Leadership>,
+    config: MasterConfig,
+}
+
+impl MasterService {
+    pub fn new(
+        config: MasterConfig,
+        directory: Arc<Directory>,
+        leadership: Arc<Leadership>,
+    ) -> Self {
+        MasterService {
+            directory,
+            leadership,
+            config,
+        }
+    }
+
+    fn lead(&self) -> Result<(), Status> {
+        if self.leadership.is_leader() {
+            Ok(())
+        } else {
+            Err(Status::failed_precondition(format!(
+                "not the leader (leader: {:?})",
+                self.leadership.leader_address()
+            )))
+        }
+    }
+
+    fn replication(&self, namespace: &str) -> usize {
+        self.config
+            .replication
+            .get(namespace)
+            .copied()
+            .unwrap_or(self.config.default_replication)
+    }
+}
+
+fn check_keys(keys: &[Vec<u8>]) -> Result<(), Status> {
+    if keys.len() > MAX_KEYS_PER_CALL {
+        return Err(Status::invalid_argument(format!(
+            "{} keys in one call (most: {MAX_KEYS_PER_CALL})",
+            keys.len()
+        )));
+    }
+    if keys
+        .iter()
+        .any(|k| k.is_empty() || k.len() > kvtier_proto::limits::MAX_KEY_LEN)
+    {
+        return Err(Status::invalid_argument("a key is empty or too long"));
+    }
+    Ok(())
+}
+
+/// The node table as replies carry it.
+pub fn node_infos(nodes: &[NodeState]) -> Vec<NodeInfo> {
+    nodes
+        .iter()
+        .map(|n| NodeInfo {
+            node_id: n.spec.node_id.clone(),
+            data_address: n.spec.data_address.clone(),
+            capacity_bytes: n.spec.capacity_bytes,
+            free_bytes: n.estimated_free(),
+            tags: n.spec.tags.clone(),
+            alive: n.alive,
+            index: u32::from(n.index),
+        })
+        .collect()
+}
+
+fn node_list(nodes: Vec<u16>) -> NodeList {
+    NodeList {
+        nodes: nodes.into_iter().map(u32::from).collect(),
+    }
+}
+
+fn node_index(raw: u32) -> Result<u16, Status> {
+    u16::try_from(raw)
+        .map_err(|_| Status::invalid_argument(format!("node index {raw} is out of range")))
+}
+
+#[tonic::async_trait]
+impl Master for MasterService {
+    async fn register_node(
+        &self,
+        request: Request<RegisterNodeRequest>,
+    ) -> Result<Response<RegisterNodeReply>, Status> {
+        self.lead()?;
+        let r = request.into_inner();
+        if r.data_address.parse::<SocketAddr>().is_err() {
+            return Err(Status::invalid_argument(format!(
+                "data_address {:?} is not host:port",
+                r.data_address
+            )));
+        }
+        if r.keys.len() > 16 << 20 {
+            return Err(Status::invalid_argument(
+                "too many keys in one registration",
+            ));
+        }
+        let spec = NodeSpec {
+            node_id: r.node_id,
+            data_address: r.data_address,
+            capacity_bytes: r.capacity_bytes,
+            free_bytes: r.free_bytes,
+            tags: r.tags,
+        };
+        let id = spec.node_id.clone();
+        let index = self
+            .directory
+            .register(spec, &r.keys)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        tracing::info!(node = %id, index, keys = r.keys.len(), "kvtier master: node registered");
+        Ok(Response::new(RegisterNodeReply {
+            index: u32::from(index),
+            lease_ms: self.directory.lease().as_millis() as u64,
+        }))
+    }
+
+    async fn heartbeat(
+        &self,
+        request: Request<HeartbeatRequest>,
+    ) -> Result<Response<HeartbeatReply>, Status> {
+        self.lead()?;
+        let r = request.into_inner();
+        Ok(Response::new(HeartbeatReply {
+            known: self.directory.heartbeat(&r.node_id, r.free_bytes),
+        }))
+    }
+
+    async fn place_puts(
+        &self,
+        request: Request<PlacePutsRequest>,
+    ) -> Result<Response<PlacePutsReply>, Status> {
+        self.lead()?;
+        let r = request.into_inner();
+        check_keys(&r.keys)?;
+        if r.sizes.len() != r.keys.len() {
+            return Err(Status::invalid_argument(format!(
+                "{} sizes for {} keys",
+                r.sizes.len(),
+                r.keys.len()
+            )));
+        }
+        let place = PlaceRequest {
+            client_node_id: &r.client_node_id,
+            replication: self.replication(&r.namespace),
+            required_tags: &r.required_tags,
+        };
+        let keys: Vec<&[u8]> = r.keys.iter().map(Vec::as_slice).collect();
+        let (claim, claims) = self.directory.claim(&place, &keys, &r.sizes);
+        let placements = claims
+            .into_iter()
+            .map(|c| match c {
+                Claim::Write(nodes) => Placement {
+                    status: PlaceStatus::Write as i32,
+                    nodes: nodes.into_iter().map(u32::from).collect(),
+                },
+                Claim::Present => Placement {
+                    status: PlaceStatus::Present as i32,
+                    nodes: Vec::new(),
+                },
+                Claim::Busy => Placement {
+                    status: PlaceStatus::Busy as i32,
+                    nodes: Vec::new(),
+                },
+                Claim::NoSpace => Placement {
+                    status: PlaceStatus::NoSpace as i32,
+                    nodes: Vec::new(),
+                },
+            })
+            .collect();
+        Ok(Response::new(PlacePutsReply {
+            placements,
+            nodes: node_infos(&self.directory.nodes()),
+            claim,
+        }))
+    }
+
+    async fn commit_puts(
+        &self,
+        request: Request<CommitPutsRequest>,
+    ) -> Result<Response<CommitPutsReply>, Status> {
+        self.lead()?;
+        let r = request.into_inner();
+        check_keys(&r.keys)?;
+        if r.stored.len() != r.keys.len() {
+            return Err(Status::invalid_argument("stored is not parallel to keys"));
+        }
+        let mut committed = Vec::with_capacity(r.keys.len());
+        for (key, stored) in r.keys.iter().zip(&r.stored) {
+            let nodes = stored
+                .nodes
+                .iter()
+                .map(|&n| node_index(n))
+                .collect::<Result<Vec<u16>, Status>>()?;
+            committed.push(
+                self.directory
+                    .commit(r.claim, key, &nodes)
+                    .map_err(|e| Status::invalid_argument(e.to_string()))?,
+            );
+        }
+        Ok(Response::new(CommitPutsReply { committed }))
+    }
+
+    async fn lookup(
+        &self,
+        request: Request<LookupRequest>,
+    ) -> Result<Response<LookupReply>, Status> {
+        self.lead()?;
+        let r = request.into_inner();
+        check_keys(&r.keys)?;
+        let locations = self
+            .directory
+            .locate_many(&r.keys)
+            .into_iter()
+            .map(node_list)
+            .collect();
+        Ok(Response::new(LookupReply {
+            locations,
+            nodes: node_infos(&self.directory.nodes()),
+        }))
+    }
+
+    async fn exists_v2(
+        &self,
+        request: Request<ExistsV2Request>,
+    ) -> Result<Response<ExistsV2Reply>, Status> {
+        self.lead()?;
+        let r = request.into_inner();
+        let query = ExistsV2Query::decode(&r.query)
+            .map_err(|e| Status::invalid_argument(format!("exists query: {e}")))?;
+        let answer = kvtier_proto::query::evaluate(&query, self.directory.exists_fn());
+        let answer = answer
+            .encode_to_vec()
+            .map_err(|e| Status::internal(e.to_string()))?;
+        Ok(Response::new(ExistsV2Reply { answer }))
+    }
+
+    async fn report_dropped(
+        &self,
+        request: Request<ReportDroppedRequest>,
+    ) -> Result<Response<ReportDroppedReply>, Status> {
+        self.lead()?;
+        let r = request.into_inner();
+        check_keys(&r.keys)?;
+        let node = node_index(r.node)?;
+        Ok(Response::new(ReportDroppedReply {
+            removed: self.directory.drop_keys(node, &r.keys),
+        }))
+    }
+
+    async fn cluster(
+        &self,
+        _request: Request<ClusterRequest>,
+    ) -> Result<Response<ClusterReply>, Status> {
+        let leader = self.leadership.is_leader();
+        Ok(Response::new(ClusterReply {
+            nodes: if leader {
+                node_infos(&self.directory.nodes())
+            } else {
+                Vec::new()
+            },
+            is_leader: leader,
+            leader_address: self.leadership.leader_address(),
+            objects: if leader {
+                self.directory.len() as u64
+            } else {
+                0
+            },
+        }))
+    }
+
+    async fn forget(
+        &self,
+        request: Request<ForgetRequest>,
+    ) -> Result<Response<ForgetReply>, Status> {
+        self.lead()?;
+        let r = request.into_inner();
+        check_keys(&r.keys)?;
+        let held_by = self
+            .directory
+            .forget(&r.keys)
+            .into_iter()
+            .map(node_list)
+            .collect();
+        Ok(Response::new(ForgetReply {
+            held_by,
+            nodes: node_infos(&self.directory.nodes()),
+        }))
+    }
+}
+
+/// Run a master until `shutdown` resolves: the RPC server, the lease sweeper, and (with etcd
+/// endpoints) the leader campaign.
+pub async fn run(
+    config: MasterConfig,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<(), MasterError> {
+    let advertise = config
+        .advertise
+        .clone()
+        .unwrap_or_else(|| config.listen.to_string());
+    let directory = Arc::new(Directory::new(config.lease, config.claim_timeout));
+    let leadership = Arc::new(if config.etcd_endpoints.is_empty() {
+        Leadership::single(&advertise)
+    } else {
+        Leadership::default()
+    });
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .map_err(|source| MasterError::Listen {
+            addr: config.listen,
+            source,
+        })?;
+    let sweeper = {
+        let directory = Arc::clone(&directory);
+        let every = (config.lease / 4).max(Duration::from_millis(50));
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                for node in directory.expire_nodes(Instant::now()) {
+                    tracing::warn!(node = %node, "kvtier master: lease expired, node dropped");
+                }
+            }
+        })
+    };
+    let election = (!config.etcd_endpoints.is_empty()).then(|| {
+        tokio::spawn(campaign(
+            ElectionConfig {
+                endpoints: config.etcd_endpoints.clone(),
+                key: config.election_key.clone(),
+                ttl: config.election_ttl,
+                advertise: advertise.clone(),
+            },
+            Arc::clone(&leadership),
+            Arc::clone(&directory),
+        ))
+    });
+    tracing::info!(listen = %config.listen, advertise = %advertise, etcd = config.etcd_endpoints.len(), "kvtier master: serving");
+    let service = MasterService::new(config, directory, leadership);
+    let result = tonic::transport::Server::builder()
+        .add_service(MasterServer::new(service).max_decoding_message_size(256 << 20))
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown,
+        )
+        .await;
+    sweeper.abort();
+    if let Some(e) = election {
+        e.abort();
+    }
+    result.map_err(MasterError::from)
+}
