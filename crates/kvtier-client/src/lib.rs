@@ -17,6 +17,7 @@ pub mod config;
 pub mod error;
 pub mod memory;
 pub mod remote;
+pub mod transport;
 
 pub use batch::{BatchResult, MemRef, PageBatch};
 pub use client::Client;

@@ -25,6 +25,7 @@ pub mod frame;
 pub mod limits;
 pub mod messages;
 pub mod opcode;
+pub mod peer;
 pub mod query;
 pub mod server;
 

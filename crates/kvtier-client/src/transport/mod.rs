@@ -1,0 +1,97 @@
+//! Peer data transport: how page bytes move between a cluster client and a node's data port.
+//!
+//! [`Transport`] is the seam for other fabrics (RDMA later); [`tcp::TcpTransport`] is the one
+//! implemented and tested. A transport moves whole objects and reports a result per object;
+//! it never decides placement (the master does) and never sees unregistered memory: callers
+//! hand it slices that the region registry has already bounds-checked.
+
+pub mod tcp;
+
+use kvtier_proto::ProtoError;
+
+/// One object to store on a peer.
+#[derive(Clone, Copy, Debug)]
+pub struct PutItem<'a> {
+    pub key: &'a [u8],
+    pub value: &'a [u8],
+    pub depth: Option<u32>,
+}
+
+/// One object to read from a peer, straight into `dst` (whose length must match the stored
+/// object's exactly).
+#[derive(Debug)]
+pub struct GetItem<'a> {
+    pub key: &'a [u8],
+    pub dst: &'a mut [u8],
+}
+
+/// Why one transfer failed.
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    #[error("peer {peer}: cannot connect: {source}")]
+    Connect {
+        peer: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("peer {peer}: {source}")]
+    Io {
+        peer: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("peer {peer} refused the cluster token: {message}")]
+    Unauthorized { peer: String, message: String },
+    #[error("peer {peer} is marked down for {remaining_ms} ms more after a failure")]
+    PeerDown { peer: String, remaining_ms: u64 },
+    #[error("not found on peer {peer}")]
+    NotFound { peer: String },
+    #[error("peer {peer}: stored length differs from the buffer ({message})")]
+    SizeMismatch { peer: String, message: String },
+    #[error("peer {peer} refused (code {code}): {message}")]
+    Refused {
+        peer: String,
+        code: u16,
+        message: String,
+    },
+    #[error("peer {peer} answered request {found} where {expected} was due")]
+    OutOfOrder {
+        peer: String,
+        expected: u64,
+        found: u64,
+    },
+    #[error("peer {peer}: protocol error: {source}")]
+    Protocol {
+        peer: String,
+        #[source]
+        source: ProtoError,
+    },
+}
+
+impl TransportError {
+    /// A miss rather than a fault: the peer answered that it does not hold the object.
+    pub fn is_not_found(&self) -> bool {
+        matches!(self, TransportError::NotFound { .. })
+    }
+
+    /// The peer could not be reached (or stopped answering): its objects are unreachable.
+    pub fn is_unreachable(&self) -> bool {
+        matches!(
+            self,
+            TransportError::Connect { .. }
+                | TransportError::Io { .. }
+                | TransportError::PeerDown { .. }
+        )
+    }
+}
+
+/// Moves objects to and from peers, addressed by their data address (`host:port`).
+pub trait Transport: Send + Sync + std::fmt::Debug {
+    /// Store every item on `peer` (put-if-absent there); one result per item, in order.
+    fn put(&self, peer: &str, items: &[PutItem<'_>]) -> Vec<Result<(), TransportError>>;
+    /// Read every item from `peer` into its destination; one result per item, in order. A
+    /// failed item's destination may hold partial bytes and must not be used.
+    fn get(&self, peer: &str, items: &mut [GetItem<'_>]) -> Vec<Result<(), TransportError>>;
+    /// Remove keys on `peer`; whether each was present.
+    fn remove(&self, peer: &str, keys: &[&[u8]]) -> Result<Vec<bool>, TransportError>;
+}
