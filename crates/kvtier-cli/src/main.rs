@@ -8,6 +8,7 @@
 //!   index checkpoint and by a full segment scan.
 
 mod bench;
+mod master;
 mod serve;
 
 use std::io::IsTerminal;
@@ -45,6 +46,9 @@ enum Command {
     },
     #[command(flatten)]
     Server(serve::ServerCommand),
+    /// Run a cluster master (node registry, key directory, placement; etcd leader election
+    /// with --etcd) until SIGTERM/SIGINT.
+    Master(master::MasterArgs),
 }
 
 #[derive(Subcommand)]
@@ -91,6 +95,7 @@ fn main() -> ExitCode {
             BenchCommand::Server(args) => serve::bench(args),
         },
         Command::Server(command) => serve::run(command),
+        Command::Master(args) => master::master(args),
     };
     match result {
         Ok(code) => code,

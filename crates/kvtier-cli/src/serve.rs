@@ -10,14 +10,14 @@ use kvtier_server::cli::{ServeArgs, StatArgs};
 pub enum ServerCommand {
     /// Run the local cache server shared by every rank on this host (Unix socket + shared
     /// memory) until SIGTERM/SIGINT, then finish running requests, flush and exit.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Print a running server's live stats (sessions, mappings, stores).
     Stat(StatArgs),
 }
 
 pub fn run(command: ServerCommand) -> Result<ExitCode, String> {
     let code = match command {
-        ServerCommand::Serve(args) => kvtier_server::cli::serve_main(args),
+        ServerCommand::Serve(args) => kvtier_server::cli::serve_main(*args),
         ServerCommand::Stat(args) => kvtier_server::cli::stat_main(args),
     };
     Ok(ExitCode::from(u8::try_from(code).unwrap_or(2)))

@@ -17,6 +17,7 @@ use kvtier_proto::{ExistsV2Answer, ExistsV2Query};
 use serde::Serialize;
 
 use crate::batch::{BatchResult, MemRef, PageBatch};
+use crate::cluster::ClusterStore;
 use crate::config::KvtierConfig;
 use crate::error::ClientError;
 use crate::memory::{RegionId, RegionInfo, RegionRegistry};
@@ -46,6 +47,7 @@ enum Backend {
     /// directory), after the batches in flight, which hold the read lock, are done.
     Embedded(RwLock<Option<Engine>>),
     Server(RemoteStore),
+    Cluster(ClusterStore),
 }
 
 pub struct Client {
@@ -59,10 +61,13 @@ pub struct Client {
 }
 
 impl Client {
-    /// Open the store the configuration describes: embedded, or server mode when
-    /// `server_socket` is set (connects right away, so a wrong socket fails here).
+    /// Open the store the configuration describes: embedded, server mode when
+    /// `server_socket` is set, cluster mode when `master_address` is set (both connect right
+    /// away, so a wrong socket or an unreachable master fails here).
     pub fn open(config: KvtierConfig) -> Result<Client, ClientError> {
-        let backend = if config.server_socket.is_some() {
+        let backend = if config.master_address.is_some() {
+            Backend::Cluster(ClusterStore::open(&config)?)
+        } else if config.server_socket.is_some() {
             Backend::Server(RemoteStore::connect(&config)?)
         } else {
             Backend::Embedded(RwLock::new(Some(Engine::open(config.engine_config())?)))
@@ -131,18 +136,27 @@ impl Client {
         self.regions.unregister(id)
     }
 
-    /// `"embedded"` or `"server"`.
+    /// `"embedded"`, `"server"` or `"cluster"`.
     pub fn mode(&self) -> &'static str {
         match self.backend {
             Backend::Embedded(_) => "embedded",
             Backend::Server(_) => "server",
+            Backend::Cluster(_) => "cluster",
+        }
+    }
+
+    /// The cluster store (cluster mode only).
+    pub fn cluster(&self) -> Option<&ClusterStore> {
+        match &self.backend {
+            Backend::Cluster(c) => Some(c),
+            _ => None,
         }
     }
 
     /// Regions the server maps directly (server mode; 0 in embedded mode).
     pub fn zero_copy_regions(&self) -> usize {
         match &self.backend {
-            Backend::Embedded(_) => 0,
+            Backend::Embedded(_) | Backend::Cluster(_) => 0,
             Backend::Server(remote) => remote.zero_copy_regions(),
         }
     }
@@ -243,6 +257,17 @@ impl Client {
             Backend::Embedded(slot) => slot.read(),
             Backend::Server(remote) => {
                 return remote.page_io(
+                    &self.regions,
+                    is_put,
+                    batch.prefix,
+                    batch.page_keys,
+                    batch.suffixes,
+                    buffers,
+                    depths,
+                )
+            }
+            Backend::Cluster(cluster) => {
+                return cluster.page_io(
                     &self.regions,
                     is_put,
                     batch.prefix,
@@ -443,6 +468,13 @@ impl Client {
             Backend::Server(remote) => remote
                 .put_slice(key, value, depth)
                 .map(|()| PutOutcome::Stored),
+            Backend::Cluster(cluster) => {
+                let keys = [cluster.namespaced(key)];
+                match cluster.put_objects(&keys, &[Ok(value)], &[depth]).remove(0) {
+                    Ok(()) => Ok(PutOutcome::Stored),
+                    Err(reason) => Err(ClientError::BatchShape(reason)),
+                }
+            }
         }
     }
 
@@ -459,6 +491,16 @@ impl Client {
                 true => Ok(()),
                 false => Err(ClientError::Engine(EngineError::NotFound)),
             },
+            Backend::Cluster(cluster) => {
+                let keys = [cluster.namespaced(key)];
+                match cluster.get_objects(&keys, vec![Ok(dst)]).remove(0) {
+                    Ok(()) => Ok(()),
+                    Err(reason) if reason == "not found" => {
+                        Err(ClientError::Engine(EngineError::NotFound))
+                    }
+                    Err(reason) => Err(ClientError::BatchShape(reason)),
+                }
+            }
         }
     }
 
@@ -466,6 +508,8 @@ impl Client {
         match &self.backend {
             Backend::Embedded(slot) => slot.read().as_ref().and_then(|e| e.object_len(key)),
             Backend::Server(remote) => remote.object_len(key).ok().flatten(),
+            // The directory does not keep sizes (its per-object budget); unknown here.
+            Backend::Cluster(_) => None,
         }
     }
 
@@ -483,6 +527,13 @@ impl Client {
                 remote
                     .exists_keys(&keys)
                     .unwrap_or_else(|_| vec![false; keys.len()])
+            }
+            Backend::Cluster(cluster) => {
+                let keys: Vec<Vec<u8>> = keys.iter().map(|k| k.as_ref().to_vec()).collect();
+                cluster.exists_keys(&keys).unwrap_or_else(|e| {
+                    tracing::warn!(error = %e, "kvtier cluster: exists failed");
+                    vec![false; keys.len()]
+                })
             }
         }
     }
@@ -508,6 +559,16 @@ impl Client {
                     suffixes: batch.suffixes.iter().map(|s| s.as_ref().to_vec()).collect(),
                 };
                 return remote.exists_pages_prefix(keys).unwrap_or(0);
+            }
+            Backend::Cluster(cluster) => {
+                let keys = cluster.compose_keys(batch.prefix, batch.page_keys, batch.suffixes);
+                // compose_keys already namespaced them; look them up as whole keys.
+                let found = cluster.exists_full_keys(&keys).unwrap_or_default();
+                let comps = batch.components();
+                return found
+                    .chunks(comps)
+                    .position(|page| !page.iter().all(|&b| b))
+                    .unwrap_or(found.len() / comps);
             }
         };
         let Some(engine) = guard.as_ref() else {
@@ -538,6 +599,10 @@ impl Client {
                 .map(|e| e.exists_v2(query))
                 .unwrap_or_default(),
             Backend::Server(remote) => remote.exists_v2(query).unwrap_or_default(),
+            Backend::Cluster(cluster) => cluster.exists_v2(query).unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "kvtier cluster: exists_v2 failed");
+                ExistsV2Answer::default()
+            }),
         }
     }
 
@@ -550,6 +615,10 @@ impl Client {
             Backend::Server(remote) => {
                 let keys: Vec<Vec<u8>> = keys.iter().map(|k| k.as_ref().to_vec()).collect();
                 remote.remove_keys(&keys).unwrap_or(0)
+            }
+            Backend::Cluster(cluster) => {
+                let keys: Vec<Vec<u8>> = keys.iter().map(|k| k.as_ref().to_vec()).collect();
+                cluster.remove_keys(&keys).unwrap_or(0)
             }
         }
     }
@@ -564,6 +633,11 @@ impl Client {
             Backend::Server(remote) => {
                 let _ = remote.clear();
             }
+            // Dropping a whole namespace cluster-wide is not offered (it would need every
+            // node's key list); remove_keys removes named keys.
+            Backend::Cluster(_) => {
+                tracing::warn!("kvtier cluster: clear() is not supported in cluster mode");
+            }
         }
     }
 
@@ -577,6 +651,8 @@ impl Client {
                 None => Err(ClientError::Closed),
             },
             Backend::Server(remote) => remote.flush(),
+            // Nodes own their durability; an acknowledged put is already visible.
+            Backend::Cluster(_) => Ok(()),
         }
     }
 
@@ -586,6 +662,7 @@ impl Client {
         if !self.closed.swap(true, Ordering::AcqRel) {
             match &self.backend {
                 Backend::Server(remote) => remote.close(),
+                Backend::Cluster(_) => {}
                 Backend::Embedded(slot) => {
                     // Waits for batches in flight; dropping flushes the SSD tier and frees
                     // its directory for the next store.
@@ -604,7 +681,7 @@ impl Client {
     pub fn with_engine<R>(&self, f: impl FnOnce(&Engine) -> R) -> Option<R> {
         match &self.backend {
             Backend::Embedded(slot) => slot.read().as_ref().map(f),
-            Backend::Server(_) => None,
+            Backend::Server(_) | Backend::Cluster(_) => None,
         }
     }
 
@@ -643,7 +720,7 @@ impl Client {
                 Backend::Embedded(slot) => {
                     slot.read().as_ref().map(Engine::stats).unwrap_or_default()
                 }
-                Backend::Server(_) => EngineStats::default(),
+                Backend::Server(_) | Backend::Cluster(_) => EngineStats::default(),
             },
             rejected_buffers: self.rejected_buffers.load(Ordering::Relaxed),
             rejected_batches: self.rejected_batches.load(Ordering::Relaxed),

@@ -112,6 +112,39 @@ pub struct KvtierConfig {
     /// which pages of unregistered (plain anonymous) memory are copied.
     #[serde(deserialize_with = "strict::size")]
     pub server_staging_bytes: u64,
+    /// Cluster mode: the `kvtier master` RPC address(es), `host:port`, comma-separated when
+    /// several masters share an etcd election (the client follows the leader). Set: cluster
+    /// mode (objects live on the cluster's nodes, found through the master's directory).
+    #[serde(deserialize_with = "strict::optional_string")]
+    pub master_address: Option<String>,
+    /// Cluster mode: this host's node id (its `kvtier serve --node-id`); puts go there first
+    /// when it has room. For `kvtier serve`, the id it registers under (default: host name).
+    #[serde(deserialize_with = "strict::optional_string")]
+    pub node_id: Option<String>,
+    /// Cluster mode: the local node's data address `host:port` (identifies the local node when
+    /// `node_id` is unset). For `kvtier serve`, the address its data port binds.
+    #[serde(deserialize_with = "strict::optional_string")]
+    pub node_address: Option<String>,
+    /// Cluster mode: comma-separated tags. A client only places objects on nodes carrying all
+    /// of them; a node registers with them.
+    #[serde(deserialize_with = "strict::optional_string")]
+    pub node_tags: Option<String>,
+    /// Cluster mode: the shared secret every peer connection presents (required).
+    #[serde(deserialize_with = "strict::optional_string")]
+    pub cluster_token: Option<String>,
+    /// Cluster mode: copy an object fetched from another node into the local node too.
+    #[serde(deserialize_with = "strict::boolean")]
+    pub cache_remote_fetches: bool,
+    /// Cluster mode: bound of one request to the master or to a peer, in ms; a dead peer's
+    /// objects become misses after at most this.
+    #[serde(deserialize_with = "strict::count")]
+    pub cluster_request_timeout_ms: u64,
+    /// Cluster mode: how long a call keeps looking for a leader (master failover), in ms.
+    #[serde(deserialize_with = "strict::count")]
+    pub cluster_master_retry_ms: u64,
+    /// Cluster mode: pooled TCP connections per peer (a large batch is spread over them).
+    #[serde(deserialize_with = "strict::count")]
+    pub cluster_connections_per_peer: u64,
 }
 
 impl Default for KvtierConfig {
@@ -145,6 +178,15 @@ impl Default for KvtierConfig {
             server_bin: None,
             server_startup_timeout_ms: 10_000,
             server_staging_bytes: 32 << 20,
+            master_address: None,
+            node_id: None,
+            node_address: None,
+            node_tags: None,
+            cluster_token: None,
+            cache_remote_fetches: false,
+            cluster_request_timeout_ms: 2_000,
+            cluster_master_retry_ms: 5_000,
+            cluster_connections_per_peer: 2,
         }
     }
 }
@@ -399,6 +441,7 @@ impl KvtierConfig {
                 format!("{} is below the minimum of 1MiB", self.server_staging_bytes),
             ));
         }
+        self.validate_cluster(&origin)?;
         if let Some(tag) = &self.extra_backend_tag {
             if tag.is_empty() || tag.len() > 128 || tag.contains('\0') || tag.contains('\x1f') {
                 return Err(ConfigError::new(
@@ -409,6 +452,83 @@ impl KvtierConfig {
             }
         }
         Ok(())
+    }
+
+    fn validate_cluster(&self, origin: &dyn Fn(&str) -> Origin) -> Result<(), ConfigError> {
+        let bad = |key: &str, reason: String| ConfigError::new(key, &origin(key), reason);
+        let is_host_port = |a: &str| {
+            a.rsplit_once(':')
+                .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok())
+        };
+        for (key, value) in [
+            (
+                "cluster_request_timeout_ms",
+                self.cluster_request_timeout_ms,
+            ),
+            ("cluster_master_retry_ms", self.cluster_master_retry_ms),
+        ] {
+            if !(1..=600_000).contains(&value) {
+                return Err(bad(key, format!("{value} must be from 1 to 600000")));
+            }
+        }
+        if !(1..=64).contains(&self.cluster_connections_per_peer) {
+            return Err(bad(
+                "cluster_connections_per_peer",
+                format!("{} must be from 1 to 64", self.cluster_connections_per_peer),
+            ));
+        }
+        if let Some(address) = &self.node_address {
+            if !is_host_port(address) {
+                return Err(bad("node_address", format!("{address:?} is not host:port")));
+            }
+        }
+        if let Some(id) = &self.node_id {
+            if id.is_empty() || id.len() > 256 {
+                return Err(bad("node_id", "must be 1 to 256 bytes".into()));
+            }
+        }
+        let Some(masters) = &self.master_address else {
+            return Ok(());
+        };
+        if masters.split(',').any(|a| !is_host_port(a.trim())) {
+            return Err(bad(
+                "master_address",
+                format!("{masters:?} is not a comma-separated list of host:port"),
+            ));
+        }
+        if self.server_socket.is_some() {
+            return Err(bad(
+                "master_address",
+                "cluster mode and server mode (server_socket) exclude each other".into(),
+            ));
+        }
+        match &self.cluster_token {
+            Some(token) if !token.is_empty() && token.len() <= 1024 => Ok(()),
+            _ => Err(bad(
+                "cluster_token",
+                "cluster mode (master_address) needs a cluster_token of 1 to 1024 bytes".into(),
+            )),
+        }
+    }
+
+    /// The master addresses of cluster mode (empty: not cluster mode).
+    pub fn master_addresses(&self) -> Vec<String> {
+        self.master_address
+            .iter()
+            .flat_map(|m| m.split(','))
+            .map(|a| a.trim().to_string())
+            .filter(|a| !a.is_empty())
+            .collect()
+    }
+
+    /// The tags of `node_tags`.
+    pub fn node_tag_list(&self) -> Vec<String> {
+        self.node_tags
+            .iter()
+            .flat_map(|t| t.split(','))
+            .map(|t| t.trim().to_string())
+            .filter(|t| !t.is_empty())
+            .collect()
     }
 
     /// The engine settings of this configuration.

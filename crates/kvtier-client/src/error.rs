@@ -27,6 +27,8 @@ pub enum ClientError {
     Closed,
     #[error("kvtier server at {socket}: {reason}")]
     Server { socket: String, reason: String },
+    #[error(transparent)]
+    Cluster(#[from] crate::cluster::ClusterError),
     #[error("kvtier server refused the request (code {code}): {message}")]
     ServerRefused { code: u16, message: String },
 }

@@ -13,6 +13,7 @@
 
 pub mod batch;
 pub mod client;
+pub mod cluster;
 pub mod config;
 pub mod error;
 pub mod memory;

@@ -169,6 +169,70 @@ impl RegionRegistry {
         Ok(f(bytes))
     }
 
+    /// Checked shared views of many caller buffers at once (the cluster transport sends
+    /// them). Each is checked as [`with_source`](Self::with_source) checks one.
+    pub fn source_slices(&self, bufs: &[crate::batch::MemRef]) -> Vec<Result<&[u8], ClientError>> {
+        bufs.iter()
+            .map(|b| {
+                self.check(b.ptr, b.len)?;
+                if b.len == 0 {
+                    return Ok(&[][..]);
+                }
+                // SAFETY: check() proved the range lies inside a registered region, which
+                // register()'s contract keeps mapped and readable while registered.
+                Ok(unsafe { std::slice::from_raw_parts(b.ptr as *const u8, b.len) })
+            })
+            .collect()
+    }
+
+    /// Checked exclusive views of many caller buffers at once (the cluster transport reads
+    /// into them). A buffer that overlaps another one of the list is refused, so no two of
+    /// the returned slices alias.
+    // The slices borrow the caller's registered memory, not `self`; `self` only proves the
+    // ranges are registered, so the `&self` to `&mut` shape is intended.
+    #[allow(clippy::mut_from_ref)]
+    pub fn destination_slices(
+        &self,
+        bufs: &[crate::batch::MemRef],
+    ) -> Vec<Result<&mut [u8], ClientError>> {
+        let mut order: Vec<usize> = (0..bufs.len()).filter(|&i| bufs[i].len > 0).collect();
+        order.sort_by_key(|&i| bufs[i].ptr);
+        let mut overlapping = vec![false; bufs.len()];
+        let mut reach: Option<(usize, usize)> = None; // (end, index) of the farthest so far
+        for &i in &order {
+            let (start, end) = (bufs[i].ptr, bufs[i].ptr.saturating_add(bufs[i].len));
+            if let Some((far_end, j)) = reach {
+                if start < far_end {
+                    overlapping[i] = true;
+                    overlapping[j] = true;
+                }
+            }
+            if reach.is_none_or(|(far_end, _)| end > far_end) {
+                reach = Some((end, i));
+            }
+        }
+        bufs.iter()
+            .zip(overlapping)
+            .map(|(b, overlaps)| {
+                self.check(b.ptr, b.len)?;
+                if overlaps {
+                    return Err(ClientError::InvalidRegion {
+                        ptr: b.ptr,
+                        len: b.len,
+                        reason: "overlaps another destination buffer of the same batch",
+                    });
+                }
+                if b.len == 0 {
+                    return Ok(&mut [][..]);
+                }
+                // SAFETY: check() proved the range lies inside a registered region, which
+                // register()'s contract keeps mapped, writable and free of Rust aliases while
+                // registered; the overlap check above makes the slices of this call disjoint.
+                Ok(unsafe { std::slice::from_raw_parts_mut(b.ptr as *mut u8, b.len) })
+            })
+            .collect()
+    }
+
     fn check(&self, ptr: usize, len: usize) -> Result<(), ClientError> {
         // A zero-length range still has to point into registered memory: a stray pointer
         // is a caller bug worth reporting even when nothing would be copied.

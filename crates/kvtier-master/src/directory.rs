@@ -397,6 +397,7 @@ impl Directory {
     }
 
     /// Commit a claimed key as held by `stored` (empty: the write failed, release the claim).
+    /// Claim 0 (never handed out) adds `stored` as replicas of an already visible key.
     /// Returns whether the key is visible now. A key whose claim lapsed and was taken by
     /// another writer is not committed by this one.
     pub fn commit(&self, claim: u64, key: &[u8], stored: &[u16]) -> Result<bool, DirectoryError> {
@@ -406,6 +407,17 @@ impl Directory {
             if usize::from(n) >= live.len() {
                 return Err(DirectoryError::UnknownNode(n));
             }
+        }
+        if claim == 0 {
+            // An extra replica of a visible object (a client cached a remote fetch locally).
+            let mut shard = self.shard(hash).write();
+            let Some(entry) = shard.get_mut(&hash) else {
+                return Ok(false);
+            };
+            for &n in stored.iter().filter(|&&n| live[usize::from(n)]) {
+                entry.add(n);
+            }
+            return Ok(true);
         }
         let mut pending = self.pending.lock();
         match pending.get(&hash) {
@@ -632,5 +644,11 @@ mod tests {
         assert!(d.locate(b"x").is_empty());
         assert_eq!(d.locate(b"y"), vec![a]);
         assert!(d.commit(99, b"z", &[7]).is_err(), "unknown node index");
+        // Claim 0 adds a replica to a visible entry only.
+        let b = d.register(spec("b", 1000, &[]), &[]).unwrap();
+        assert!(d.commit(0, b"y", &[b]).unwrap());
+        assert_eq!(d.locate(b"y"), vec![a, b]);
+        assert!(!d.commit(0, b"never-put", &[b]).unwrap());
+        assert!(d.locate(b"never-put").is_empty());
     }
 }

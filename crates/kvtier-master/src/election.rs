@@ -75,11 +75,11 @@ pub async fn campaign(
     loop {
         let result = campaign_once(&config, ttl_secs, poll, &leadership, &directory).await;
         if leadership.is_leader() {
-            tracing::warn!("kvtier master: lost leadership");
+            eprintln!("kvtier master: lost leadership");
         }
         leadership.set(false, "");
         if let Err(e) = result {
-            tracing::warn!(error = %e, "kvtier master: etcd campaign failed; retrying");
+            eprintln!("kvtier master: etcd campaign failed ({e}); retrying");
         }
         tokio::time::sleep(poll).await;
     }
@@ -119,7 +119,7 @@ async fn campaign_once(
             if client.txn(txn).await?.succeeded() {
                 directory.reset();
                 leadership.set(true, &config.advertise);
-                tracing::info!(address = %config.advertise, "kvtier master: elected leader");
+                eprintln!("kvtier master: elected leader ({})", config.advertise);
             } else {
                 let current = client.get(config.key.clone(), None).await?;
                 let leader = current

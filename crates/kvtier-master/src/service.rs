@@ -181,7 +181,10 @@ impl Master for MasterService {
             .directory
             .register(spec, &r.keys)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
-        tracing::info!(node = %id, index, keys = r.keys.len(), "kvtier master: node registered");
+        eprintln!(
+            "kvtier master: node {id:?} registered (index {index}, {} keys)",
+            r.keys.len()
+        );
         Ok(Response::new(RegisterNodeReply {
             index: u32::from(index),
             lease_ms: self.directory.lease().as_millis() as u64,
@@ -391,7 +394,7 @@ pub async fn run(
             loop {
                 tokio::time::sleep(every).await;
                 for node in directory.expire_nodes(Instant::now()) {
-                    tracing::warn!(node = %node, "kvtier master: lease expired, node dropped");
+                    eprintln!("kvtier master: node {node:?} dropped (lease expired)");
                 }
             }
         })
@@ -408,7 +411,15 @@ pub async fn run(
             Arc::clone(&directory),
         ))
     });
-    tracing::info!(listen = %config.listen, advertise = %advertise, etcd = config.etcd_endpoints.len(), "kvtier master: serving");
+    eprintln!(
+        "kvtier master: serving on {} (advertised {advertise}; {})",
+        config.listen,
+        if config.etcd_endpoints.is_empty() {
+            "single master".to_string()
+        } else {
+            format!("etcd election on {:?}", config.etcd_endpoints)
+        }
+    );
     let service = MasterService::new(config, directory, leadership);
     let result = tonic::transport::Server::builder()
         .add_service(MasterServer::new(service).max_decoding_message_size(256 << 20))

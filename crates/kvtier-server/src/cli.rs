@@ -39,6 +39,20 @@ pub struct ServeArgs {
     /// Any engine key, KEY=VALUE (repeatable), e.g. --engine eviction_policy=lru.
     #[arg(long = "engine", value_name = "KEY=VALUE")]
     pub engine: Vec<String>,
+    /// Cluster mode: the `kvtier master` address(es), host:port, comma-separated (engine key
+    /// master_address). Needs --data-addr and a cluster_token (KVTIER_CLUSTER_TOKEN).
+    #[arg(long)]
+    pub master: Option<String>,
+    /// Cluster mode: the data port peers reach this node on, HOST:PORT (engine key
+    /// node_address).
+    #[arg(long)]
+    pub data_addr: Option<String>,
+    /// Cluster mode: the id this node registers under (default: node-HOST:PORT).
+    #[arg(long)]
+    pub node_id: Option<String>,
+    /// Cluster mode: comma-separated tags this node registers with.
+    #[arg(long)]
+    pub node_tags: Option<String>,
     /// Seconds to wait for running requests at shutdown.
     #[arg(long, default_value_t = 30)]
     pub shutdown_timeout: u64,
@@ -92,6 +106,16 @@ pub fn serve_config(args: &ServeArgs) -> Result<ServerConfig, String> {
         let (k, v) = key_value(item, "--engine")?;
         engine_flags.insert(k, Value::String(v));
     }
+    for (key, value) in [
+        ("master_address", &args.master),
+        ("node_address", &args.data_addr),
+        ("node_id", &args.node_id),
+        ("node_tags", &args.node_tags),
+    ] {
+        if let Some(v) = value {
+            engine_flags.insert(key.into(), Value::String(v.clone()));
+        }
+    }
     ServerConfig::load(ServerSources {
         file: args.config.clone(),
         env: std::env::vars().collect(),
@@ -121,6 +145,7 @@ pub fn serve_main(args: ServeArgs) -> i32 {
         }
     };
     let capacity = config.engine.dram_capacity_bytes;
+    let cluster_settings = config.engine.clone();
     let partitions = config.settings.tenant_dram_quota.len();
     let server = match Server::bind(config) {
         Ok(s) => s,
@@ -137,7 +162,16 @@ pub fn serve_main(args: ServeArgs) -> i32 {
         partitions
     );
     let running = server.spawn();
+    let cluster = match start_cluster_node(&cluster_settings, running.main_store()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("kvtier serve: {e}");
+            running.shutdown(Duration::from_secs(1));
+            return 1;
+        }
+    };
     let signal = signals.forever().next();
+    drop(cluster);
     eprintln!(
         "kvtier serve: signal {}; shutting down (finishing running requests, flushing)",
         signal.unwrap_or(0)
@@ -198,6 +232,10 @@ pub fn stat_main(args: StatArgs) -> i32 {
             tenant_quota: Vec::new(),
             tenant_ssd_quota: Vec::new(),
             engine: Vec::new(),
+            master: None,
+            data_addr: None,
+            node_id: None,
+            node_tags: None,
             shutdown_timeout: 0,
         }) {
             Ok(c) => c.socket,
@@ -269,4 +307,61 @@ pub fn stat_main(args: StatArgs) -> i32 {
         }
     }
     0
+}
+
+/// The cluster part of a node: its data port and its agent (dropped = stopped).
+pub struct ClusterNode {
+    pub agent: crate::node::NodeAgent,
+    pub port: crate::peer::DataPort,
+}
+
+/// Start the data port and the node agent when the settings name a master.
+pub fn start_cluster_node(
+    settings: &kvtier_client::KvtierConfig,
+    store: std::sync::Arc<kvtier_client::Client>,
+) -> Result<Option<ClusterNode>, String> {
+    let masters = settings.master_addresses();
+    if masters.is_empty() {
+        return Ok(None);
+    }
+    let data = settings
+        .node_address
+        .as_deref()
+        .ok_or("cluster mode (--master) needs --data-addr HOST:PORT")?;
+    let addr: std::net::SocketAddr = data
+        .parse()
+        .map_err(|_| format!("--data-addr {data:?} is not IP:PORT"))?;
+    if addr.ip().is_unspecified() {
+        return Err(format!(
+            "--data-addr {data}: give the address peers reach this node on, not a wildcard"
+        ));
+    }
+    let token = settings
+        .cluster_token
+        .clone()
+        .unwrap_or_default()
+        .into_bytes();
+    let port = crate::peer::DataPort::start(addr, std::sync::Arc::clone(&store), token)
+        .map_err(|e| format!("cannot bind the data port {data}: {e}"))?;
+    let data_address = port.local_addr().to_string();
+    let node_id = settings
+        .node_id
+        .clone()
+        .unwrap_or_else(|| format!("node-{data_address}"));
+    eprintln!(
+        "kvtier serve: cluster node {node_id:?}, data port {data_address}, masters {masters:?}"
+    );
+    let agent = crate::node::NodeAgent::start(
+        crate::node::NodeAgentConfig {
+            masters,
+            node_id,
+            data_address,
+            tags: settings.node_tag_list(),
+            request_timeout: Duration::from_millis(settings.cluster_request_timeout_ms),
+        },
+        store,
+        port.held(),
+    )
+    .map_err(|e| format!("cannot start the node agent: {e}"))?;
+    Ok(Some(ClusterNode { agent, port }))
 }

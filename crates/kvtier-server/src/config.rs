@@ -328,6 +328,7 @@ impl ServerConfig {
     /// its `tenant_ssd_quota` (else by the engine's `ssd_capacity_bytes`).
     pub fn partition_config(&self, tenant: &str, quota: u64) -> KvtierConfig {
         let mut config = self.engine.clone();
+        config.master_address = None;
         config.dram_capacity_bytes = quota.max(config.dram_block_size);
         let safe = !tenant.is_empty()
             && tenant != "."

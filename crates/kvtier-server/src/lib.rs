@@ -14,6 +14,7 @@
 pub mod bench;
 pub mod cli;
 pub mod config;
+pub mod node;
 pub mod peer;
 pub mod server;
 pub mod shm;

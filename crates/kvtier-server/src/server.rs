@@ -217,9 +217,13 @@ impl Server {
             }
             std::fs::remove_file(&path).map_err(socket_err)?;
         }
+        // The node's own store is embedded here even when the settings name a master: cluster
+        // mode is what this process serves to others (data port + node agent), not its store.
+        let mut store_config = config.engine.clone();
+        store_config.master_address = None;
         let main = Arc::new(Store {
             name: "main".into(),
-            client: Arc::new(Client::open(config.engine.clone())?),
+            client: Arc::new(Client::open(store_config)?),
         });
         let mut partitions = BTreeMap::new();
         for (tenant, quota) in &config.settings.tenant_dram_quota {
@@ -284,6 +288,11 @@ impl Server {
 impl RunningServer {
     pub fn socket(&self) -> &Path {
         &self.shared.config.socket
+    }
+
+    /// The shared store (the one cluster peers are served from).
+    pub fn main_store(&self) -> Arc<Client> {
+        Arc::clone(&self.shared.main.client)
     }
 
     /// The stats document `Stats` returns (without a requesting session).

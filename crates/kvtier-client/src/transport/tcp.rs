@@ -281,7 +281,7 @@ impl TcpTransport {
             .min((total / MIN_BYTES_PER_CONNECTION).max(1))
             .max(1);
         if conns == 1 {
-            return vec![0..n];
+            return std::iter::once(0..n).collect();
         }
         let target = total.div_ceil(conns);
         let mut runs = Vec::with_capacity(conns);

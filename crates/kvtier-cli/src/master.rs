@@ -1,0 +1,97 @@
+//! `kvtier master`: run the cluster's control plane (implemented in kvtier-master).
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use kvtier_master::{run, MasterConfig};
+
+/// Run a master until SIGTERM/SIGINT. Without --etcd it is the single master of the cluster;
+/// with --etcd several masters elect a leader and the others stand by.
+#[derive(Debug, Clone, clap::Args)]
+pub struct MasterArgs {
+    /// RPC address to listen on.
+    #[arg(long, default_value = "127.0.0.1:7700")]
+    pub listen: SocketAddr,
+    /// Address clients and nodes reach this master on (default: --listen).
+    #[arg(long)]
+    pub advertise: Option<String>,
+    /// etcd endpoints, comma-separated (e.g. http://127.0.0.1:2379): leader election.
+    #[arg(long)]
+    pub etcd: Option<String>,
+    /// Node lease in ms: a node not heard from for this long is dropped.
+    #[arg(long, default_value_t = 3000)]
+    pub lease_ms: u64,
+    /// etcd election lease in seconds (how fast a follower takes over a dead leader).
+    #[arg(long, default_value_t = 2)]
+    pub election_ttl_s: u64,
+    /// Replication factor of namespaces not listed with --replication.
+    #[arg(long, default_value_t = 1)]
+    pub default_replication: usize,
+    /// Replication factor of one namespace (the clients' extra_backend_tag), NS=N, repeatable.
+    #[arg(long = "replication", value_name = "NS=N")]
+    pub replication: Vec<String>,
+}
+
+pub fn master(args: MasterArgs) -> Result<ExitCode, String> {
+    let mut replication = BTreeMap::new();
+    for item in &args.replication {
+        let (ns, n) = item
+            .split_once('=')
+            .ok_or_else(|| format!("--replication {item:?} is not NS=N"))?;
+        let n: usize = n
+            .trim()
+            .parse()
+            .map_err(|_| format!("--replication {item:?}: N is not a number"))?;
+        if !(1..=kvtier_master::directory::MAX_REPLICAS).contains(&n) {
+            return Err(format!(
+                "--replication {item:?}: N must be from 1 to {}",
+                kvtier_master::directory::MAX_REPLICAS
+            ));
+        }
+        replication.insert(ns.trim().to_string(), n);
+    }
+    if !(1..=kvtier_master::directory::MAX_REPLICAS).contains(&args.default_replication) {
+        return Err("--default-replication must be from 1 to 3".into());
+    }
+    if args.lease_ms < 100 {
+        return Err("--lease-ms must be at least 100".into());
+    }
+    let config = MasterConfig {
+        listen: args.listen,
+        advertise: args.advertise,
+        lease: Duration::from_millis(args.lease_ms),
+        default_replication: args.default_replication,
+        replication,
+        etcd_endpoints: args
+            .etcd
+            .iter()
+            .flat_map(|e| e.split(','))
+            .map(|e| e.trim().to_string())
+            .filter(|e| !e.is_empty())
+            .collect(),
+        election_ttl: Duration::from_secs(args.election_ttl_s.max(1)),
+        ..MasterConfig::default()
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the runtime: {e}"))?;
+    runtime
+        .block_on(run(config, async {
+            let mut term =
+                match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                    Ok(t) => t,
+                    Err(_) => return std::future::pending().await,
+                };
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+            eprintln!("kvtier master: signal; shutting down");
+        }))
+        .map_err(|e| e.to_string())?;
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,313 @@
+//! Cluster mode end to end with real processes: one `kvtier master`, two `kvtier serve
+//! --master` nodes on different loopback addresses (127.0.0.2 and 127.0.0.3 stand in for two
+//! hosts), and cluster-mode clients in this process. Covers local-first placement, reads
+//! from the other node byte-exact, first-writer-wins, exists_v2 in one round trip, a wrong
+//! cluster token, an unknown node id, and a node kill (its objects become misses, the rest
+//! keeps working).
+
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvtier_client::{Client, KvtierConfig, MemRef, PageBatch};
+use kvtier_proto::{ExistsV2Query, HitPolicy, KvComponents, PoolQuery};
+
+const TOKEN: &str = "test-cluster-secret";
+
+/// A child process this test started; killed (by its own pid) when dropped.
+struct Proc {
+    child: Child,
+    name: String,
+}
+
+impl Proc {
+    fn spawn(name: &str, args: &[&str], envs: &[(&str, &str)]) -> Proc {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvtier"));
+        cmd.args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit());
+        for (k, v) in envs {
+            cmd.env(k, v);
+        }
+        Proc {
+            child: cmd.spawn().expect("spawn kvtier"),
+            name: name.to_string(),
+        }
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            eprintln!("test: stopping {}", self.name);
+        }
+        self.kill();
+    }
+}
+
+fn free_port(ip: &str) -> u16 {
+    TcpListener::bind((ip, 0))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Cluster {
+    _dir: tempfile::TempDir,
+    master_addr: String,
+    _master: Proc,
+    nodes: Vec<(String, String, Proc)>, // (id, data address, process)
+}
+
+fn start_node(dir: &std::path::Path, master: &str, id: &str, ip: &str) -> (String, String, Proc) {
+    let data = format!("{ip}:{}", free_port(ip));
+    let socket = dir.join(format!("{id}.sock"));
+    let p = Proc::spawn(
+        id,
+        &[
+            "serve",
+            "--socket",
+            socket.to_str().unwrap(),
+            "--dram-capacity",
+            "64MiB",
+            "--engine",
+            "dram_prefault=false",
+            "--master",
+            master,
+            "--data-addr",
+            &data,
+            "--node-id",
+            id,
+        ],
+        &[("KVTIER_CLUSTER_TOKEN", TOKEN)],
+    );
+    (id.to_string(), data, p)
+}
+
+fn start_cluster(lease_ms: u64) -> Cluster {
+    let dir = tempfile::tempdir().unwrap();
+    let master_addr = format!("127.0.0.1:{}", free_port("127.0.0.1"));
+    let master = Proc::spawn(
+        "master",
+        &[
+            "master",
+            "--listen",
+            &master_addr,
+            "--lease-ms",
+            &lease_ms.to_string(),
+        ],
+        &[],
+    );
+    let nodes = vec![
+        start_node(dir.path(), &master_addr, "node-a", "127.0.0.2"),
+        start_node(dir.path(), &master_addr, "node-b", "127.0.0.3"),
+    ];
+    let cluster = Cluster {
+        _dir: dir,
+        master_addr,
+        _master: master,
+        nodes,
+    };
+    let probe = client(&cluster, "", TOKEN);
+    wait_for(Duration::from_secs(10), "both nodes registered", || {
+        probe
+            .cluster()
+            .and_then(|c| c.cluster_info().ok())
+            .is_some_and(|info| info.nodes.iter().filter(|n| n.alive).count() == 2)
+    });
+    cluster
+}
+
+fn client(cluster: &Cluster, node_id: &str, token: &str) -> Client {
+    let config = KvtierConfig {
+        master_address: Some(cluster.master_addr.clone()),
+        node_id: (!node_id.is_empty()).then(|| node_id.to_string()),
+        cluster_token: Some(token.to_string()),
+        cluster_request_timeout_ms: 500,
+        cluster_master_retry_ms: 5000,
+        ..KvtierConfig::default()
+    };
+    Client::open(config).expect("open a cluster client")
+}
+
+fn wait_for(limit: Duration, what: &str, mut ok: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !ok() {
+        assert!(start.elapsed() < limit, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Host memory standing in for a pool: `pages x comps` buffers of `len` bytes.
+struct Pool {
+    bytes: Vec<u8>,
+    len: usize,
+}
+
+impl Pool {
+    fn new(objects: usize, len: usize) -> Pool {
+        Pool {
+            bytes: vec![0u8; objects * len],
+            len,
+        }
+    }
+    fn fill(&mut self, seed: u8) {
+        for (i, b) in self.bytes.iter_mut().enumerate() {
+            *b = (i as u8).wrapping_mul(13) ^ seed;
+        }
+    }
+    fn refs(&self) -> Vec<MemRef> {
+        (0..self.bytes.len() / self.len)
+            .map(|i| MemRef {
+                ptr: self.bytes.as_ptr() as usize + i * self.len,
+                len: self.len,
+            })
+            .collect()
+    }
+    fn register(&self, client: &Client) {
+        // SAFETY: the pool outlives every batch of this test and is not otherwise borrowed
+        // while the client writes into it.
+        unsafe {
+            client
+                .register_region(self.bytes.as_ptr() as usize, self.bytes.len(), "test pool")
+                .unwrap();
+        }
+    }
+}
+
+fn lookup_nodes(client: &Client, key: &[u8]) -> Vec<String> {
+    let cluster = client.cluster().unwrap();
+    let info = cluster.cluster_info().unwrap();
+    let _ = info;
+    cluster.where_is(key).unwrap()
+}
+
+#[test]
+fn two_nodes_share_pages_and_survive_a_node_kill() {
+    let mut cluster = start_cluster(1000);
+    let prefill = client(&cluster, "node-a", TOKEN);
+    let decode = client(&cluster, "node-b", TOKEN);
+    assert_eq!(prefill.mode(), "cluster");
+
+    // Prefill writes 16 pages x 2 components of 256 KiB through node A.
+    let pages: Vec<String> = (0..16).map(|i| format!("hash{i:04}")).collect();
+    let suffixes = ["_k", "_v"];
+    let mut src = Pool::new(32, 256 << 10);
+    src.fill(7);
+    src.register(&prefill);
+    let batch = PageBatch {
+        prefix: b"m1_",
+        page_keys: &pages,
+        suffixes: &suffixes,
+    };
+    let put = prefill.put_pages(&batch, &src.refs(), None);
+    assert!(put.ok.iter().all(|&b| b), "{:?}", put.errors);
+    // Local first: the prefill node holds them.
+    assert_eq!(
+        lookup_nodes(&prefill, b"m1_hash0003_k"),
+        vec!["node-a".to_string()]
+    );
+
+    // Decode on node B sees them at once and reads them byte-exact.
+    let query = ExistsV2Query {
+        key_prefix: b"m1_".to_vec(),
+        page_keys: pages.iter().map(|p| p.as_bytes().to_vec()).collect(),
+        kv: KvComponents::Suffixes(vec![b"_k".to_vec(), b"_v".to_vec()]),
+        pools: vec![PoolQuery {
+            name: "swa".into(),
+            suffixes: vec![b"_k".to_vec()],
+            policy: HitPolicy::TrailingPages { window: 4 },
+        }],
+    };
+    let answer = decode.exists_v2(&query);
+    assert_eq!(answer.kv_hit_pages, 16, "{answer:?}");
+    let dst = Pool::new(32, 256 << 10);
+    dst.register(&decode);
+    let got = decode.get_pages(&batch, &dst.refs());
+    assert!(got.ok.iter().all(|&b| b), "{:?}", got.errors);
+    assert!(dst.bytes == src.bytes, "decode read different bytes");
+
+    // First writer wins: a second put of the same pages from node B changes nothing.
+    let mut other = Pool::new(32, 256 << 10);
+    other.fill(99);
+    other.register(&decode);
+    let again = decode.put_pages(&batch, &other.refs(), None);
+    assert!(again.ok.iter().all(|&b| b));
+    let check = Pool::new(32, 256 << 10);
+    check.register(&decode);
+    assert!(decode
+        .get_pages(&batch, &check.refs())
+        .ok
+        .iter()
+        .all(|&b| b));
+    assert!(
+        check.bytes == src.bytes,
+        "a second writer overwrote the first"
+    );
+
+    // A client with a wrong token: puts fail cleanly, nothing stored, others unaffected.
+    let intruder = client(&cluster, "node-b", "wrong-token");
+    let keys = [b"intruder-key".to_vec()];
+    let one = Pool::new(1, 4096);
+    one.register(&intruder);
+    let r = intruder.put_keys(&keys, &one.refs(), None);
+    assert_eq!(r.ok, vec![false]);
+    assert!(
+        r.errors.iter().any(|e| e.contains("token")),
+        "{:?}",
+        r.errors
+    );
+    assert_eq!(decode.exists_keys(&keys), vec![false]);
+
+    // An unknown node id still works (placement picks a live node).
+    let stranger = client(&cluster, "no-such-node", TOKEN);
+    let sbuf = Pool::new(1, 4096);
+    sbuf.register(&stranger);
+    assert_eq!(
+        stranger.put_keys(&[b"stranger"], &sbuf.refs(), None).ok,
+        vec![true]
+    );
+
+    // Kill node A: its pages become misses within the lease, node B keeps serving puts/gets.
+    let (_, _, node_a) = &mut cluster.nodes[0];
+    node_a.kill();
+    let started = Instant::now();
+    let after = Pool::new(32, 256 << 10);
+    after.register(&decode);
+    let r = decode.get_pages(&batch, &after.refs());
+    assert!(r.ok.iter().all(|&b| !b), "pages of a dead node were served");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "a dead peer blocked {:?}",
+        started.elapsed()
+    );
+    wait_for(
+        Duration::from_secs(5),
+        "node A dropped from the directory",
+        || decode.exists_v2(&query).kv_hit_pages == 0,
+    );
+    let fresh: Vec<String> = (0..4).map(|i| format!("after{i}")).collect();
+    let fresh_batch = PageBatch {
+        prefix: b"m1_",
+        page_keys: &fresh,
+        suffixes: &suffixes,
+    };
+    let fb = Pool::new(8, 4096);
+    fb.register(&prefill);
+    let r = prefill.put_pages(&fresh_batch, &fb.refs(), None);
+    assert!(
+        r.ok.iter().all(|&b| b),
+        "puts after a node death: {:?}",
+        r.errors
+    );
+    assert_eq!(
+        lookup_nodes(&prefill, b"m1_after0_k"),
+        vec!["node-b".to_string()]
+    );
+}

@@ -1,0 +1,724 @@
+//! Cluster mode: objects live on the cluster's nodes (`kvtier serve --master`), the leading
+//! `kvtier master` knows where, and page bytes move between this process and the nodes over
+//! the [`Transport`] (TCP).
+//!
+//! - Put: one `PlacePuts` round trip claims every key (first writer wins; already stored keys
+//!   are skipped) and places new ones (the local node first when it has room); the bytes go to
+//!   the chosen nodes, in parallel per node; one `CommitPuts` makes them visible. A put is
+//!   acknowledged only after the commit, so every node's exists/get sees it at once.
+//! - Get: one `Lookup`; each object is read from the local node when it holds a copy, else
+//!   from another; an unreachable node's replica is tried next. A node that answers "not
+//!   found" (it evicted the object) is reported (`ReportDropped`), so the entry heals.
+//! - Exists v2: one `ExistsV2` round trip; the master evaluates the whole query.
+//! - Failures are per item: a dead node costs at most one request timeout, after which the
+//!   transport fails it fast (marked down) and the master drops it when its lease lapses.
+
+pub mod master;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvtier_master::rpc::{
+    CommitPutsRequest, ExistsV2Request, ForgetRequest, LookupRequest, NodeInfo, NodeList,
+    PlacePutsRequest, PlaceStatus, ReportDroppedRequest,
+};
+use kvtier_proto::query::compose_key;
+use kvtier_proto::{Decode, Encode, ExistsV2Answer, ExistsV2Query};
+use parking_lot::RwLock;
+
+use crate::batch::{BatchResult, MemRef};
+use crate::config::KvtierConfig;
+use crate::memory::RegionRegistry;
+use crate::transport::tcp::{TcpTransport, TcpTransportConfig};
+use crate::transport::{GetItem, PutItem, Transport, TransportError};
+use master::MasterLink;
+
+/// Errors of the cluster control path.
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error("kvtier master {address}: {reason}")]
+    Connect { address: String, reason: String },
+    #[error("no kvtier master answered as leader ({last})")]
+    NoLeader { last: String },
+    #[error("kvtier master {address}: {code:?}: {message}")]
+    Rpc {
+        address: String,
+        code: tonic::Code,
+        message: String,
+    },
+    #[error("cluster mode: {0}")]
+    Setup(String),
+    #[error("kvtier master sent a malformed reply: {0}")]
+    BadReply(String),
+}
+
+/// The cluster-mode store of one client.
+#[derive(Debug)]
+pub struct ClusterStore {
+    runtime: tokio::runtime::Runtime,
+    master: MasterLink,
+    transport: Arc<dyn Transport>,
+    /// `tag 0x1f` (or empty): prefixed to every key, as in the other modes.
+    namespace: Vec<u8>,
+    namespace_name: String,
+    node_id: String,
+    node_address: Option<String>,
+    required_tags: Vec<String>,
+    cache_remote_fetches: bool,
+    nodes: RwLock<HashMap<u32, NodeInfo>>,
+}
+
+/// One node's part of a put: (object index, its result) per object sent there.
+type NodeOutcome = (u32, Vec<(usize, Result<(), String>)>);
+
+/// Where one object of a get comes from.
+struct Fetch {
+    object: usize,
+    candidates: Vec<u32>,
+}
+
+impl ClusterStore {
+    pub fn open(config: &KvtierConfig) -> Result<ClusterStore, ClusterError> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("kvtier-cluster")
+            .enable_all()
+            .build()
+            .map_err(|e| ClusterError::Setup(format!("cannot start the RPC runtime: {e}")))?;
+        let timeout = Duration::from_millis(config.cluster_request_timeout_ms);
+        let transport = TcpTransport::new(TcpTransportConfig {
+            token: config
+                .cluster_token
+                .clone()
+                .unwrap_or_default()
+                .into_bytes(),
+            name: format!("kvtier-client pid {}", std::process::id()),
+            connections_per_peer: usize::try_from(config.cluster_connections_per_peer).unwrap_or(2),
+            request_timeout: timeout,
+            down_backoff: timeout,
+        });
+        let namespace = match &config.extra_backend_tag {
+            Some(tag) => {
+                let mut ns = tag.as_bytes().to_vec();
+                ns.push(0x1f);
+                ns
+            }
+            None => Vec::new(),
+        };
+        let store = ClusterStore {
+            runtime,
+            master: MasterLink::new(
+                config.master_addresses(),
+                timeout,
+                Duration::from_millis(config.cluster_master_retry_ms),
+            ),
+            transport: Arc::new(transport),
+            namespace,
+            namespace_name: config.extra_backend_tag.clone().unwrap_or_default(),
+            node_id: config.node_id.clone().unwrap_or_default(),
+            node_address: config.node_address.clone(),
+            required_tags: config.node_tag_list(),
+            cache_remote_fetches: config.cache_remote_fetches,
+            nodes: RwLock::new(HashMap::new()),
+        };
+        // Fail at open when no master answers, as server mode fails on a wrong socket.
+        store.cluster_info()?;
+        Ok(store)
+    }
+
+    /// The leader's view: nodes, object count, leader address.
+    pub fn cluster_info(&self) -> Result<kvtier_master::rpc::ClusterReply, ClusterError> {
+        let reply =
+            self.runtime.block_on(self.master.call(|mut c| async move {
+                c.cluster(kvtier_master::rpc::ClusterRequest {}).await
+            }))?;
+        self.learn_nodes(&reply.nodes);
+        Ok(reply)
+    }
+
+    fn learn_nodes(&self, nodes: &[NodeInfo]) {
+        if nodes.is_empty() {
+            return;
+        }
+        let mut table = self.nodes.write();
+        table.clear();
+        for n in nodes {
+            table.insert(n.index, n.clone());
+        }
+    }
+
+    fn node_address_of(&self, index: u32) -> Option<String> {
+        self.nodes
+            .read()
+            .get(&index)
+            .filter(|n| n.alive)
+            .map(|n| n.data_address.clone())
+    }
+
+    /// The master's index of this client's own node, if it is registered and alive.
+    fn local_index(&self) -> Option<u32> {
+        self.nodes
+            .read()
+            .values()
+            .find(|n| {
+                n.alive
+                    && ((!self.node_id.is_empty() && n.node_id == self.node_id)
+                        || self.node_address.as_deref() == Some(n.data_address.as_str()))
+            })
+            .map(|n| n.index)
+    }
+
+    fn local_node_id(&self) -> String {
+        if !self.node_id.is_empty() {
+            return self.node_id.clone();
+        }
+        let Some(address) = &self.node_address else {
+            return String::new();
+        };
+        self.nodes
+            .read()
+            .values()
+            .find(|n| &n.data_address == address)
+            .map(|n| n.node_id.clone())
+            .unwrap_or_default()
+    }
+
+    fn full_key(&self, prefix: &[u8], page_key: &[u8], suffix: &[u8]) -> Vec<u8> {
+        let mut key = Vec::new();
+        compose_key(prefix, page_key, suffix, &mut key);
+        let mut out = Vec::with_capacity(self.namespace.len() + key.len());
+        out.extend_from_slice(&self.namespace);
+        out.extend_from_slice(&key);
+        out
+    }
+
+    /// Compose `pages x components` namespaced keys.
+    pub fn compose_keys<K: AsRef<[u8]>, S: AsRef<[u8]>>(
+        &self,
+        prefix: &[u8],
+        page_keys: &[K],
+        suffixes: &[S],
+    ) -> Vec<Vec<u8>> {
+        let mut keys = Vec::with_capacity(page_keys.len() * suffixes.len());
+        for p in page_keys {
+            for s in suffixes {
+                keys.push(self.full_key(prefix, p.as_ref(), s.as_ref()));
+            }
+        }
+        keys
+    }
+
+    /// Store objects (put-if-absent across the cluster); `Ok` per object once it is visible
+    /// (stored now or already present).
+    pub fn put_objects(
+        &self,
+        keys: &[Vec<u8>],
+        values: &[Result<&[u8], String>],
+        depths: &[Option<u32>],
+    ) -> Vec<Result<(), String>> {
+        let mut out: Vec<Result<(), String>> = values
+            .iter()
+            .map(|v| v.as_ref().map(|_| ()).map_err(Clone::clone))
+            .collect();
+        let wanted: Vec<usize> = (0..keys.len()).filter(|&i| values[i].is_ok()).collect();
+        if wanted.is_empty() {
+            return out;
+        }
+        let request = PlacePutsRequest {
+            client_node_id: self.local_node_id(),
+            namespace: self.namespace_name.clone(),
+            keys: wanted.iter().map(|&i| keys[i].clone()).collect(),
+            sizes: wanted
+                .iter()
+                .map(|&i| values[i].as_ref().map_or(0, |v| v.len() as u64))
+                .collect(),
+            required_tags: self.required_tags.clone(),
+        };
+        let placed = match self.runtime.block_on(self.master.call(|mut c| {
+            let request = request.clone();
+            async move { c.place_puts(request).await }
+        })) {
+            Ok(p) => p,
+            Err(e) => {
+                let reason = e.to_string();
+                for &i in &wanted {
+                    out[i] = Err(reason.clone());
+                }
+                return out;
+            }
+        };
+        if placed.placements.len() != wanted.len() {
+            for &i in &wanted {
+                out[i] = Err("master answered a different number of placements".into());
+            }
+            return out;
+        }
+        self.learn_nodes(&placed.nodes);
+        // Per node, the objects to write there.
+        let mut per_node: HashMap<u32, Vec<usize>> = HashMap::new();
+        let mut to_commit: Vec<usize> = Vec::new();
+        for (slot, placement) in placed.placements.iter().enumerate() {
+            let i = wanted[slot];
+            match PlaceStatus::try_from(placement.status) {
+                Ok(PlaceStatus::Write) => {
+                    to_commit.push(slot);
+                    for &n in &placement.nodes {
+                        per_node.entry(n).or_default().push(i);
+                    }
+                }
+                Ok(PlaceStatus::Present) => {}
+                Ok(PlaceStatus::Busy) => {
+                    out[i] = Err("another writer is storing this object right now".into())
+                }
+                Ok(PlaceStatus::NoSpace) => {
+                    out[i] = Err("no live node (with the required tags) has room".into())
+                }
+                Err(_) => out[i] = Err(format!("unknown placement status {}", placement.status)),
+            }
+        }
+        let (stored, write_errors) = self.write_to_nodes(keys, values, depths, &per_node);
+        let commit = CommitPutsRequest {
+            claim: placed.claim,
+            keys: to_commit
+                .iter()
+                .map(|&slot| keys[wanted[slot]].clone())
+                .collect(),
+            stored: to_commit
+                .iter()
+                .map(|&slot| NodeList {
+                    nodes: stored.get(&wanted[slot]).cloned().unwrap_or_default(),
+                })
+                .collect(),
+        };
+        if commit.keys.is_empty() {
+            return out;
+        }
+        match self.runtime.block_on(self.master.call(|mut c| {
+            let commit = commit.clone();
+            async move { c.commit_puts(commit).await }
+        })) {
+            Ok(reply) if reply.committed.len() == to_commit.len() => {
+                for (&slot, committed) in to_commit.iter().zip(reply.committed) {
+                    let i = wanted[slot];
+                    if !committed {
+                        out[i] = Err(match (stored.get(&i), write_errors.get(&i)) {
+                            (Some(n), _) if !n.is_empty() => {
+                                "the master did not commit the put (claim lapsed)".to_string()
+                            }
+                            (_, Some(e)) => format!("no node stored the object: {e}"),
+                            _ => "no node stored the object".to_string(),
+                        });
+                    }
+                }
+            }
+            Ok(_) => {
+                for &slot in &to_commit {
+                    out[wanted[slot]] = Err("master answered a different number of commits".into());
+                }
+            }
+            Err(e) => {
+                let reason = e.to_string();
+                for &slot in &to_commit {
+                    out[wanted[slot]] = Err(reason.clone());
+                }
+            }
+        }
+        out
+    }
+
+    /// Write objects to their nodes (one thread per node when there are several); returns,
+    /// per object, the nodes that stored it.
+    fn write_to_nodes(
+        &self,
+        keys: &[Vec<u8>],
+        values: &[Result<&[u8], String>],
+        depths: &[Option<u32>],
+        per_node: &HashMap<u32, Vec<usize>>,
+    ) -> (HashMap<usize, Vec<u32>>, HashMap<usize, String>) {
+        let run = |node: u32, objects: &[usize]| -> Vec<(usize, Result<(), String>)> {
+            let Some(address) = self.node_address_of(node) else {
+                return objects
+                    .iter()
+                    .map(|&i| (i, Err(format!("node {node} is not live"))))
+                    .collect();
+            };
+            let items: Vec<PutItem<'_>> = objects
+                .iter()
+                .map(|&i| PutItem {
+                    key: &keys[i],
+                    value: values[i].as_ref().map_or(&[][..], |v| v),
+                    depth: depths.get(i).copied().flatten(),
+                })
+                .collect();
+            let results = self.transport.put(&address, &items);
+            objects
+                .iter()
+                .zip(results)
+                .map(|(&i, r)| (i, r.map_err(|e| e.to_string())))
+                .collect()
+        };
+        let outcomes: Vec<NodeOutcome> = if per_node.len() <= 1 {
+            per_node
+                .iter()
+                .map(|(&n, objs)| (n, run(n, objs)))
+                .collect()
+        } else {
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = per_node
+                    .iter()
+                    .map(|(&n, objs)| (n, objs.len(), scope.spawn(move || run(n, objs))))
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|(n, _, h)| (n, h.join().unwrap_or_default()))
+                    .collect()
+            })
+        };
+        let mut stored: HashMap<usize, Vec<u32>> = HashMap::new();
+        let mut errors: HashMap<usize, String> = HashMap::new();
+        for (node, results) in outcomes {
+            for (i, r) in results {
+                match r {
+                    Ok(()) => stored.entry(i).or_default().push(node),
+                    Err(e) => {
+                        errors.insert(i, e);
+                    }
+                }
+            }
+        }
+        (stored, errors)
+    }
+
+    /// Read objects into their destinations; `Ok` per object copied whole.
+    pub fn get_objects(
+        &self,
+        keys: &[Vec<u8>],
+        dsts: Vec<Result<&mut [u8], String>>,
+    ) -> Vec<Result<(), String>> {
+        let mut out: Vec<Result<(), String>> = Vec::with_capacity(keys.len());
+        let mut slots: Vec<Option<&mut [u8]>> = Vec::with_capacity(keys.len());
+        for d in dsts {
+            match d {
+                Ok(d) => {
+                    out.push(Err("not found".into()));
+                    slots.push(Some(d));
+                }
+                Err(e) => {
+                    out.push(Err(e));
+                    slots.push(None);
+                }
+            }
+        }
+        let wanted: Vec<usize> = (0..keys.len()).filter(|&i| slots[i].is_some()).collect();
+        if wanted.is_empty() {
+            return out;
+        }
+        let lookup = LookupRequest {
+            keys: wanted.iter().map(|&i| keys[i].clone()).collect(),
+        };
+        let reply = match self.runtime.block_on(self.master.call(|mut c| {
+            let lookup = lookup.clone();
+            async move { c.lookup(lookup).await }
+        })) {
+            Ok(r) if r.locations.len() == wanted.len() => r,
+            Ok(_) => {
+                for &i in &wanted {
+                    out[i] = Err("master answered a different number of locations".into());
+                }
+                return out;
+            }
+            Err(e) => {
+                let reason = e.to_string();
+                for &i in &wanted {
+                    out[i] = Err(reason.clone());
+                }
+                return out;
+            }
+        };
+        self.learn_nodes(&reply.nodes);
+        let local = self.local_index();
+        let mut fetches: Vec<Fetch> = Vec::new();
+        for (slot, location) in reply.locations.into_iter().enumerate() {
+            let mut candidates = location.nodes;
+            if candidates.is_empty() {
+                continue;
+            }
+            // Local copy first.
+            if let Some(l) = local {
+                if let Some(pos) = candidates.iter().position(|&n| n == l) {
+                    candidates.swap(0, pos);
+                }
+            }
+            fetches.push(Fetch {
+                object: wanted[slot],
+                candidates,
+            });
+        }
+        let mut dropped: HashMap<u32, Vec<Vec<u8>>> = HashMap::new();
+        let mut remote_hits: Vec<usize> = Vec::new();
+        // Round r tries each object's r-th candidate.
+        for round in 0..kvtier_master::directory::MAX_REPLICAS {
+            let mut per_node: HashMap<u32, Vec<usize>> = HashMap::new();
+            for f in &fetches {
+                if out[f.object].is_ok() {
+                    continue;
+                }
+                if let Some(&n) = f.candidates.get(round) {
+                    per_node.entry(n).or_default().push(f.object);
+                }
+            }
+            if per_node.is_empty() {
+                break;
+            }
+            for (node, objects) in per_node {
+                let Some(address) = self.node_address_of(node) else {
+                    continue;
+                };
+                let mut items: Vec<GetItem<'_>> = Vec::with_capacity(objects.len());
+                let mut taken: Vec<(usize, &mut [u8])> = Vec::with_capacity(objects.len());
+                for &i in &objects {
+                    if let Some(d) = slots[i].take() {
+                        taken.push((i, d));
+                    }
+                }
+                for (i, d) in taken.iter_mut() {
+                    items.push(GetItem {
+                        key: &keys[*i],
+                        dst: d,
+                    });
+                }
+                let results = self.transport.get(&address, &mut items);
+                drop(items);
+                for ((i, d), r) in taken.into_iter().zip(results) {
+                    match r {
+                        Ok(()) => {
+                            out[i] = Ok(());
+                            if Some(node) != local {
+                                remote_hits.push(i);
+                            }
+                        }
+                        Err(e) => {
+                            if matches!(e, TransportError::NotFound { .. }) {
+                                dropped.entry(node).or_default().push(keys[i].clone());
+                            }
+                            out[i] = Err(e.to_string());
+                        }
+                    }
+                    slots[i] = Some(d);
+                }
+            }
+        }
+        for (node, keys) in dropped {
+            // Heal the directory: that node no longer holds these.
+            let request = ReportDroppedRequest { node, keys };
+            let _ = self.runtime.block_on(self.master.call(|mut c| {
+                let request = request.clone();
+                async move { c.report_dropped(request).await }
+            }));
+        }
+        if self.cache_remote_fetches && !remote_hits.is_empty() {
+            if let Some(local) = local {
+                self.cache_locally(local, keys, &remote_hits, &slots);
+            }
+        }
+        out
+    }
+
+    /// Copy objects just fetched from other nodes into the local node, as extra replicas.
+    fn cache_locally(
+        &self,
+        local: u32,
+        keys: &[Vec<u8>],
+        objects: &[usize],
+        slots: &[Option<&mut [u8]>],
+    ) {
+        let Some(address) = self.node_address_of(local) else {
+            return;
+        };
+        let items: Vec<PutItem<'_>> = objects
+            .iter()
+            .filter_map(|&i| {
+                slots[i].as_deref().map(|d| PutItem {
+                    key: &keys[i],
+                    value: d,
+                    depth: None,
+                })
+            })
+            .collect();
+        let results = self.transport.put(&address, &items);
+        let stored: Vec<Vec<u8>> = items
+            .iter()
+            .zip(results)
+            .filter_map(|(item, r)| r.is_ok().then(|| item.key.to_vec()))
+            .collect();
+        if stored.is_empty() {
+            return;
+        }
+        // Claim 0 adds a replica to entries that exist.
+        let commit = CommitPutsRequest {
+            claim: 0,
+            stored: stored
+                .iter()
+                .map(|_| NodeList { nodes: vec![local] })
+                .collect(),
+            keys: stored,
+        };
+        let _ = self.runtime.block_on(self.master.call(|mut c| {
+            let commit = commit.clone();
+            async move { c.commit_puts(commit).await }
+        }));
+    }
+
+    /// Page batch over registered memory (the shared entry of puts and gets).
+    #[allow(clippy::too_many_arguments)]
+    pub fn page_io<K: AsRef<[u8]>, S: AsRef<[u8]>>(
+        &self,
+        regions: &RegionRegistry,
+        is_put: bool,
+        prefix: &[u8],
+        page_keys: &[K],
+        suffixes: &[S],
+        buffers: &[MemRef],
+        depths: Option<&[u32]>,
+    ) -> BatchResult {
+        let comps = suffixes.len();
+        let keys = self.compose_keys(prefix, page_keys, suffixes);
+        let per_object = if is_put {
+            let sources: Vec<Result<&[u8], String>> = regions
+                .source_slices(buffers)
+                .into_iter()
+                .map(|r| r.map_err(|e| e.to_string()))
+                .collect();
+            let depths: Vec<Option<u32>> = (0..keys.len())
+                .map(|o| depths.map(|d| d[o / comps.max(1)]))
+                .collect();
+            self.put_objects(&keys, &sources, &depths)
+        } else {
+            let dsts: Vec<Result<&mut [u8], String>> = regions
+                .destination_slices(buffers)
+                .into_iter()
+                .map(|r| r.map_err(|e| e.to_string()))
+                .collect();
+            self.get_objects(&keys, dsts)
+        };
+        let mut result = BatchResult::with_capacity(page_keys.len());
+        for (page, chunk) in per_object.chunks(comps.max(1)).enumerate() {
+            let mut ok = true;
+            for r in chunk {
+                if let Err(e) = r {
+                    ok = false;
+                    if is_put || e != "not found" {
+                        result.note_error(format!(
+                            "{}: {e}",
+                            String::from_utf8_lossy(page_keys[page].as_ref())
+                        ));
+                    }
+                    break;
+                }
+            }
+            result.ok.push(ok);
+        }
+        result
+    }
+
+    /// Whether each key is visible in the directory (live nodes only).
+    pub fn exists_keys(&self, keys: &[Vec<u8>]) -> Result<Vec<bool>, ClusterError> {
+        let full: Vec<Vec<u8>> = keys.iter().map(|k| self.full_key(&[], k, &[])).collect();
+        self.exists_full_keys(&full)
+    }
+
+    /// As [`exists_keys`](Self::exists_keys) for keys that are already namespaced.
+    pub fn exists_full_keys(&self, keys: &[Vec<u8>]) -> Result<Vec<bool>, ClusterError> {
+        let lookup = LookupRequest {
+            keys: keys.to_vec(),
+        };
+        let reply = self.runtime.block_on(self.master.call(|mut c| {
+            let lookup = lookup.clone();
+            async move { c.lookup(lookup).await }
+        }))?;
+        if reply.locations.len() != keys.len() {
+            return Err(ClusterError::BadReply("location count".into()));
+        }
+        Ok(reply
+            .locations
+            .iter()
+            .map(|l| !l.nodes.is_empty())
+            .collect())
+    }
+
+    /// One whole v2 existence query, evaluated by the master.
+    pub fn exists_v2(&self, query: &ExistsV2Query) -> Result<ExistsV2Answer, ClusterError> {
+        let mut query = query.clone();
+        let mut prefix = self.namespace.clone();
+        prefix.extend_from_slice(&query.key_prefix);
+        query.key_prefix = prefix;
+        let request = ExistsV2Request {
+            query: query
+                .encode_to_vec()
+                .map_err(|e| ClusterError::Setup(e.to_string()))?,
+        };
+        let reply = self.runtime.block_on(self.master.call(|mut c| {
+            let request = request.clone();
+            async move { c.exists_v2(request).await }
+        }))?;
+        ExistsV2Answer::decode(&reply.answer).map_err(|e| ClusterError::BadReply(e.to_string()))
+    }
+
+    /// Remove keys from the directory and from the nodes holding them; how many were held.
+    pub fn remove_keys(&self, keys: &[Vec<u8>]) -> Result<usize, ClusterError> {
+        let full: Vec<Vec<u8>> = keys.iter().map(|k| self.full_key(&[], k, &[])).collect();
+        let request = ForgetRequest { keys: full.clone() };
+        let reply = self.runtime.block_on(self.master.call(|mut c| {
+            let request = request.clone();
+            async move { c.forget(request).await }
+        }))?;
+        self.learn_nodes(&reply.nodes);
+        let mut per_node: HashMap<u32, Vec<&[u8]>> = HashMap::new();
+        let mut held = 0;
+        for (key, holders) in full.iter().zip(&reply.held_by) {
+            if !holders.nodes.is_empty() {
+                held += 1;
+            }
+            for &n in &holders.nodes {
+                per_node.entry(n).or_default().push(key);
+            }
+        }
+        for (node, keys) in per_node {
+            if let Some(address) = self.node_address_of(node) {
+                if let Err(e) = self.transport.remove(&address, &keys) {
+                    tracing::warn!(error = %e, "kvtier cluster: removing on a node failed");
+                }
+            }
+        }
+        Ok(held)
+    }
+
+    /// The ids of the live nodes holding `key` (a whole key, namespaced here).
+    pub fn where_is(&self, key: &[u8]) -> Result<Vec<String>, ClusterError> {
+        let lookup = LookupRequest {
+            keys: vec![self.namespaced(key)],
+        };
+        let reply = self.runtime.block_on(self.master.call(|mut c| {
+            let lookup = lookup.clone();
+            async move { c.lookup(lookup).await }
+        }))?;
+        self.learn_nodes(&reply.nodes);
+        let table = self.nodes.read();
+        Ok(reply
+            .locations
+            .first()
+            .map(|l| {
+                l.nodes
+                    .iter()
+                    .filter_map(|n| table.get(n).map(|i| i.node_id.clone()))
+                    .collect()
+            })
+            .unwrap_or_default())
+    }
+
+    /// The namespace of whole keys (single-key calls prefix it themselves).
+    pub fn namespaced(&self, key: &[u8]) -> Vec<u8> {
+        self.full_key(&[], key, &[])
+    }
+}
