@@ -122,6 +122,21 @@ impl DramAllocation {
         self.shared.arena.write(&self.extents, src);
     }
 
+    /// The object's bytes in place, one slice per extent, in order (empty objects: none).
+    /// Every slice starts on a block boundary of the arena, which is page aligned.
+    pub(crate) fn slices(&self) -> impl Iterator<Item = &[u8]> + '_ {
+        let block = self.shared.block_size;
+        let mut left = self.len;
+        self.extents.iter().map_while(move |&extent| {
+            if left == 0 {
+                return None;
+            }
+            let n = (u64::from(extent.count) * block).min(left);
+            left -= n;
+            Some(self.shared.arena.slice(extent, n as usize))
+        })
+    }
+
     /// Copy the whole object into `dst`, whose length must be the allocation's.
     pub(crate) fn read(&self, dst: &mut [u8]) {
         assert_eq!(dst.len() as u64, self.len, "read of the wrong length");
@@ -208,6 +223,12 @@ mod tests {
             k.read(&mut b);
             assert_eq!(b[0] as usize, 2 * j + 1);
         }
+        let joined: Vec<u8> = a.slices().flatten().copied().collect();
+        assert_eq!(joined, data, "slices cover the object exactly, in order");
+        assert_eq!(a.slices().count(), 4);
+        assert!(a
+            .slices()
+            .all(|s| (s.as_ptr() as usize).is_multiple_of(BS as usize)));
         assert!(tier.try_allocate(1).is_none(), "arena is full");
     }
 }

@@ -5,17 +5,21 @@
 //! injected fault behaves exactly like a failing disk to the layers above.
 //!
 //! With `O_DIRECT` every offset, length and memory address must be 4 KiB aligned: callers pass
-//! [`super::aligned::AlignedBuf`] slices and block-aligned offsets only (the segment log's
-//! records are 4 KiB aligned by construction).
+//! [`super::aligned::AlignedBuf`] slices or DRAM arena extents (page aligned, whole 4 KiB
+//! blocks) and block-aligned offsets only (the segment log's records are 4 KiB aligned by
+//! construction).
 
 use std::fs::{File, OpenOptions};
-use std::io::{self, IoSliceMut};
+use std::io::{self, IoSlice, IoSliceMut};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 use super::aligned::{AlignedBuf, ALIGN};
+
+/// Most slices one `pwritev` takes (Linux's `IOV_MAX`).
+const IOV_MAX: usize = 1024;
 
 /// Injected faults (tests): each counter is the number of upcoming operations of that kind
 /// that fail with `EIO` (`u64::MAX` = all of them until reset).
@@ -164,6 +168,47 @@ impl SegFile {
         self.file.write_all_at(buf, offset)
     }
 
+    /// Write all of `parts`, back to back, at `offset` with `pwritev` (subject to injected
+    /// faults). Short writes are continued; at most [`IOV_MAX`] slices go in one call.
+    pub(crate) fn write_parts_at(&self, parts: &[&[u8]], offset: u64) -> io::Result<()> {
+        if Faults::take(&self.faults.write_errors) {
+            return Err(injected());
+        }
+        let mut at = offset;
+        let mut first = 0; // index of the first part not fully written
+        let mut skip = 0; // bytes of `parts[first]` already written
+        while first < parts.len() {
+            let end = parts.len().min(first + IOV_MAX);
+            let iov: Vec<IoSlice<'_>> = std::iter::once(&parts[first][skip..])
+                .chain(parts[first + 1..end].iter().copied())
+                .map(IoSlice::new)
+                .collect();
+            let mut n = match rustix::io::pwritev(&self.file, &iov, at) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => n,
+                Err(e) if e == rustix::io::Errno::INTR => continue,
+                Err(e) => return Err(e.into()),
+            };
+            at += n as u64;
+            while n > 0 {
+                let left = parts[first].len() - skip;
+                if n < left {
+                    skip += n;
+                    n = 0;
+                } else {
+                    n -= left;
+                    first += 1;
+                    skip = 0;
+                }
+            }
+            while first < parts.len() && parts[first].len() == skip {
+                first += 1;
+                skip = 0;
+            }
+        }
+        Ok(())
+    }
+
     /// `fdatasync` (subject to injected faults).
     pub(crate) fn sync(&self) -> io::Result<()> {
         if Faults::take(&self.faults.sync_errors) {
@@ -243,5 +288,42 @@ mod tests {
         faults.sync_errors.store(1, Relaxed);
         assert!(f.sync().is_err());
         f.sync().unwrap();
+    }
+
+    #[test]
+    fn vectored_writes_span_more_slices_than_one_call_takes() {
+        let dir = tempfile::tempdir().unwrap();
+        let direct = probe_direct(dir.path());
+        let f = SegFile::open(&dir.path().join("v"), true, direct, Arc::default()).unwrap();
+        // 2 x IOV_MAX + 3 blocks, each filled with its own index, plus empty slices between.
+        let blocks = 2 * IOV_MAX + 3;
+        let mut buf = AlignedBuf::zeroed(blocks * ALIGN);
+        for (i, b) in buf.as_mut_slice().chunks_mut(ALIGN).enumerate() {
+            b.fill((i % 251) as u8);
+        }
+        let mut parts: Vec<&[u8]> = Vec::new();
+        for (i, b) in buf.as_slice().chunks(ALIGN).enumerate() {
+            parts.push(b);
+            if i % 100 == 0 {
+                parts.push(&[]);
+            }
+        }
+        f.write_parts_at(&parts, ALIGN as u64).unwrap();
+        let mut back = AlignedBuf::zeroed(blocks * ALIGN);
+        assert_eq!(
+            f.read_at(back.as_mut_slice(), ALIGN as u64).unwrap(),
+            blocks * ALIGN
+        );
+        assert!(
+            back.as_slice() == buf.as_slice(),
+            "every slice landed in order"
+        );
+        let faults = Arc::new(Faults::default());
+        let g = SegFile::open(&dir.path().join("v"), false, direct, Arc::clone(&faults)).unwrap();
+        faults.write_errors.store(1, Relaxed);
+        assert!(
+            g.write_parts_at(&parts, 0).is_err(),
+            "injected faults apply"
+        );
     }
 }
