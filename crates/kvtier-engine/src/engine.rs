@@ -29,7 +29,7 @@ use std::sync::Arc;
 use kvtier_proto::{ExistsV2Answer, ExistsV2Query};
 
 use crate::config::{EngineConfig, SsdDurabilityMode, SsdWritePolicy};
-use crate::dram::{DramAllocation, DramTier};
+use crate::dram::{DramAllocation, DramOptions, DramTier};
 use crate::error::EngineError;
 use crate::eviction::{new_policy, EvictionPolicy};
 use crate::index::Index;
@@ -94,7 +94,11 @@ impl Engine {
                 key: "dram_capacity_bytes",
                 reason: "too many blocks".into(),
             })?;
-        let dram = DramTier::open(blocks, config.dram_block_size, config.prefault)
+        let options = DramOptions {
+            prefault: config.prefault,
+            checksums: config.ssd_enabled,
+        };
+        let dram = DramTier::open(blocks, config.dram_block_size, options)
             .map_err(EngineError::ArenaMap)?;
         let index = Arc::new(Index::new(config.index_shards));
         let ssd = if config.ssd_enabled {

@@ -40,6 +40,13 @@ impl Object {
         }
     }
 
+    /// CRC-32C of the bytes, when computed at put time.
+    pub(crate) fn checksum(&self) -> Option<u32> {
+        match &self.location {
+            Location::Dram(a) => a.checksum(),
+        }
+    }
+
     /// The object's bytes in place (DRAM extents, in order).
     pub(crate) fn slices(&self) -> impl Iterator<Item = &[u8]> + '_ {
         match &self.location {

@@ -799,7 +799,10 @@ impl Shared {
                         depth: job.object.depth,
                         seq,
                         generation: *generation,
-                        payload_crc: payload_crc(job.object.slices()),
+                        payload_crc: job
+                            .object
+                            .checksum()
+                            .unwrap_or_else(|| payload_crc(job.object.slices())),
                     };
                     let (head, tail_block) = out.split_at_mut(ALIGN);
                     encode_head(head, &fields, *layout);
