@@ -75,6 +75,9 @@ pub struct EngineStats {
     pub ssd_copies_dropped: u64,
     /// Copies queued or being written right now.
     pub ssd_copy_queue_depth: u64,
+    /// Age of the oldest copy still waiting in the queue, in seconds (0 when it is empty): how
+    /// far the SSD copy pipeline lags behind the puts.
+    pub ssd_copy_lag_seconds: f64,
     /// Puts that waited for room in the copy queue.
     pub ssd_queue_full_waits: u64,
     /// Objects copied back into DRAM by reads.

@@ -269,6 +269,8 @@ struct Job {
     key: Arc<[u8]>,
     object: Arc<Object>,
     ticket: Option<Arc<Ticket>>,
+    /// When it was queued (the copy lag in the stats is the age of the oldest job).
+    queued: Instant,
 }
 
 struct QueueInner {
@@ -1126,6 +1128,7 @@ impl SsdTier {
             key: Arc::from(key),
             object,
             ticket: ticket.clone(),
+            queued: Instant::now(),
         };
         let mut q = self.sh.queue.lock();
         if q.jobs.len() >= self.sh.queue_depth {
@@ -1345,6 +1348,12 @@ impl SsdTier {
         s.ssd_enospc_errors = g(&sh.c.enospc);
         s.ssd_copies_dropped = g(&sh.c.dropped);
         s.ssd_copy_queue_depth = self.pending() as u64;
+        s.ssd_copy_lag_seconds = sh
+            .queue
+            .lock()
+            .jobs
+            .front()
+            .map_or(0.0, |j| j.queued.elapsed().as_secs_f64());
         s.ssd_queue_full_waits = g(&sh.c.queue_full_waits);
         s.ssd_removed = g(&sh.c.removed);
         s.ssd_evicted_segments = g(&sh.c.evicted_segments);
