@@ -43,6 +43,9 @@ pub struct EngineStats {
     pub ssd_enabled: bool,
     /// Segment files are opened with `O_DIRECT` (false: buffered fallback, warned once).
     pub ssd_direct_io: bool,
+    /// Segment I/O goes through `io_uring` (`ssd_io_backend = "io_uring"` and the kernel
+    /// allows it; false: `preadv`/`pwritev`).
+    pub ssd_io_uring: bool,
     /// The most recent SSD write or sync failed (cleared by the next successful one).
     pub ssd_degraded: bool,
     /// Objects indexed on SSD (some may also be in DRAM).

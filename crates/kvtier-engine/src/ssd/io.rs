@@ -1,4 +1,4 @@
-//! The posix I/O layer: segment files opened with `O_DIRECT` when the filesystem allows it,
+//! The I/O layer: segment files opened with `O_DIRECT` when the filesystem allows it,
 //! positioned reads and writes, `fdatasync`, pre-allocation, and the fault-injection hook.
 //!
 //! Owns: [`SegFile`] and [`Faults`]. Every byte the SSD tier moves goes through here, so an
@@ -11,12 +11,15 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, IoSlice, IoSliceMut};
+use std::os::fd::AsFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 use super::aligned::{AlignedBuf, ALIGN};
+use super::uring;
+use crate::config::SsdIoBackend;
 
 /// Most slices one `pwritev` takes (Linux's `IOV_MAX`).
 const IOV_MAX: usize = 1024;
@@ -78,6 +81,7 @@ fn libc_o_direct() -> i32 {
 pub(crate) struct SegFile {
     file: File,
     faults: Arc<Faults>,
+    backend: SsdIoBackend,
 }
 
 impl SegFile {
@@ -96,6 +100,7 @@ impl SegFile {
         Ok(SegFile {
             file: o.open(path)?,
             faults,
+            backend: SsdIoBackend::Posix,
         })
     }
 
@@ -109,7 +114,28 @@ impl SegFile {
         Ok(SegFile {
             file: o.open(path)?,
             faults: Arc::default(),
+            backend: SsdIoBackend::Posix,
         })
+    }
+
+    /// Move this file's reads and writes to `backend` (`posix` unless changed).
+    pub(crate) fn with_backend(mut self, backend: SsdIoBackend) -> SegFile {
+        self.backend = backend;
+        self
+    }
+
+    fn pwritev(&self, bufs: &[IoSlice<'_>], offset: u64) -> io::Result<usize> {
+        match self.backend {
+            SsdIoBackend::Posix => Ok(rustix::io::pwritev(&self.file, bufs, offset)?),
+            SsdIoBackend::IoUring => uring::pwritev(self.file.as_fd(), bufs, offset),
+        }
+    }
+
+    fn preadv(&self, bufs: &mut [IoSliceMut<'_>], offset: u64) -> io::Result<usize> {
+        match self.backend {
+            SsdIoBackend::Posix => Ok(rustix::io::preadv(&self.file, bufs, offset)?),
+            SsdIoBackend::IoUring => uring::preadv(self.file.as_fd(), bufs, offset),
+        }
     }
 
     pub(crate) fn len(&self) -> io::Result<u64> {
@@ -133,7 +159,8 @@ impl SegFile {
     pub(crate) fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
         let mut done = 0;
         while done < buf.len() {
-            match self.file.read_at(&mut buf[done..], offset + done as u64) {
+            let rest = &mut [IoSliceMut::new(&mut buf[done..])];
+            match self.preadv(rest, offset + done as u64) {
                 Ok(0) => break,
                 Ok(n) => done += n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -150,7 +177,7 @@ impl SegFile {
         offset: u64,
     ) -> io::Result<()> {
         let want: usize = bufs.iter().map(|b| b.len()).sum();
-        let got = rustix::io::preadv(&self.file, bufs, offset)?;
+        let got = self.preadv(bufs, offset)?;
         if got != want {
             return Err(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
@@ -165,7 +192,7 @@ impl SegFile {
         if Faults::take(&self.faults.write_errors) {
             return Err(injected());
         }
-        self.file.write_all_at(buf, offset)
+        self.write_parts_unchecked(&[buf], offset)
     }
 
     /// Write all of `parts`, back to back, at `offset` with `pwritev` (subject to injected
@@ -174,6 +201,10 @@ impl SegFile {
         if Faults::take(&self.faults.write_errors) {
             return Err(injected());
         }
+        self.write_parts_unchecked(parts, offset)
+    }
+
+    fn write_parts_unchecked(&self, parts: &[&[u8]], offset: u64) -> io::Result<()> {
         let mut at = offset;
         let mut first = 0; // index of the first part not fully written
         let mut skip = 0; // bytes of `parts[first]` already written
@@ -183,11 +214,11 @@ impl SegFile {
                 .chain(parts[first + 1..end].iter().copied())
                 .map(IoSlice::new)
                 .collect();
-            let mut n = match rustix::io::pwritev(&self.file, &iov, at) {
+            let mut n = match self.pwritev(&iov, at) {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                 Ok(n) => n,
-                Err(e) if e == rustix::io::Errno::INTR => continue,
-                Err(e) => return Err(e.into()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
             };
             at += n as u64;
             while n > 0 {

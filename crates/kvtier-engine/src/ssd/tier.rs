@@ -27,8 +27,9 @@ use super::format::{
 };
 use super::io::{self as sio, Faults, SegFile};
 use super::scan::{scan_segment, ScannedRecord};
+use super::uring;
 use super::{RecoveryProgress, RecoveryReport};
-use crate::config::{EngineConfig, EvictionPolicyKind, SsdDurabilityMode};
+use crate::config::{EngineConfig, EvictionPolicyKind, SsdDurabilityMode, SsdIoBackend};
 use crate::error::EngineError;
 use crate::index::Index;
 use crate::object::Object;
@@ -317,6 +318,8 @@ struct Shared {
     nseg: u32,
     strict: bool,
     direct: bool,
+    /// The backend segment files use (`posix` when `io_uring` was asked for but refused).
+    io_backend: SsdIoBackend,
     policy: EvictionPolicyKind,
     high: f64,
     low: f64,
@@ -496,7 +499,8 @@ impl Shared {
         self.invalidate_checkpoint();
         let path = sio::segment_path(&self.dir, slot);
         if self.file(slot).is_none() {
-            let f = SegFile::open(&path, true, self.direct, Arc::clone(&self.faults))?;
+            let f = SegFile::open(&path, true, self.direct, Arc::clone(&self.faults))?
+                .with_backend(self.io_backend);
             if let Err(e) = f.preallocate(self.seg_size) {
                 drop(f);
                 let _ = std::fs::remove_file(&path);
@@ -959,6 +963,16 @@ impl SsdTier {
         if !direct {
             tracing::warn!(dir = %dir.display(), "kvtier: O_DIRECT is not supported here; the SSD tier uses buffered I/O");
         }
+        let io_backend = match config.ssd_io_backend {
+            SsdIoBackend::IoUring => match uring::probe() {
+                Ok(()) => SsdIoBackend::IoUring,
+                Err(e) => {
+                    tracing::warn!(error = %e, "kvtier: io_uring is not available here; the SSD tier uses preadv/pwritev");
+                    SsdIoBackend::Posix
+                }
+            },
+            SsdIoBackend::Posix => SsdIoBackend::Posix,
+        };
         let seg_size = config.ssd_segment_size_bytes;
         let nseg = config.ssd_segments() as u32;
         let faults = Arc::new(Faults::default());
@@ -977,7 +991,8 @@ impl SsdTier {
                 direct,
                 Arc::clone(&faults),
             )
-            .map_err(EngineError::SsdOpen)?;
+            .map_err(EngineError::SsdOpen)?
+            .with_backend(io_backend);
             let _ = files[id as usize].set(f);
         }
         let mut slots: Vec<SegMeta> = (0..nseg)
@@ -1024,6 +1039,7 @@ impl SsdTier {
             nseg,
             strict: config.ssd_durability_mode == SsdDurabilityMode::Strict,
             direct,
+            io_backend,
             policy: config.eviction_policy,
             high: config.ssd_high_watermark,
             low: config.ssd_low_watermark,
@@ -1329,6 +1345,7 @@ impl SsdTier {
         let g = |c: &AtomicU64| c.load(Relaxed);
         s.ssd_enabled = true;
         s.ssd_direct_io = sh.direct;
+        s.ssd_io_uring = sh.io_backend == SsdIoBackend::IoUring;
         s.ssd_degraded = sh.degraded.load(Relaxed);
         s.ssd_objects = g(&sh.c.objects);
         s.ssd_bytes_used = g(&sh.c.bytes_used);
