@@ -112,6 +112,11 @@ pub struct KvtierConfig {
     /// which pages of unregistered (plain anonymous) memory are copied.
     #[serde(deserialize_with = "strict::size")]
     pub server_staging_bytes: u64,
+    /// Embedded mode: serve Prometheus metrics at `http://HOST:PORT/metrics` (port 0 picks a
+    /// free port; the bound address is in the stats as `metrics_addr`). Unset: no endpoint.
+    /// `kvtier serve` takes its own `metrics_addr` / `--metrics-addr` instead.
+    #[serde(deserialize_with = "strict::optional_socket_addr")]
+    pub metrics_addr: Option<String>,
 }
 
 impl Default for KvtierConfig {
@@ -145,6 +150,7 @@ impl Default for KvtierConfig {
             server_bin: None,
             server_startup_timeout_ms: 10_000,
             server_staging_bytes: 32 << 20,
+            metrics_addr: None,
         }
     }
 }
@@ -171,6 +177,8 @@ pub enum Origin {
     File(PathBuf),
     Env(String),
     ExtraConfig,
+    /// A command-line flag (`kvtier serve`).
+    CommandLine,
 }
 
 impl fmt::Display for Origin {
@@ -180,6 +188,7 @@ impl fmt::Display for Origin {
             Origin::File(p) => write!(f, "config file {}", p.display()),
             Origin::Env(var) => write!(f, "environment variable {var}"),
             Origin::ExtraConfig => write!(f, "extra_config"),
+            Origin::CommandLine => write!(f, "command line"),
         }
     }
 }
@@ -568,6 +577,17 @@ pub mod strict {
     /// A plain non-negative count.
     pub fn count<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
         d.deserialize_any(Unsigned { sizes: false })
+    }
+
+    /// An optional `HOST:PORT` listen address (see [`crate::metrics::parse_addr`]).
+    pub fn optional_socket_addr<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<String>, D::Error> {
+        let value = optional_string(d)?;
+        if let Some(text) = &value {
+            crate::metrics::parse_addr(text).map_err(de::Error::custom)?;
+        }
+        Ok(value)
     }
 
     pub fn optional_string<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {

@@ -27,6 +27,8 @@ pub enum ClientError {
     Closed,
     #[error("kvtier server at {socket}: {reason}")]
     Server { socket: String, reason: String },
+    #[error(transparent)]
+    Metrics(#[from] crate::metrics::MetricsError),
     #[error("kvtier server refused the request (code {code}): {message}")]
     ServerRefused { code: u16, message: String },
 }

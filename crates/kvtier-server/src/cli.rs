@@ -39,6 +39,10 @@ pub struct ServeArgs {
     /// Any engine key, KEY=VALUE (repeatable), e.g. --engine eviction_policy=lru.
     #[arg(long = "engine", value_name = "KEY=VALUE")]
     pub engine: Vec<String>,
+    /// Serve Prometheus metrics at http://HOST:PORT/metrics (port 0: a free port, printed
+    /// at startup).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub metrics_addr: Option<String>,
     /// Seconds to wait for running requests at shutdown.
     #[arg(long, default_value_t = 30)]
     pub shutdown_timeout: u64,
@@ -71,6 +75,9 @@ pub fn serve_config(args: &ServeArgs) -> Result<ServerConfig, String> {
     }
     if let Some(group) = &args.socket_group {
         flags.insert("socket_group".into(), Value::String(group.clone()));
+    }
+    if let Some(addr) = &args.metrics_addr {
+        flags.insert("metrics_addr".into(), Value::String(addr.clone()));
     }
     if !args.tenant_quota.is_empty() {
         flags.insert(
@@ -129,8 +136,11 @@ pub fn serve_main(args: ServeArgs) -> i32 {
             return 1;
         }
     };
+    let metrics = server.metrics_addr().map_or(String::new(), |a| {
+        format!("; metrics on http://{a}/metrics")
+    });
     eprintln!(
-        "kvtier serve: listening on {} (pid {}, DRAM {} MiB, {} tenant partitions)",
+        "kvtier serve: listening on {} (pid {}, DRAM {} MiB, {} tenant partitions){metrics}",
         server.socket().display(),
         std::process::id(),
         capacity >> 20,
@@ -198,6 +208,7 @@ pub fn stat_main(args: StatArgs) -> i32 {
             tenant_quota: Vec::new(),
             tenant_ssd_quota: Vec::new(),
             engine: Vec::new(),
+            metrics_addr: None,
             shutdown_timeout: 0,
         }) {
             Ok(c) => c.socket,
