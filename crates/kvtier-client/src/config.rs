@@ -933,6 +933,35 @@ mod tests {
     }
 
     #[test]
+    fn metrics_addr_is_parsed_from_every_source() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("kvtier.toml");
+        std::fs::write(&path, "metrics_addr = \"127.0.0.1:9100\"\n").unwrap();
+        let c = load(&[], json!({"config_file": path.to_str().unwrap()})).unwrap();
+        assert_eq!(c.metrics_addr.as_deref(), Some("127.0.0.1:9100"));
+        let c = load(&[("KVTIER_METRICS_ADDR", "[::1]:0")], json!({})).unwrap();
+        assert_eq!(c.metrics_addr.as_deref(), Some("[::1]:0"));
+        let c = load(
+            &[("KVTIER_METRICS_ADDR", "[::1]:0")],
+            json!({"metrics_addr": "localhost:9101"}),
+        )
+        .unwrap();
+        assert_eq!(c.metrics_addr.as_deref(), Some("localhost:9101"));
+        for bad in [
+            json!("9100"),
+            json!("127.0.0.1:99999"),
+            json!(9100),
+            json!(""),
+        ] {
+            let e = load(&[], json!({ "metrics_addr": bad })).unwrap_err();
+            assert_eq!(e.key, "metrics_addr", "{bad}");
+        }
+        let e = load(&[("KVTIER_METRICS_ADDR", "nohost")], json!({})).unwrap_err();
+        assert_eq!(e.key, "metrics_addr");
+        assert!(e.origin.contains("KVTIER_METRICS_ADDR"), "{e}");
+    }
+
+    #[test]
     fn effective_config_round_trips_through_toml() {
         let c = load(
             &[],
