@@ -1,5 +1,10 @@
-//! `kvtier`: operator commands for kvtier's SSD tier.
+//! `kvtier`: operator commands.
 //!
+//! - `kvtier serve`, `kvtier stat [--json]`, `kvtier inspect`: the local server (see
+//!   `serve.rs` and `inspect.rs`).
+//! - `kvtier config check FILE [--json]`: validate a config file, print the effective one
+//!   (`config_check.rs`).
+//! - `kvtier bench workload ARGS...`: the Python workload benchmark (`workload.rs`).
 //! - `kvtier fsck DIR [--json]` — verify every segment of an SSD directory (read-only); exit
 //!   status 0 when clean, 1 when torn or corrupt records were found, 2 on error.
 //! - `kvtier bench ssd [--dir DIR] [--quick] [--json]` — engine SSD write/read throughput and
@@ -8,7 +13,9 @@
 //!   index checkpoint and by a full segment scan.
 
 mod bench;
+mod config_check;
 mod serve;
+mod workload;
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -43,6 +50,11 @@ enum Command {
         #[command(subcommand)]
         what: BenchCommand,
     },
+    /// Configuration files.
+    Config {
+        #[command(subcommand)]
+        what: config_check::ConfigCommand,
+    },
     #[command(flatten)]
     Server(serve::ServerCommand),
 }
@@ -52,6 +64,9 @@ enum BenchCommand {
     /// Batch get/set through `kvtier serve` with shared memory vs same-run memcpy and memfd
     /// copy; batch_exists_v2 (128 pages x 4 pools) round-trip latency.
     Server(kvtier_server::bench::BenchServerArgs),
+    /// Multi-turn chat workload through the real SGLang backend under a DRAM budget:
+    /// prefix_depth vs lru eviction (runs `python -m kvtier.bench workload ARGS...`).
+    Workload(workload::WorkloadArgs),
     /// SSD tier throughput (256 KiB - 2 MiB objects) and 2 MiB DRAM-miss latency, each
     /// against a raw O_DIRECT baseline measured in the same run on the same filesystem.
     Ssd {
@@ -89,7 +104,9 @@ fn main() -> ExitCode {
             BenchCommand::Ssd { dir, quick, json } => bench::ssd(dir, quick, json),
             BenchCommand::Recovery { dir, objects, json } => bench::recovery(dir, objects, json),
             BenchCommand::Server(args) => serve::bench(args),
+            BenchCommand::Workload(args) => workload::run(args),
         },
+        Command::Config { what } => config_check::run(what),
         Command::Server(command) => serve::run(command),
     };
     match result {
