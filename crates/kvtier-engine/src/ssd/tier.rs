@@ -1578,9 +1578,12 @@ fn recover(
     let total = to_scan.len() as u64;
     let next = AtomicU64::new(0);
     let (tx, rx) = mpsc::channel::<ScanMsg>();
+    // Twice the cores: a scanner alternates between waiting on a read and checksumming it, so
+    // two per core keep both the disk queue and the CPU busy.
     let threads = std::thread::available_parallelism()
         .map_or(2, |n| n.get())
-        .clamp(1, 4);
+        .saturating_mul(2)
+        .clamp(2, 8);
     let mut scans: Vec<(u32, super::scan::SegmentScan)> = Vec::new();
     let mut first_err = None;
     std::thread::scope(|s| {
