@@ -77,6 +77,9 @@ enum BenchCommand {
         /// Smaller volumes (about 10 s instead of about a minute).
         #[arg(long)]
         quick: bool,
+        /// The engine's I/O backend (`ssd_io_backend`); the raw baseline is always pread/pwrite.
+        #[arg(long, default_value = "posix", value_parser = ["posix", "io_uring"])]
+        io_backend: String,
         /// Print the results as JSON.
         #[arg(long)]
         json: bool,
@@ -101,7 +104,12 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Fsck { dir, json } => fsck(&dir, json),
         Command::Bench { what } => match what {
-            BenchCommand::Ssd { dir, quick, json } => bench::ssd(dir, quick, json),
+            BenchCommand::Ssd {
+                dir,
+                quick,
+                io_backend,
+                json,
+            } => bench::ssd(dir, quick, io_backend == "io_uring", json),
             BenchCommand::Recovery { dir, objects, json } => bench::recovery(dir, objects, json),
             BenchCommand::Server(args) => serve::bench(args),
             BenchCommand::Workload(args) => workload::run(args),
