@@ -470,6 +470,20 @@ impl Engine {
         present
     }
 
+    /// Refresh the recency of the page group `group` (`[tag/]page_hash@`, see
+    /// [`eviction::group_of`](crate::eviction::group_of)), for a caller that knows the page
+    /// but not its objects' keys (SGLang's KV events name pages). Returns whether the group
+    /// is in DRAM.
+    pub fn touch_group(&self, group: &[u8]) -> bool {
+        match self.policy.members(group).first() {
+            Some(member) => {
+                self.policy.on_access(member);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Copy the whole object into `dst`. `dst.len()` must equal the stored length, else
     /// `SizeMismatch` and `dst` is untouched. A missing key is `NotFound`. Counts a hit (with
     /// `bytes_out`) or a miss; a size mismatch counts only `size_mismatches`.

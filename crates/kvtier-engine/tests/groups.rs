@@ -294,3 +294,29 @@ proptest! {
         run(ops, Lru)?;
     }
 }
+
+#[test]
+fn touch_group_keeps_a_cold_page_like_a_read() {
+    for policy in [Lru, PrefixDepth] {
+        // 2 pages fit. p0 is the coldest; touching its group (not a member key) makes p1 the
+        // victim of the third page, exactly as reading p0 would.
+        let e = engine(6, policy, 64);
+        put_page(&e, "p0", 0);
+        put_page(&e, "p1", 0);
+        assert!(e.touch_group(b"p0@"), "{policy:?}");
+        assert!(!e.touch_group(b"nope@"), "{policy:?}: unknown group");
+        assert!(
+            !e.touch_group(b"p0"),
+            "{policy:?}: a group name ends with @"
+        );
+        put_page(&e, "p2", 0);
+        assert!(page_state(&e, "p0") && !page_state(&e, "p1"), "{policy:?}");
+        // Without the touch the coldest goes, so the assertion above can fail.
+        let e = engine(6, policy, 64);
+        put_page(&e, "p0", 0);
+        put_page(&e, "p1", 0);
+        put_page(&e, "p2", 0);
+        assert!(!page_state(&e, "p0") && page_state(&e, "p1"), "{policy:?}");
+        e.verify_accounting().unwrap();
+    }
+}
