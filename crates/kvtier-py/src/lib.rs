@@ -523,6 +523,23 @@ impl Store {
         })
     }
 
+    /// Refresh the recency of each page group (`[tag/]page_hash@`) in DRAM, an eviction hint
+    /// for callers that know pages, not keys (SGLang's KV events); returns how many groups
+    /// were in DRAM (0 in server mode).
+    fn touch_groups(&self, py: Python<'_>, groups: Vec<String>) -> usize {
+        let client = &self.client;
+        py.detach(|| {
+            client
+                .with_engine(|e| {
+                    groups
+                        .iter()
+                        .filter(|g| e.touch_group(g.as_bytes()))
+                        .count()
+                })
+                .unwrap_or(0)
+        })
+    }
+
     /// Counters as a dict of int.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let dict = PyDict::new(py);
