@@ -1,7 +1,7 @@
 //! `kvtier`: operator commands.
 //!
-//! - `kvtier serve`, `kvtier stat [--json]`, `kvtier inspect`: the local server (see
-//!   `serve.rs` and `inspect.rs`).
+//! - `kvtier serve`, `kvtier stat [--json]`, `kvtier inspect KEY...|--prefix P [--json]`: the
+//!   local server (see `serve.rs`; implemented in kvtier-server's `cli`).
 //! - `kvtier config check FILE [--json]`: validate a config file, print the effective one
 //!   (`config_check.rs`).
 //! - `kvtier bench workload ARGS...`: the Python workload benchmark (`workload.rs`).

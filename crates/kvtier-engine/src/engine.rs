@@ -40,6 +40,15 @@ use crate::ssd::{RecoveryProgress, RecoveryReport};
 use crate::stats::{add, sub, Counters, EngineStats};
 
 /// Extra facts about a put.
+/// Where one object is stored (see [`Engine::placement`]): its length per tier, `None` where
+/// the tier does not hold it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placement {
+    pub key: Vec<u8>,
+    pub dram_len: Option<u64>,
+    pub ssd_len: Option<u64>,
+}
+
 #[derive(Clone, Copy, Debug, Default)]
 pub struct PutMeta {
     /// Depth of the page in its prefix chain (0 = first page), from SGLang `prefix_keys`;
@@ -613,6 +622,63 @@ impl Engine {
     pub fn object_len(&self, key: &[u8]) -> Option<u64> {
         let dram = self.index.shard(key).read().get(key).map(|o| o.len());
         dram.or_else(|| self.ssd.as_ref().and_then(|s| s.len_of(key)))
+    }
+
+    /// Where `key` is stored: its length in DRAM and on SSD (`None` where absent). No stats
+    /// or recency side effects (`kvtier inspect`).
+    pub fn placement(&self, key: &[u8]) -> Placement {
+        Placement {
+            key: key.to_vec(),
+            dram_len: self.index.shard(key).read().get(key).map(|o| o.len()),
+            ssd_len: self.ssd.as_ref().and_then(|s| s.len_of(key)),
+        }
+    }
+
+    /// The placements of up to `limit` keys starting with `prefix` in any tier, sorted by key,
+    /// and whether more keys matched. Walks every index shard (an operator command, not a
+    /// data path); no stats or recency side effects.
+    pub fn inspect_prefix(&self, prefix: &[u8], limit: usize) -> (Vec<Placement>, bool) {
+        let mut found: std::collections::BTreeMap<Vec<u8>, Placement> = Default::default();
+        let mut truncated = false;
+        'dram: for shard in self.index.shards() {
+            for (key, object) in shard.read().iter() {
+                if key.starts_with(prefix) {
+                    if found.len() == limit {
+                        truncated = true;
+                        break 'dram;
+                    }
+                    found.insert(
+                        key.to_vec(),
+                        Placement {
+                            key: key.to_vec(),
+                            dram_len: Some(object.len()),
+                            ssd_len: None,
+                        },
+                    );
+                }
+            }
+        }
+        if let Some(ssd) = &self.ssd {
+            let (keys, more) = ssd.keys_with_prefix(prefix, limit);
+            truncated |= more;
+            for (key, len) in keys {
+                if let Some(p) = found.get_mut(&key) {
+                    p.ssd_len = Some(len);
+                } else if found.len() < limit {
+                    found.insert(
+                        key.clone(),
+                        Placement {
+                            key,
+                            dram_len: None,
+                            ssd_len: Some(len),
+                        },
+                    );
+                } else {
+                    truncated = true;
+                }
+            }
+        }
+        (found.into_values().collect(), truncated)
     }
 
     /// Whether `key` is stored (in DRAM or on SSD); no stats side effects, no recency change.

@@ -33,7 +33,7 @@ pub use config::{
     EngineConfig, EvictionPolicyKind, SsdDurabilityMode, SsdIoBackend, SsdWritePolicy,
 };
 pub use dram::{Allocator, Extent};
-pub use engine::{Engine, PutMeta, PutOutcome};
+pub use engine::{Engine, Placement, PutMeta, PutOutcome};
 pub use error::EngineError;
 pub use eviction::{EvictionPolicy, Lru, PrefixDepth};
 pub use object::PinnedObject;

@@ -52,11 +52,16 @@ pub enum Opcode {
     Clear = 16,
     /// Request and response: empty body. Makes acknowledged puts as durable as configured.
     Flush = 17,
+    /// Request: [`crate::server::InspectQuery`]. Response: [`crate::server::TextReply`] holding
+    /// a JSON document: per store, which tiers hold each key (`kvtier inspect`). Needs no
+    /// session: it is the operator's view of every store, keys as stored (tenant prefixes
+    /// included).
+    Inspect = 18,
 }
 
 impl Opcode {
     /// Every opcode, in wire-value order.
-    pub const ALL: [Opcode; 17] = [
+    pub const ALL: [Opcode; 18] = [
         Opcode::Handshake,
         Opcode::Ping,
         Opcode::ExistsV2,
@@ -74,6 +79,7 @@ impl Opcode {
         Opcode::Stats,
         Opcode::Clear,
         Opcode::Flush,
+        Opcode::Inspect,
     ];
 
     /// The wire value.
@@ -110,6 +116,7 @@ impl TryFrom<u16> for Opcode {
             15 => Opcode::Stats,
             16 => Opcode::Clear,
             17 => Opcode::Flush,
+            18 => Opcode::Inspect,
             other => return Err(ProtoError::UnknownOpcode(other)),
         })
     }
@@ -136,7 +143,7 @@ mod tests {
 
     #[test]
     fn unknown_values_are_rejected_by_name() {
-        for value in [0, 18, 0x0100, u16::MAX] {
+        for value in [0, 19, 0x0100, u16::MAX] {
             let err = Opcode::try_from(value).unwrap_err();
             assert!(matches!(err, ProtoError::UnknownOpcode(v) if v == value));
             assert!(err.to_string().contains(&value.to_string()));

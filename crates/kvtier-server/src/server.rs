@@ -33,8 +33,8 @@ use kvtier_proto::frame::{
     FrameHeader, FLAG_ERROR, FLAG_RESPONSE, HEADER_LEN, MAX_FRAME_BODY, PROTOCOL_VERSION,
 };
 use kvtier_proto::server::{
-    error_code, Count, ObjectLens, OpenSession, PageIo, PageKeys, RegionGrant, RegisterRegion,
-    SessionTicket, TextReply,
+    error_code, Count, InspectQuery, ObjectLens, OpenSession, PageIo, PageKeys, RegionGrant,
+    RegisterRegion, SessionTicket, TextReply,
 };
 use kvtier_proto::{
     encode_frame, BatchResult as WireResult, Decode, Encode, ErrorReply, ExistsV2Query, Handshake,
@@ -906,6 +906,12 @@ impl<'a> Connection<'a> {
                     .map_err(|e| Refusal::new(error_code::INTERNAL, e.to_string()))?;
                 Ok(Vec::new())
             }
+            Opcode::Inspect => {
+                let query = InspectQuery::decode(body)?;
+                encode(&TextReply {
+                    text: inspect_document(self.shared, &query).to_string(),
+                })
+            }
             Opcode::BatchGet | Opcode::BatchPut => Err(Refusal::new(
                 error_code::UNSUPPORTED,
                 format!("{opcode:?} is not served by kvtier serve; use PutPages/GetPages"),
@@ -1266,6 +1272,52 @@ fn page_io(session: &Session, io: &PageIo, is_put: bool) -> BatchResult {
     }
     result.suppressed_errors += inner.suppressed_errors;
     result
+}
+
+/// Keys per store an `Inspect` reply lists at most (the reply is one JSON text frame).
+const INSPECT_MAX_KEYS: u64 = 10_000;
+
+/// The reply of `Inspect`: per store, the placement of each asked key and of the keys under
+/// the prefix (at most `limit`, capped at [`INSPECT_MAX_KEYS`]; `truncated` when more matched).
+fn inspect_document(shared: &Shared, query: &InspectQuery) -> Value {
+    let limit = if query.limit == 0 {
+        INSPECT_MAX_KEYS
+    } else {
+        query.limit.min(INSPECT_MAX_KEYS)
+    } as usize;
+    let placement = |p: &kvtier_engine::Placement| {
+        json!({
+            "key": String::from_utf8_lossy(&p.key),
+            "dram_bytes": p.dram_len,
+            "ssd_bytes": p.ssd_len,
+        })
+    };
+    let mut stores = Vec::new();
+    for store in std::iter::once(&shared.main).chain(shared.partitions.values()) {
+        let doc = store.client.with_engine(|e| {
+            let keys: Vec<Value> = query
+                .keys
+                .iter()
+                .map(|k| placement(&e.placement(k)))
+                .collect();
+            let (under, truncated) = match &query.prefix {
+                Some(prefix) => e.inspect_prefix(prefix, limit),
+                None => (Vec::new(), false),
+            };
+            json!({
+                "store": store.name,
+                "keys": keys,
+                "prefix": under.iter().map(placement).collect::<Vec<_>>(),
+                "truncated": truncated,
+            })
+        });
+        stores.push(doc.unwrap_or_else(|| json!({ "store": store.name, "error": "no engine" })));
+    }
+    json!({
+        "prefix": query.prefix.as_ref().map(|p| String::from_utf8_lossy(p).into_owned()),
+        "limit": limit,
+        "stores": stores,
+    })
 }
 
 fn stats_document(shared: &Shared, you: Option<&Session>) -> Value {

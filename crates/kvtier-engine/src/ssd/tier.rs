@@ -1123,6 +1123,27 @@ impl SsdTier {
         self.sh.index.shard(key).read().contains_key(key)
     }
 
+    /// Up to `limit` keys starting with `prefix` and their lengths, in no particular order,
+    /// and whether more matched (`kvtier inspect --prefix`; a full walk of the index).
+    pub(crate) fn keys_with_prefix(
+        &self,
+        prefix: &[u8],
+        limit: usize,
+    ) -> (Vec<(Vec<u8>, u64)>, bool) {
+        let mut out = Vec::new();
+        for shard in self.sh.index.shards.iter() {
+            for (key, e) in shard.read().iter() {
+                if key.starts_with(prefix) {
+                    if out.len() == limit {
+                        return (out, true);
+                    }
+                    out.push((key.to_vec(), e.len));
+                }
+            }
+        }
+        (out, false)
+    }
+
     pub(crate) fn len_of(&self, key: &[u8]) -> Option<u64> {
         self.sh.index.get(key).map(|e| e.len)
     }
