@@ -261,6 +261,43 @@ class _CallMeter:
             return out
 
 
+def _rank_endpoint(endpoint: str, rank: int) -> str:
+    """``endpoint`` for TP rank ``rank``: every rank's embedded store publishes its own stream,
+    so ranks above 0 add their rank to a fixed TCP port (SGLang's convention for DP ranks) or
+    a suffix to an ipc/inproc name; port 0 (any free port) stays 0."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        base, _, port = endpoint.rpartition(":")
+        if port.isdigit() and int(port) != 0:
+            return f"{base}:{int(port) + rank}"
+        return endpoint
+    return f"{endpoint}_tp{rank}"
+
+
+def _start_kv_events(store, tp_rank: int):
+    """The running ``KvEvents`` of the store's effective config, or None when unset."""
+    import tomllib
+
+    cfg = tomllib.loads(store.config_toml())
+    if not cfg.get("kv_events_publish_endpoint") and not cfg.get("kv_events_subscriber"):
+        return None
+    from kvtier.kv_events import KvEvents
+
+    if cfg.get("kv_events_publish_endpoint"):
+        cfg["kv_events_publish_endpoint"] = _rank_endpoint(
+            cfg["kv_events_publish_endpoint"], tp_rank
+        )
+    ev = KvEvents.from_config(store, cfg)
+    logger.info(
+        "kvtier KV events: publishing on %s (topic %r), subscribed to %s",
+        ev.endpoint,
+        cfg.get("kv_events_publish_topic", ""),
+        cfg.get("kv_events_endpoint") if cfg.get("kv_events_subscriber") else None,
+    )
+    return ev
+
+
 class KvtierStore(HiCacheStorage):
     """SGLang HiCache storage backend on a kvtier store (embedded mode)."""
 
@@ -332,6 +369,14 @@ class KvtierStore(HiCacheStorage):
             "v1 zero-copy" if self._interface_v1 else "legacy tensor copy",
             self._store.config_toml().replace("\n", "; "),
         )
+        # KV events (kvtier.kv_events): kvtier's page stream and/or SGLang's stream into
+        # kvtier, on one background thread; stopped by close().
+        self._kv_events = None
+        try:
+            self._kv_events = _start_kv_events(self._store, self._tp_rank)
+        except BaseException:
+            self._store.close()
+            raise
         if mem_pool_host is not None:
             self.register_mem_pool_host(mem_pool_host)
 
@@ -520,6 +565,8 @@ class KvtierStore(HiCacheStorage):
     # ------------------------------------------------------------------ registration
     def register_mem_pool_host(self, mem_pool_host: Any):
         super().register_mem_pool_host(mem_pool_host)
+        if self._kv_events is not None:
+            self._kv_events.block_size = int(getattr(mem_pool_host, "page_size", 0) or 0)
         self._anchor_is_logical = getattr(mem_pool_host, "kv_buffer", None) is None
         if self._anchor_is_logical:
             # A logical anchor (LogicalHostPool) owns page indices only: no bytes to store.
@@ -975,6 +1022,8 @@ class KvtierStore(HiCacheStorage):
                 return
             self._closed = True
         self.flush()
+        if self._kv_events is not None:
+            self._kv_events.stop()
         self._store.close()
 
     def get_stats(self) -> KvtierStorageStats:

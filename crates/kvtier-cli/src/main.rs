@@ -1,5 +1,10 @@
-//! `kvtier`: operator commands for kvtier's SSD tier.
+//! `kvtier`: operator commands.
 //!
+//! - `kvtier serve`, `kvtier stat [--json]`, `kvtier inspect KEY...|--prefix P [--json]`: the
+//!   local server (see `serve.rs`; implemented in kvtier-server's `cli`).
+//! - `kvtier config check FILE [--json]`: validate a config file, print the effective one
+//!   (`config_check.rs`).
+//! - `kvtier bench workload ARGS...`: the Python workload benchmark (`workload.rs`).
 //! - `kvtier fsck DIR [--json]` — verify every segment of an SSD directory (read-only); exit
 //!   status 0 when clean, 1 when torn or corrupt records were found, 2 on error.
 //! - `kvtier bench ssd [--dir DIR] [--quick] [--json]` — engine SSD write/read throughput and
@@ -8,8 +13,10 @@
 //!   index checkpoint and by a full segment scan.
 
 mod bench;
+mod config_check;
 mod master;
 mod serve;
+mod workload;
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -44,6 +51,11 @@ enum Command {
         #[command(subcommand)]
         what: BenchCommand,
     },
+    /// Configuration files.
+    Config {
+        #[command(subcommand)]
+        what: config_check::ConfigCommand,
+    },
     #[command(flatten)]
     Server(serve::ServerCommand),
     /// Run a cluster master (node registry, key directory, placement; etcd leader election
@@ -56,6 +68,9 @@ enum BenchCommand {
     /// Batch get/set through `kvtier serve` with shared memory vs same-run memcpy and memfd
     /// copy; batch_exists_v2 (128 pages x 4 pools) round-trip latency.
     Server(kvtier_server::bench::BenchServerArgs),
+    /// Multi-turn chat workload through the real SGLang backend under a DRAM budget:
+    /// prefix_depth vs lru eviction (runs `python -m kvtier.bench workload ARGS...`).
+    Workload(workload::WorkloadArgs),
     /// SSD tier throughput (256 KiB - 2 MiB objects) and 2 MiB DRAM-miss latency, each
     /// against a raw O_DIRECT baseline measured in the same run on the same filesystem.
     Ssd {
@@ -66,6 +81,9 @@ enum BenchCommand {
         /// Smaller volumes (about 10 s instead of about a minute).
         #[arg(long)]
         quick: bool,
+        /// The engine's I/O backend (`ssd_io_backend`); the raw baseline is always pread/pwrite.
+        #[arg(long, default_value = "posix", value_parser = ["posix", "io_uring"])]
+        io_backend: String,
         /// Print the results as JSON.
         #[arg(long)]
         json: bool,
@@ -90,10 +108,17 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Fsck { dir, json } => fsck(&dir, json),
         Command::Bench { what } => match what {
-            BenchCommand::Ssd { dir, quick, json } => bench::ssd(dir, quick, json),
+            BenchCommand::Ssd {
+                dir,
+                quick,
+                io_backend,
+                json,
+            } => bench::ssd(dir, quick, io_backend == "io_uring", json),
             BenchCommand::Recovery { dir, objects, json } => bench::recovery(dir, objects, json),
             BenchCommand::Server(args) => serve::bench(args),
+            BenchCommand::Workload(args) => workload::run(args),
         },
+        Command::Config { what } => config_check::run(what),
         Command::Server(command) => serve::run(command),
         Command::Master(args) => master::master(args),
     };

@@ -1,10 +1,10 @@
-//! `kvtier serve`, `kvtier stat` and `kvtier bench server`: the local cache server, its live
-//! stats, and its benchmark (all implemented in kvtier-server).
+//! `kvtier serve`, `kvtier stat`, `kvtier inspect` and `kvtier bench server`: the local cache
+//! server, its live stats, where its pages are, and its benchmark (all implemented in kvtier-server).
 
 use std::process::ExitCode;
 
 use kvtier_server::bench::BenchServerArgs;
-use kvtier_server::cli::{ServeArgs, StatArgs};
+use kvtier_server::cli::{InspectArgs, ServeArgs, StatArgs};
 
 #[derive(clap::Subcommand)]
 pub enum ServerCommand {
@@ -13,12 +13,16 @@ pub enum ServerCommand {
     Serve(Box<ServeArgs>),
     /// Print a running server's live stats (sessions, mappings, stores).
     Stat(StatArgs),
+    /// Which tiers (DRAM, SSD) of a running server hold a key, or every key under --prefix,
+    /// with each object's pool and size, per store.
+    Inspect(InspectArgs),
 }
 
 pub fn run(command: ServerCommand) -> Result<ExitCode, String> {
     let code = match command {
         ServerCommand::Serve(args) => kvtier_server::cli::serve_main(*args),
         ServerCommand::Stat(args) => kvtier_server::cli::stat_main(args),
+        ServerCommand::Inspect(args) => kvtier_server::cli::inspect_main(args),
     };
     Ok(ExitCode::from(u8::try_from(code).unwrap_or(2)))
 }

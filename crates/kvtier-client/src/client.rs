@@ -7,9 +7,11 @@
 //! mismatch or a full store is a `false` for that item plus a reason in the result.
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
 
 use parking_lot::RwLock;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use kvtier_engine::{Engine, EngineError, EngineStats, PutMeta, PutOutcome};
 use kvtier_proto::query::compose_key;
@@ -21,6 +23,7 @@ use crate::cluster::ClusterStore;
 use crate::config::KvtierConfig;
 use crate::error::ClientError;
 use crate::memory::{RegionId, RegionInfo, RegionRegistry};
+use crate::metrics::{self, ClientMetrics, Collector, Endpoint, Lookup, Op, Samples};
 use crate::remote::RemoteStore;
 
 /// Counters the client keeps on top of the engine's.
@@ -40,14 +43,40 @@ pub struct ClientStats {
 /// below it, starting a thread costs more than it saves.
 pub const PARALLEL_COPY_MIN_BYTES_PER_THREAD: usize = 8 << 20;
 
+/// The embedded engine; `None` once closed.
+type EngineSlot = Arc<RwLock<Option<Engine>>>;
+
 /// Where the objects live.
 #[derive(Debug)]
 enum Backend {
+    Cluster(Box<ClusterStore>),
     /// `None` once closed: closing drops the engine (flushing the SSD tier and releasing its
     /// directory), after the batches in flight, which hold the read lock, are done.
-    Embedded(RwLock<Option<Engine>>),
-    Server(RemoteStore),
-    Cluster(ClusterStore),
+    Embedded(EngineSlot),
+    Server(Box<RemoteStore>),
+}
+
+/// Publishes an embedded engine's stats at scrape time under its `store` label.
+struct EngineCollector {
+    store: String,
+    engine: EngineSlot,
+}
+
+impl Collector for EngineCollector {
+    fn collect(&self, out: &mut Samples) {
+        if let Some(engine) = self.engine.read().as_ref() {
+            metrics::engine_samples(&self.store, &engine.stats(), out);
+        }
+    }
+}
+
+/// A client's part in the process's metrics (present when the process publishes metrics).
+struct ClientObservability {
+    handles: ClientMetrics,
+    /// The endpoint this client's `metrics_addr` asked for.
+    endpoint: Option<Arc<Endpoint>>,
+    /// Kept alive here; the metrics registry holds it weakly.
+    _collector: Option<Arc<dyn Collector>>,
 }
 
 pub struct Client {
@@ -58,20 +87,57 @@ pub struct Client {
     closed: AtomicBool,
     rejected_buffers: AtomicU64,
     rejected_batches: AtomicU64,
+    metrics: Option<ClientObservability>,
 }
 
 impl Client {
     /// Open the store the configuration describes: embedded, server mode when
     /// `server_socket` is set, cluster mode when `master_address` is set (both connect right
-    /// away, so a wrong socket or an unreachable master fails here).
+    /// away, so a wrong socket or an unreachable master fails here). Its metrics
+    /// carry `store="<extra_backend_tag>"` (`default` without a tag).
     pub fn open(config: KvtierConfig) -> Result<Client, ClientError> {
-        let backend = if config.master_address.is_some() {
-            Backend::Cluster(ClusterStore::open(&config)?)
-        } else if config.server_socket.is_some() {
-            Backend::Server(RemoteStore::connect(&config)?)
-        } else {
-            Backend::Embedded(RwLock::new(Some(Engine::open(config.engine_config())?)))
+        let label = config
+            .extra_backend_tag
+            .clone()
+            .unwrap_or_else(|| "default".into());
+        Client::open_as(config, &label)
+    }
+
+    /// [`open`](Self::open) with the `store` label its metrics carry (`kvtier serve` names its
+    /// stores `main` and `tenant:<name>`). With `metrics_addr` set, the endpoint is started
+    /// first, so an address in use fails the open. Whenever the process publishes metrics,
+    /// this client records into them.
+    pub fn open_as(config: KvtierConfig, store: &str) -> Result<Client, ClientError> {
+        let endpoint = match &config.metrics_addr {
+            Some(addr) => Some(metrics::serve(addr)?),
+            None => None,
         };
+        let backend = if config.master_address.is_some() {
+            Backend::Cluster(Box::new(ClusterStore::open(&config)?))
+        } else if config.server_socket.is_some() {
+            Backend::Server(Box::new(RemoteStore::connect(&config)?))
+        } else {
+            Backend::Embedded(Arc::new(RwLock::new(Some(Engine::open(
+                config.engine_config(),
+            )?))))
+        };
+        let observability = metrics::enabled().then(|| {
+            let collector: Option<Arc<dyn Collector>> = match &backend {
+                Backend::Embedded(slot) => Some(Arc::new(EngineCollector {
+                    store: store.to_string(),
+                    engine: Arc::clone(slot),
+                })),
+                Backend::Server(_) | Backend::Cluster(_) => None,
+            };
+            if let Some(c) = &collector {
+                metrics::register_collector(Arc::downgrade(c));
+            }
+            ClientObservability {
+                handles: ClientMetrics::new(),
+                endpoint,
+                _collector: collector,
+            }
+        });
         let copy_threads = usize::try_from(config.copy_threads).unwrap_or(1).max(1);
         Ok(Client {
             config,
@@ -81,7 +147,34 @@ impl Client {
             closed: AtomicBool::new(false),
             rejected_buffers: AtomicU64::new(0),
             rejected_batches: AtomicU64::new(0),
+            metrics: observability,
         })
+    }
+
+    /// The bound address of the metrics endpoint this client's `metrics_addr` started.
+    pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        self.metrics.as_ref()?.endpoint.as_ref().map(|e| e.addr())
+    }
+
+    /// Time `f` as one call of `op` when metrics are on.
+    fn timed<R>(&self, op: Op, f: impl FnOnce() -> R) -> R {
+        match &self.metrics {
+            None => f(),
+            Some(m) => {
+                let start = Instant::now();
+                let r = f();
+                m.handles.observe(op, start);
+                r
+            }
+        }
+    }
+
+    /// Count pool lookups when metrics are on.
+    fn count_pool(&self, pool: &str, lookup: Lookup, hits: usize, asked: usize) {
+        if let Some(m) = &self.metrics {
+            m.handles
+                .pool(pool, lookup, hits as u64, asked.saturating_sub(hits) as u64);
+        }
     }
 
     pub fn config(&self) -> &KvtierConfig {
@@ -294,8 +387,10 @@ impl Client {
         buffers: &[MemRef],
         depths: Option<&[u32]>,
     ) -> BatchResult {
-        self.page_batch(batch, buffers, depths, true, |engine, range| {
-            self.put_page_range(engine, batch, buffers, depths, range)
+        self.timed(Op::Put, || {
+            self.page_batch(batch, buffers, depths, true, |engine, range| {
+                self.put_page_range(engine, batch, buffers, depths, range)
+            })
         })
     }
 
@@ -345,9 +440,16 @@ impl Client {
         batch: &PageBatch<'_, K, S>,
         buffers: &[MemRef],
     ) -> BatchResult {
-        self.page_batch(batch, buffers, None, false, |engine, range| {
-            self.get_page_range(engine, batch, buffers, range)
-        })
+        let result = self.timed(Op::Get, || {
+            self.page_batch(batch, buffers, None, false, |engine, range| {
+                self.get_page_range(engine, batch, buffers, range)
+            })
+        });
+        if self.metrics.is_some() {
+            let pool = metrics::pool_of_batch(batch.page_keys, batch.suffixes);
+            self.count_pool(pool, Lookup::Get, result.succeeded(), batch.pages());
+        }
+        result
     }
 
     fn get_page_range<K: AsRef<[u8]>, S: AsRef<[u8]>>(
@@ -458,7 +560,14 @@ impl Client {
         depth: Option<u32>,
     ) -> Result<PutOutcome, ClientError> {
         self.ensure_open()?;
-        match &self.backend {
+        self.timed(Op::Put, || match &self.backend {
+            Backend::Cluster(cluster) => {
+                let keys = [cluster.namespaced(key)];
+                match cluster.put_objects(&keys, &[Ok(value)], &[depth]).remove(0) {
+                    Ok(()) => Ok(PutOutcome::Stored),
+                    Err(reason) => Err(ClientError::BatchShape(reason)),
+                }
+            }
             Backend::Embedded(slot) => {
                 let guard = slot.read();
                 let engine = guard.as_ref().ok_or(ClientError::Closed)?;
@@ -468,29 +577,13 @@ impl Client {
             Backend::Server(remote) => remote
                 .put_slice(key, value, depth)
                 .map(|()| PutOutcome::Stored),
-            Backend::Cluster(cluster) => {
-                let keys = [cluster.namespaced(key)];
-                match cluster.put_objects(&keys, &[Ok(value)], &[depth]).remove(0) {
-                    Ok(()) => Ok(PutOutcome::Stored),
-                    Err(reason) => Err(ClientError::BatchShape(reason)),
-                }
-            }
-        }
+        })
     }
 
     /// Copy an object into a slice the caller owns; its length must match exactly.
     pub fn get_into_slice(&self, key: &[u8], dst: &mut [u8]) -> Result<(), ClientError> {
         self.ensure_open()?;
-        match &self.backend {
-            Backend::Embedded(slot) => {
-                let guard = slot.read();
-                let engine = guard.as_ref().ok_or(ClientError::Closed)?;
-                Ok(engine.get_into(key, dst)?)
-            }
-            Backend::Server(remote) => match remote.get_into_slice(key, dst)? {
-                true => Ok(()),
-                false => Err(ClientError::Engine(EngineError::NotFound)),
-            },
+        let result = self.timed(Op::Get, || match &self.backend {
             Backend::Cluster(cluster) => {
                 let keys = [cluster.namespaced(key)];
                 match cluster.get_objects(&keys, vec![Ok(dst)]).remove(0) {
@@ -501,7 +594,25 @@ impl Client {
                     Err(reason) => Err(ClientError::BatchShape(reason)),
                 }
             }
+            Backend::Embedded(slot) => {
+                let guard = slot.read();
+                let engine = guard.as_ref().ok_or(ClientError::Closed)?;
+                Ok(engine.get_into(key, dst)?)
+            }
+            Backend::Server(remote) => match remote.get_into_slice(key, dst)? {
+                true => Ok(()),
+                false => Err(ClientError::Engine(EngineError::NotFound)),
+            },
+        });
+        if self.metrics.is_some() {
+            self.count_pool(
+                metrics::pool_of(key),
+                Lookup::Get,
+                usize::from(result.is_ok()),
+                1,
+            );
         }
+        result
     }
 
     pub fn object_len(&self, key: &[u8]) -> Option<u64> {
@@ -517,7 +628,7 @@ impl Client {
         if self.ensure_open().is_err() {
             return vec![false; keys.len()];
         }
-        match &self.backend {
+        let found = self.timed(Op::Exists, || match &self.backend {
             Backend::Embedded(slot) => match slot.read().as_ref() {
                 Some(engine) => keys.iter().map(|k| engine.contains(k.as_ref())).collect(),
                 None => vec![false; keys.len()],
@@ -535,11 +646,34 @@ impl Client {
                     vec![false; keys.len()]
                 })
             }
+        });
+        if self.metrics.is_some() {
+            for (key, hit) in keys.iter().zip(&found) {
+                self.count_pool(
+                    metrics::pool_of(key.as_ref()),
+                    Lookup::Exists,
+                    usize::from(*hit),
+                    1,
+                );
+            }
         }
+        found
     }
 
     /// Number of leading pages whose every component exists.
     pub fn exists_pages_prefix<K: AsRef<[u8]>, S: AsRef<[u8]>>(
+        &self,
+        batch: &PageBatch<'_, K, S>,
+    ) -> usize {
+        let hit = self.timed(Op::Exists, || self.exists_pages_prefix_inner(batch));
+        if self.metrics.is_some() {
+            let pool = metrics::pool_of_batch(batch.page_keys, batch.suffixes);
+            self.count_pool(pool, Lookup::Exists, hit, batch.pages());
+        }
+        hit
+    }
+
+    fn exists_pages_prefix_inner<K: AsRef<[u8]>, S: AsRef<[u8]>>(
         &self,
         batch: &PageBatch<'_, K, S>,
     ) -> usize {
@@ -592,7 +726,7 @@ impl Client {
         if self.ensure_open().is_err() {
             return ExistsV2Answer::default();
         }
-        match &self.backend {
+        let answer = self.timed(Op::ExistsV2, || match &self.backend {
             Backend::Embedded(slot) => slot
                 .read()
                 .as_ref()
@@ -603,10 +737,32 @@ impl Client {
                 tracing::warn!(error = %e, "kvtier cluster: exists_v2 failed");
                 ExistsV2Answer::default()
             }),
+        });
+        if self.metrics.is_some() {
+            let pages = query.page_keys.len();
+            let hit_of = |name: &str| {
+                answer
+                    .pool_hit_pages
+                    .iter()
+                    .find(|(n, _)| n == name)
+                    .map_or(0, |(_, h)| *h as usize)
+            };
+            if matches!(query.kv, kvtier_proto::query::KvComponents::Suffixes(_)) {
+                self.count_pool("kv", Lookup::Exists, hit_of("kv"), pages);
+            }
+            for pool in &query.pools {
+                let label = metrics::pool_label(&pool.name);
+                self.count_pool(label, Lookup::Exists, hit_of(&pool.name), pages);
+            }
         }
+        answer
     }
 
     pub fn remove_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> usize {
+        self.timed(Op::Remove, || self.remove_keys_inner(keys))
+    }
+
+    fn remove_keys_inner<K: AsRef<[u8]>>(&self, keys: &[K]) -> usize {
         match &self.backend {
             Backend::Embedded(slot) => match slot.read().as_ref() {
                 Some(engine) => keys.iter().filter(|k| engine.remove(k.as_ref())).count(),
@@ -624,6 +780,10 @@ impl Client {
     }
 
     pub fn clear(&self) {
+        self.timed(Op::Clear, || self.clear_inner());
+    }
+
+    fn clear_inner(&self) {
         match &self.backend {
             Backend::Embedded(slot) => {
                 if let Some(engine) = slot.read().as_ref() {
@@ -645,7 +805,7 @@ impl Client {
     /// nothing to flush; the SSD tier's copy pipeline drains here.
     pub fn flush(&self) -> Result<(), ClientError> {
         self.ensure_open()?;
-        match &self.backend {
+        self.timed(Op::Flush, || match &self.backend {
             Backend::Embedded(slot) => match slot.read().as_ref() {
                 Some(engine) => Ok(engine.flush()?),
                 None => Err(ClientError::Closed),
@@ -653,7 +813,7 @@ impl Client {
             Backend::Server(remote) => remote.flush(),
             // Nodes own their durability; an acknowledged put is already visible.
             Backend::Cluster(_) => Ok(()),
-        }
+        })
     }
 
     /// Close the store: later calls fail cleanly. Idempotent. In server mode this ends the
@@ -693,6 +853,9 @@ impl Client {
             _ => serde_json::Map::new(),
         };
         map.insert("mode".into(), self.mode().into());
+        if let Some(addr) = self.metrics_addr() {
+            map.insert("metrics_addr".into(), addr.to_string().into());
+        }
         if let Backend::Server(remote) = &self.backend {
             map.extend(remote.local_stats());
             if let Ok(server) = remote.server_stats() {

@@ -94,6 +94,30 @@ pub struct KvtierConfig {
     /// is also the client's tenant: the server's quotas and accounting are per tag.
     #[serde(deserialize_with = "strict::optional_string")]
     pub extra_backend_tag: Option<String>,
+    /// UMBPStore's name: subscribe to SGLang's KV events (`--kv-events-config`, ZMQ PUB with
+    /// msgspec `KVEventBatch`es) and act on them (see `kvtier.sglang`). Embedded mode, rank 0
+    /// (every DP rank in DP mode).
+    #[serde(deserialize_with = "strict::boolean")]
+    pub kv_events_subscriber: bool,
+    /// UMBPStore's name: the SGLang publisher the subscriber connects to (port offset by the
+    /// DP rank in DP mode).
+    #[serde(deserialize_with = "strict::string")]
+    pub kv_events_endpoint: String,
+    /// UMBPStore's name: topic filter of the subscription (must match SGLang's `topic`).
+    #[serde(deserialize_with = "strict::string")]
+    pub kv_events_topic: String,
+    /// Publish kvtier's own page stored / evicted / removed events as SGLang `KVEventBatch`es
+    /// on a ZMQ PUB socket at this endpoint (`tcp://*:PORT` binds; port offset by the DP
+    /// rank). Unset: no publisher.
+    #[serde(deserialize_with = "strict::optional_string")]
+    pub kv_events_publish_endpoint: Option<String>,
+    /// Topic of kvtier's own event stream.
+    #[serde(deserialize_with = "strict::string")]
+    pub kv_events_publish_topic: String,
+    /// Capacity of the engine's event ring, in events (the oldest are dropped and counted
+    /// when the publisher falls behind).
+    #[serde(deserialize_with = "strict::count")]
+    pub kv_events_buffer: u64,
     /// Unix socket of a local `kvtier serve`. Set: server mode (the store lives in that
     /// process, shared by every rank on the host); unset: embedded mode.
     #[serde(deserialize_with = "strict::optional_string")]
@@ -145,6 +169,11 @@ pub struct KvtierConfig {
     /// Cluster mode: pooled TCP connections per peer (a large batch is spread over them).
     #[serde(deserialize_with = "strict::count")]
     pub cluster_connections_per_peer: u64,
+    /// Embedded mode: serve Prometheus metrics at `http://HOST:PORT/metrics` (port 0 picks a
+    /// free port; the bound address is in the stats as `metrics_addr`). Unset: no endpoint.
+    /// `kvtier serve` takes its own `metrics_addr` / `--metrics-addr` instead.
+    #[serde(deserialize_with = "strict::optional_socket_addr")]
+    pub metrics_addr: Option<String>,
 }
 
 impl Default for KvtierConfig {
@@ -173,6 +202,12 @@ impl Default for KvtierConfig {
             ssd_high_watermark: engine.ssd_high_watermark,
             ssd_low_watermark: engine.ssd_low_watermark,
             extra_backend_tag: None,
+            kv_events_subscriber: false,
+            kv_events_endpoint: "tcp://localhost:5557".into(),
+            kv_events_topic: String::new(),
+            kv_events_publish_endpoint: None,
+            kv_events_publish_topic: String::new(),
+            kv_events_buffer: 65_536,
             server_socket: None,
             server_auto_start: false,
             server_bin: None,
@@ -187,6 +222,7 @@ impl Default for KvtierConfig {
             cluster_request_timeout_ms: 2_000,
             cluster_master_retry_ms: 5_000,
             cluster_connections_per_peer: 2,
+            metrics_addr: None,
         }
     }
 }
@@ -213,6 +249,8 @@ pub enum Origin {
     File(PathBuf),
     Env(String),
     ExtraConfig,
+    /// A command-line flag (`kvtier serve`).
+    CommandLine,
 }
 
 impl fmt::Display for Origin {
@@ -222,6 +260,7 @@ impl fmt::Display for Origin {
             Origin::File(p) => write!(f, "config file {}", p.display()),
             Origin::Env(var) => write!(f, "environment variable {var}"),
             Origin::ExtraConfig => write!(f, "extra_config"),
+            Origin::CommandLine => write!(f, "command line"),
         }
     }
 }
@@ -399,6 +438,33 @@ impl KvtierConfig {
                 &origin("eviction_candidate_window"),
                 "must be at least 1",
             ));
+        }
+        if self.kv_events_buffer == 0 {
+            return Err(ConfigError::new(
+                "kv_events_buffer",
+                &origin("kv_events_buffer"),
+                "must be at least 1",
+            ));
+        }
+        for (key, value) in [
+            ("kv_events_endpoint", Some(&self.kv_events_endpoint)),
+            (
+                "kv_events_publish_endpoint",
+                self.kv_events_publish_endpoint.as_ref(),
+            ),
+        ] {
+            let ok = |v: &str| {
+                ["tcp://", "ipc://", "inproc://"]
+                    .iter()
+                    .any(|p| v.starts_with(p))
+            };
+            if let Some(v) = value.filter(|v| !ok(v)) {
+                return Err(ConfigError::new(
+                    key,
+                    &origin(key),
+                    format!("{v:?} must be a tcp://, ipc:// or inproc:// ZMQ endpoint"),
+                ));
+            }
         }
         if let Some(sub) = &self.ssd_storage_subdir {
             let bad = sub.is_empty()
@@ -690,6 +756,17 @@ pub mod strict {
         d.deserialize_any(Unsigned { sizes: false })
     }
 
+    /// An optional `HOST:PORT` listen address (see [`crate::metrics::parse_addr`]).
+    pub fn optional_socket_addr<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<String>, D::Error> {
+        let value = optional_string(d)?;
+        if let Some(text) = &value {
+            crate::metrics::parse_addr(text).map_err(de::Error::custom)?;
+        }
+        Ok(value)
+    }
+
     pub fn optional_string<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
         struct V;
         impl Visitor<'_> for V {
@@ -789,6 +866,31 @@ mod tests {
                 .collect(),
             extra: extra(x),
         })
+    }
+
+    #[test]
+    fn kv_events_keys_are_strict() {
+        let c = load(
+            &[("KVTIER_KV_EVENTS_SUBSCRIBER", "yes")],
+            json!({"kv_events_publish_endpoint": "tcp://*:5600", "kv_events_buffer": 8}),
+        )
+        .unwrap();
+        assert!(c.kv_events_subscriber);
+        assert_eq!(c.kv_events_endpoint, "tcp://localhost:5557");
+        assert_eq!(
+            c.kv_events_publish_endpoint.as_deref(),
+            Some("tcp://*:5600")
+        );
+        assert_eq!(c.kv_events_buffer, 8);
+        for (key, bad) in [
+            ("kv_events_subscriber", json!("maybe")),
+            ("kv_events_endpoint", json!("localhost:5557")),
+            ("kv_events_publish_endpoint", json!("http://x")),
+            ("kv_events_buffer", json!(0)),
+        ] {
+            let e = load(&[], json!({ key: bad })).unwrap_err();
+            assert_eq!(e.key, key, "{e}");
+        }
     }
 
     #[test]
@@ -948,6 +1050,35 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.key.starts_with("ssd_"), "{e}");
+    }
+
+    #[test]
+    fn metrics_addr_is_parsed_from_every_source() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("kvtier.toml");
+        std::fs::write(&path, "metrics_addr = \"127.0.0.1:9100\"\n").unwrap();
+        let c = load(&[], json!({"config_file": path.to_str().unwrap()})).unwrap();
+        assert_eq!(c.metrics_addr.as_deref(), Some("127.0.0.1:9100"));
+        let c = load(&[("KVTIER_METRICS_ADDR", "[::1]:0")], json!({})).unwrap();
+        assert_eq!(c.metrics_addr.as_deref(), Some("[::1]:0"));
+        let c = load(
+            &[("KVTIER_METRICS_ADDR", "[::1]:0")],
+            json!({"metrics_addr": "localhost:9101"}),
+        )
+        .unwrap();
+        assert_eq!(c.metrics_addr.as_deref(), Some("localhost:9101"));
+        for bad in [
+            json!("9100"),
+            json!("127.0.0.1:99999"),
+            json!(9100),
+            json!(""),
+        ] {
+            let e = load(&[], json!({ "metrics_addr": bad })).unwrap_err();
+            assert_eq!(e.key, "metrics_addr", "{bad}");
+        }
+        let e = load(&[("KVTIER_METRICS_ADDR", "nohost")], json!({})).unwrap_err();
+        assert_eq!(e.key, "metrics_addr");
+        assert!(e.origin.contains("KVTIER_METRICS_ADDR"), "{e}");
     }
 
     #[test]

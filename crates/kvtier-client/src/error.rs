@@ -29,6 +29,8 @@ pub enum ClientError {
     Server { socket: String, reason: String },
     #[error(transparent)]
     Cluster(#[from] crate::cluster::ClusterError),
+    #[error(transparent)]
+    Metrics(#[from] crate::metrics::MetricsError),
     #[error("kvtier server refused the request (code {code}): {message}")]
     ServerRefused { code: u16, message: String },
 }

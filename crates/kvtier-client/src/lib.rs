@@ -7,6 +7,8 @@
 //!   this crate: every (pointer, size) a caller hands in is checked against a registered region
 //!   before a byte is touched.
 //! - [`batch`] describes page batches (`prefix ++ page_key ++ suffix` keys) and their results.
+//! - [`metrics`] owns the Prometheus side: the process's recorder, the `/metrics` endpoint and
+//!   the name of every metric (embedded mode opts in with `metrics_addr`).
 //! - [`client`] is the [`Client`]: it resolves memory, composes keys and calls the mode's store.
 //!   Embedded mode runs the engine in this process; server mode ([`remote`]) talks to a local
 //!   `kvtier serve` (selected by `server_socket`) behind the same methods.
@@ -17,6 +19,7 @@ pub mod cluster;
 pub mod config;
 pub mod error;
 pub mod memory;
+pub mod metrics;
 pub mod remote;
 pub mod transport;
 

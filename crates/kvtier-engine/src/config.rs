@@ -47,7 +47,8 @@ pub enum SsdIoBackend {
     /// `pread`/`pwrite` with `O_DIRECT` where the filesystem allows it.
     #[default]
     Posix,
-    /// `io_uring`; this build does not include it, so selecting it is an `InvalidConfig`.
+    /// `io_uring` (one ring per I/O thread); where the kernel refuses it the tier falls back
+    /// to `Posix` with one warning (`ssd_io_uring = false` in the stats).
     #[serde(alias = "io-uring")]
     IoUring,
 }
@@ -200,12 +201,6 @@ impl EngineConfig {
     }
 
     fn validate_ssd(&self) -> Result<(), EngineError> {
-        if self.ssd_io_backend == SsdIoBackend::IoUring {
-            return Err(invalid(
-                "ssd_io_backend",
-                "kvtier-engine was not built with io_uring; use \"posix\"".to_string(),
-            ));
-        }
         if self.ssd_storage_dir.as_os_str().is_empty() {
             return Err(invalid("ssd_storage_dir", "must not be empty".to_string()));
         }
@@ -334,13 +329,6 @@ mod tests {
         let cases: Vec<(EngineConfig, &str)> = vec![
             (
                 EngineConfig {
-                    ssd_io_backend: SsdIoBackend::IoUring,
-                    ..on()
-                },
-                "ssd_io_backend",
-            ),
-            (
-                EngineConfig {
                     ssd_segment_size_bytes: 5000,
                     ..on()
                 },
@@ -400,15 +388,12 @@ mod tests {
         for (c, key) in cases {
             assert_eq!(key_of(c), key);
         }
-        match (EngineConfig {
+        EngineConfig {
             ssd_io_backend: SsdIoBackend::IoUring,
             ..on()
-        })
-        .validate()
-        {
-            Err(e) => assert!(e.to_string().contains("not built with io_uring"), "{e}"),
-            Ok(()) => panic!("io_uring accepted"),
         }
+        .validate()
+        .unwrap();
     }
 
     #[test]

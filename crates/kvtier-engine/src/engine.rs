@@ -29,9 +29,10 @@ use std::sync::Arc;
 use kvtier_proto::{ExistsV2Answer, ExistsV2Query};
 
 use crate::config::{EngineConfig, SsdDurabilityMode, SsdWritePolicy};
-use crate::dram::{DramAllocation, DramTier};
+use crate::dram::{DramAllocation, DramOptions, DramTier};
 use crate::error::EngineError;
-use crate::eviction::{new_policy, EvictionPolicy};
+use crate::eviction::events::{Drained, EventKind, EventLog};
+use crate::eviction::{group_of, new_policy, EvictionPolicy, GroupChange, Victim};
 use crate::index::Index;
 use crate::object::{Location, Object, PinnedObject};
 use crate::ssd::tier::{SsdRead, SsdTier};
@@ -39,6 +40,15 @@ use crate::ssd::{RecoveryProgress, RecoveryReport};
 use crate::stats::{add, sub, Counters, EngineStats};
 
 /// Extra facts about a put.
+/// Where one object is stored (see [`Engine::placement`]): its length per tier, `None` where
+/// the tier does not hold it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placement {
+    pub key: Vec<u8>,
+    pub dram_len: Option<u64>,
+    pub ssd_len: Option<u64>,
+}
+
 #[derive(Clone, Copy, Debug, Default)]
 pub struct PutMeta {
     /// Depth of the page in its prefix chain (0 = first page), from SGLang `prefix_keys`;
@@ -64,6 +74,8 @@ pub struct Engine {
     counters: Arc<Counters>,
     ssd: Option<SsdTier>,
     promotions: std::sync::atomic::AtomicU64,
+    events: EventLog,
+    evicted_groups: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for Engine {
@@ -94,7 +106,11 @@ impl Engine {
                 key: "dram_capacity_bytes",
                 reason: "too many blocks".into(),
             })?;
-        let dram = DramTier::open(blocks, config.dram_block_size, config.prefault)
+        let options = DramOptions {
+            prefault: config.prefault,
+            checksums: config.ssd_enabled,
+        };
+        let dram = DramTier::open(blocks, config.dram_block_size, options)
             .map_err(EngineError::ArenaMap)?;
         let index = Arc::new(Index::new(config.index_shards));
         let ssd = if config.ssd_enabled {
@@ -109,6 +125,8 @@ impl Engine {
             counters: Arc::default(),
             ssd,
             promotions: Default::default(),
+            events: EventLog::default(),
+            evicted_groups: Default::default(),
             config,
         })
     }
@@ -203,7 +221,7 @@ impl Engine {
                 });
             }
         }
-        let mut allocation = self.allocate_evicting(len)?;
+        let mut allocation = self.allocate_evicting(len, group_of(key))?;
         allocation.write(value);
         let object = Arc::new(Object {
             location: Location::Dram(allocation),
@@ -220,7 +238,7 @@ impl Engine {
         }
         let copy = (self.ssd.is_some() && !self.write_back()).then(|| Arc::clone(&object));
         shard.insert(Box::from(key), object);
-        self.policy.on_insert(key, len, meta.depth);
+        self.inserted(key, len, meta.depth);
         add(&self.counters.objects, 1);
         add(&self.counters.bytes_used, len);
         drop(shard);
@@ -251,7 +269,7 @@ impl Engine {
                 return;
             }
             let object = shard.remove(key);
-            self.policy.on_remove(key);
+            self.removed(key, EventKind::Removed);
             sub(&self.counters.objects, 1);
             sub(&self.counters.bytes_used, target.len());
             drop(target);
@@ -260,12 +278,14 @@ impl Engine {
         drop(removed);
     }
 
-    /// Allocate `len` bytes, evicting cold unpinned objects until it fits.
+    /// Allocate `len` bytes, evicting cold unpinned page groups until it fits. The group
+    /// `own_group` (the page being written) is never a victim: evicting a page's first
+    /// components to store its last would leave it incomplete.
     ///
     /// Each round asks the policy for one cold window. If the round evicted something, the
     /// next starts again from the coldest; if everything in it was pinned, the next looks at
     /// the following window. Running past the last object means everything is pinned.
-    fn allocate_evicting(&self, len: u64) -> Result<DramAllocation, EngineError> {
+    fn allocate_evicting(&self, len: u64, own_group: &[u8]) -> Result<DramAllocation, EngineError> {
         let needed_blocks = self.dram.blocks_for(len);
         let window = self.config.eviction_candidate_window;
         let mut skip = 0;
@@ -299,8 +319,8 @@ impl Engine {
                 self.copy_victims_to_ssd(&candidates, needed_blocks);
             }
             let mut evicted_any = false;
-            for key in &candidates {
-                if self.try_evict(key) {
+            for victim in &candidates {
+                if &*victim.group != own_group && self.try_evict_group(victim) {
                     evicted_any = true;
                     if self.dram.free_blocks() >= needed_blocks {
                         break;
@@ -319,12 +339,12 @@ impl Engine {
     /// Write-back: copy enough of `candidates` (those not on SSD yet and not pinned) to SSD,
     /// and wait, so that evicting them loses nothing. A failed copy is counted by the tier;
     /// the object is evicted anyway.
-    fn copy_victims_to_ssd(&self, candidates: &[Arc<[u8]>], needed_blocks: u64) {
+    fn copy_victims_to_ssd(&self, candidates: &[Victim], needed_blocks: u64) {
         let Some(ssd) = &self.ssd else { return };
         let deficit = needed_blocks.saturating_sub(self.dram.free_blocks());
         let mut covered = 0;
         let mut tickets = Vec::new();
-        for key in candidates {
+        for key in candidates.iter().flat_map(|v| &v.members) {
             if covered >= deficit {
                 break;
             }
@@ -347,27 +367,130 @@ impl Engine {
         }
     }
 
-    /// Evict `key` if only the index holds it. Returns whether it was evicted.
-    fn try_evict(&self, key: &[u8]) -> bool {
-        let victim = {
-            let mut shard = self.index.shard(key).write();
-            match shard.get(key) {
-                Some(o) if Arc::strong_count(o) == 1 => {}
-                _ => return false,
-            }
-            let Some(victim) = shard.remove(key) else {
+    /// Evict every object of `victim`'s group, or none of them: the write locks of all the
+    /// members' shards are taken (in shard order, the order every multi-shard path uses), the
+    /// member list is re-read from the policy under them, and the group goes only if no
+    /// member is pinned by a reader. Returns whether it was evicted.
+    ///
+    /// A member put concurrently into a shard not locked here is retried with the new member
+    /// list a few times; a group that keeps changing is skipped this round.
+    fn try_evict_group(&self, victim: &Victim) -> bool {
+        let mut members = victim.members.clone();
+        for _attempt in 0..4 {
+            if members.is_empty() {
                 return false;
+            }
+            let mut shards: Vec<&parking_lot::RwLock<crate::index::Shard>> =
+                members.iter().map(|k| self.index.shard(k)).collect();
+            shards.sort_by_key(|s| *s as *const _ as usize);
+            shards.dedup_by_key(|s| *s as *const _ as usize);
+            let mut guards: Vec<_> = shards.iter().map(|s| s.write()).collect();
+            let guard_of = |key: &[u8]| {
+                let target = self.index.shard(key) as *const _ as usize;
+                shards
+                    .iter()
+                    .position(|s| *s as *const _ as usize == target)
             };
-            self.policy.on_remove(key);
-            sub(&self.counters.objects, 1);
-            sub(&self.counters.bytes_used, victim.len());
-            victim
-        };
-        add(&self.counters.evictions_capacity, 1);
-        add(&self.counters.evicted_bytes, victim.len());
-        // Sole owner: dropping returns the blocks to the allocator now.
-        drop(victim);
-        true
+            let current = self.policy.members(&victim.group);
+            if current.iter().any(|k| guard_of(k).is_none()) {
+                drop(guards);
+                members = current;
+                continue;
+            }
+            // All-or-nothing: a pinned member (a reader copies it) keeps the whole page.
+            let pinned = current.iter().any(|k| {
+                guard_of(k)
+                    .and_then(|g| guards[g].get(&**k))
+                    .is_none_or(|o| Arc::strong_count(o) != 1)
+            });
+            if pinned || current.is_empty() {
+                return false;
+            }
+            let mut freed = Vec::with_capacity(current.len());
+            for key in &current {
+                let Some(g) = guard_of(key) else { continue };
+                let Some(object) = guards[g].remove(&**key) else {
+                    continue;
+                };
+                let change = self.policy.on_remove(key);
+                if change == GroupChange::Emptied {
+                    self.events
+                        .record(EventKind::Evicted, group_of(key), victim.depth);
+                }
+                sub(&self.counters.objects, 1);
+                sub(&self.counters.bytes_used, object.len());
+                add(&self.counters.evictions_capacity, 1);
+                add(&self.counters.evicted_bytes, object.len());
+                freed.push(object);
+            }
+            drop(guards);
+            self.evicted_groups
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            // Sole owners: dropping returns the blocks to the allocator now, outside the locks.
+            drop(freed);
+            return true;
+        }
+        false
+    }
+
+    /// Index insert bookkeeping (caller holds the key's shard write lock).
+    fn inserted(&self, key: &[u8], len: u64, depth: Option<u32>) {
+        if self.policy.on_insert(key, len, depth) == GroupChange::Created {
+            self.events.record(EventKind::Stored, group_of(key), depth);
+        }
+    }
+
+    /// Index unlink bookkeeping (caller holds the key's shard write lock).
+    fn removed(&self, key: &[u8], kind: EventKind) {
+        if self.policy.on_remove(key) == GroupChange::Emptied {
+            self.events.record(kind, group_of(key), None);
+        }
+    }
+
+    /// Start recording page-group events (stored / evicted / removed / cleared) into a ring
+    /// of `capacity` events; see [`crate::eviction::events`]. Off by default.
+    pub fn enable_events(&self, capacity: usize) {
+        self.events.enable(capacity);
+    }
+
+    /// Take up to `max` of the oldest recorded events.
+    pub fn drain_events(&self, max: usize) -> Drained {
+        self.events.drain(max)
+    }
+
+    /// Page groups evicted whole to make room (each counts its objects in
+    /// `evictions_capacity`), and groups tracked now.
+    pub fn group_stats(&self) -> (u64, u64) {
+        (
+            self.evicted_groups
+                .load(std::sync::atomic::Ordering::Relaxed),
+            self.policy.groups() as u64,
+        )
+    }
+
+    /// Refresh the recency of `key`'s page group without reading it (a hint, e.g. from
+    /// SGLang's KV events: the host cache dropped the page, so this copy is now the only
+    /// one). Returns whether the key is in DRAM.
+    pub fn touch(&self, key: &[u8]) -> bool {
+        let present = self.index.contains(key);
+        if present {
+            self.policy.on_access(key);
+        }
+        present
+    }
+
+    /// Refresh the recency of the page group `group` (`[tag/]page_hash@`, see
+    /// [`eviction::group_of`](crate::eviction::group_of)), for a caller that knows the page
+    /// but not its objects' keys (SGLang's KV events name pages). Returns whether the group
+    /// is in DRAM.
+    pub fn touch_group(&self, group: &[u8]) -> bool {
+        match self.policy.members(group).first() {
+            Some(member) => {
+                self.policy.on_access(member);
+                true
+            }
+            None => false,
+        }
     }
 
     /// Copy the whole object into `dst`. `dst.len()` must equal the stored length, else
@@ -430,7 +553,7 @@ impl Engine {
         if self.index.contains(key) || self.dram.blocks_for(len) > self.dram.total_blocks() {
             return None;
         }
-        let mut allocation = self.allocate_evicting(len).ok()?;
+        let mut allocation = self.allocate_evicting(len, group_of(key)).ok()?;
         allocation.write(data);
         let object = Arc::new(Object {
             location: Location::Dram(allocation),
@@ -441,7 +564,7 @@ impl Engine {
             return None;
         }
         shard.insert(Box::from(key), Arc::clone(&object));
-        self.policy.on_insert(key, len, depth);
+        self.inserted(key, len, depth);
         add(&self.counters.objects, 1);
         add(&self.counters.bytes_used, len);
         drop(shard);
@@ -466,7 +589,7 @@ impl Engine {
             let object = match self.index.get(key) {
                 Some(o) => o,
                 None => {
-                    let mut allocation = self.allocate_evicting(len).ok()?;
+                    let mut allocation = self.allocate_evicting(len, group_of(key)).ok()?;
                     allocation.write(&data);
                     Arc::new(Object {
                         location: Location::Dram(allocation),
@@ -501,6 +624,63 @@ impl Engine {
         dram.or_else(|| self.ssd.as_ref().and_then(|s| s.len_of(key)))
     }
 
+    /// Where `key` is stored: its length in DRAM and on SSD (`None` where absent). No stats
+    /// or recency side effects (`kvtier inspect`).
+    pub fn placement(&self, key: &[u8]) -> Placement {
+        Placement {
+            key: key.to_vec(),
+            dram_len: self.index.shard(key).read().get(key).map(|o| o.len()),
+            ssd_len: self.ssd.as_ref().and_then(|s| s.len_of(key)),
+        }
+    }
+
+    /// The placements of up to `limit` keys starting with `prefix` in any tier, sorted by key,
+    /// and whether more keys matched. Walks every index shard (an operator command, not a
+    /// data path); no stats or recency side effects.
+    pub fn inspect_prefix(&self, prefix: &[u8], limit: usize) -> (Vec<Placement>, bool) {
+        let mut found: std::collections::BTreeMap<Vec<u8>, Placement> = Default::default();
+        let mut truncated = false;
+        'dram: for shard in self.index.shards() {
+            for (key, object) in shard.read().iter() {
+                if key.starts_with(prefix) {
+                    if found.len() == limit {
+                        truncated = true;
+                        break 'dram;
+                    }
+                    found.insert(
+                        key.to_vec(),
+                        Placement {
+                            key: key.to_vec(),
+                            dram_len: Some(object.len()),
+                            ssd_len: None,
+                        },
+                    );
+                }
+            }
+        }
+        if let Some(ssd) = &self.ssd {
+            let (keys, more) = ssd.keys_with_prefix(prefix, limit);
+            truncated |= more;
+            for (key, len) in keys {
+                if let Some(p) = found.get_mut(&key) {
+                    p.ssd_len = Some(len);
+                } else if found.len() < limit {
+                    found.insert(
+                        key.clone(),
+                        Placement {
+                            key,
+                            dram_len: None,
+                            ssd_len: Some(len),
+                        },
+                    );
+                } else {
+                    truncated = true;
+                }
+            }
+        }
+        (found.into_values().collect(), truncated)
+    }
+
     /// Whether `key` is stored (in DRAM or on SSD); no stats side effects, no recency change.
     pub fn contains(&self, key: &[u8]) -> bool {
         self.index.contains(key) || self.ssd.as_ref().is_some_and(|s| s.contains(key))
@@ -522,7 +702,7 @@ impl Engine {
             let Some(object) = shard.remove(key) else {
                 return false;
             };
-            self.policy.on_remove(key);
+            self.removed(key, EventKind::Removed);
             sub(&self.counters.objects, 1);
             sub(&self.counters.bytes_used, object.len());
             object
@@ -551,6 +731,7 @@ impl Engine {
             // Objects (and their blocks) are released here, outside the shard lock.
             drop(drained);
         }
+        self.events.record(EventKind::Cleared, b"", None);
         if let Some(ssd) = &self.ssd {
             ssd.clear();
         }

@@ -4,7 +4,7 @@
 //! - [`config`] — [`EngineConfig`] and its validation;
 //! - [`error`] — [`EngineError`];
 //! - [`stats`] — lock-free counters and the [`EngineStats`] snapshot;
-//! - `dram` — the pre-faulted arena (the crate's only `unsafe`) and its block allocator;
+//! - `dram` — the pre-faulted arena (one of three `unsafe` modules) and its block allocator;
 //! - `index` — the sharded key → object map;
 //! - `object` — stored objects and read pins ([`PinnedObject`]);
 //! - [`eviction`] — the [`EvictionPolicy`] trait with [`Lru`] and [`PrefixDepth`];
@@ -14,8 +14,8 @@
 //! Guarantees: put-if-absent, nothing visible before it is fully written, a read either gets
 //! the exact stored bytes or fails cleanly, and eviction never frees memory under a reader.
 
-// Every `unsafe` block lives in `dram/arena.rs` and `ssd/aligned.rs`, the two modules allowed
-// to opt out.
+// Every `unsafe` block lives in `dram/arena.rs`, `ssd/aligned.rs` and `ssd/uring.rs`, the three
+// modules allowed to opt out.
 #![deny(unsafe_code)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
@@ -33,7 +33,7 @@ pub use config::{
     EngineConfig, EvictionPolicyKind, SsdDurabilityMode, SsdIoBackend, SsdWritePolicy,
 };
 pub use dram::{Allocator, Extent};
-pub use engine::{Engine, PutMeta, PutOutcome};
+pub use engine::{Engine, Placement, PutMeta, PutOutcome};
 pub use error::EngineError;
 pub use eviction::{EvictionPolicy, Lru, PrefixDepth};
 pub use object::PinnedObject;

@@ -40,6 +40,20 @@ impl Object {
         }
     }
 
+    /// CRC-32C of the bytes, when computed at put time.
+    pub(crate) fn checksum(&self) -> Option<u32> {
+        match &self.location {
+            Location::Dram(a) => a.checksum(),
+        }
+    }
+
+    /// The object's bytes in place (DRAM extents, in order).
+    pub(crate) fn slices(&self) -> impl Iterator<Item = &[u8]> + '_ {
+        match &self.location {
+            Location::Dram(a) => a.slices(),
+        }
+    }
+
     /// Copy the whole object into `dst`; the length must already have been checked.
     pub(crate) fn copy_to(&self, dst: &mut [u8]) {
         match &self.location {

@@ -43,6 +43,9 @@ pub struct EngineStats {
     pub ssd_enabled: bool,
     /// Segment files are opened with `O_DIRECT` (false: buffered fallback, warned once).
     pub ssd_direct_io: bool,
+    /// Segment I/O goes through `io_uring` (`ssd_io_backend = "io_uring"` and the kernel
+    /// allows it; false: `preadv`/`pwritev`).
+    pub ssd_io_uring: bool,
     /// The most recent SSD write or sync failed (cleared by the next successful one).
     pub ssd_degraded: bool,
     /// Objects indexed on SSD (some may also be in DRAM).
@@ -75,6 +78,9 @@ pub struct EngineStats {
     pub ssd_copies_dropped: u64,
     /// Copies queued or being written right now.
     pub ssd_copy_queue_depth: u64,
+    /// Age of the oldest copy still waiting in the queue, in seconds (0 when it is empty): how
+    /// far the SSD copy pipeline lags behind the puts.
+    pub ssd_copy_lag_seconds: f64,
     /// Puts that waited for room in the copy queue.
     pub ssd_queue_full_waits: u64,
     /// Objects copied back into DRAM by reads.

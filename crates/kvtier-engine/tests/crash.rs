@@ -15,13 +15,21 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{read, value_for, Rng};
-use kvtier_engine::{fsck, Engine, EngineConfig, PutMeta, PutOutcome, SsdDurabilityMode};
+use kvtier_engine::{
+    fsck, Engine, EngineConfig, PutMeta, PutOutcome, SsdDurabilityMode, SsdIoBackend,
+};
 
 const ROUNDS: u64 = 6;
 const THREADS: u64 = 2;
 
-fn config(dir: &Path) -> EngineConfig {
+/// Odd rounds write and recover through io_uring (posix where the kernel refuses it).
+fn config(dir: &Path, round: u64) -> EngineConfig {
     EngineConfig {
+        ssd_io_backend: if round % 2 == 1 {
+            SsdIoBackend::IoUring
+        } else {
+            SsdIoBackend::Posix
+        },
         dram_capacity_bytes: 2 << 20,
         dram_block_size: 4096,
         index_shards: 8,
@@ -61,7 +69,7 @@ fn crash_child_writer() {
         .parse()
         .unwrap();
     let dir = Path::new(&dir).to_path_buf();
-    let e = Engine::open(config(&dir)).expect("child open");
+    let e = Engine::open(config(&dir, round)).expect("child open");
     std::thread::scope(|s| {
         for t in 0..THREADS {
             let (e, dir) = (&e, &dir);
@@ -154,7 +162,7 @@ fn acknowledged_strict_puts_survive_sigkill() {
         child.wait().unwrap();
 
         let report = fsck(dir.path()).unwrap();
-        let e = Engine::open(config(dir.path())).expect("reopen after SIGKILL");
+        let e = Engine::open(config(dir.path(), round)).expect("reopen after SIGKILL");
         let r = e.recovery_report().unwrap();
         assert!(
             !r.used_checkpoint,

@@ -9,7 +9,8 @@ use std::path::Path;
 
 use common::{len_for, read, ssd_config, value_for, Rng};
 use kvtier_engine::{
-    fsck, Engine, EngineConfig, EngineError, PutMeta, PutOutcome, SsdDurabilityMode, SsdWritePolicy,
+    fsck, Engine, EngineConfig, EngineError, PutMeta, PutOutcome, SsdDurabilityMode, SsdIoBackend,
+    SsdWritePolicy,
 };
 use kvtier_proto::{ExistsV2Query, HitPolicy, KvComponents, PoolQuery};
 
@@ -39,6 +40,21 @@ fn open(c: &EngineConfig) -> Engine {
     Engine::open(c.clone()).expect("open engine")
 }
 
+/// io_uring is used when asked for, unless this kernel refuses it (then posix, and the test
+/// says so rather than passing silently on the wrong backend).
+fn assert_backend(e: &Engine, backend: SsdIoBackend) {
+    let uring = e.stats().ssd_io_uring;
+    if backend == SsdIoBackend::IoUring && !uring {
+        eprintln!("io_uring refused by this kernel: the io_uring case ran on posix");
+        assert!(
+            std::env::var_os("KVTIER_REQUIRE_IO_URING").is_none(),
+            "KVTIER_REQUIRE_IO_URING is set but io_uring is unavailable"
+        );
+    } else {
+        assert_eq!(uring, backend == SsdIoBackend::IoUring);
+    }
+}
+
 fn strict(c: &mut EngineConfig) {
     c.ssd_durability_mode = SsdDurabilityMode::Strict;
 }
@@ -55,10 +71,20 @@ fn segment_files(dir: &Path) -> Vec<std::path::PathBuf> {
 
 #[test]
 fn dram_misses_are_served_from_ssd_and_promoted() {
+    dram_misses_scenario(SsdIoBackend::Posix);
+}
+
+#[test]
+fn dram_misses_are_served_from_ssd_through_io_uring() {
+    dram_misses_scenario(SsdIoBackend::IoUring);
+}
+
+fn dram_misses_scenario(backend: SsdIoBackend) {
     let dir = tempfile::tempdir().unwrap();
     // 16 DRAM blocks (64 KiB) against ~1.3 MB of objects: most live only on SSD.
-    let c = ssd_config(dir.path(), 16, 16, |_| {});
+    let c = ssd_config(dir.path(), 16, 16, |c| c.ssd_io_backend = backend);
     let e = open(&c);
+    assert_backend(&e, backend);
     for k in 0..100 {
         assert_eq!(put_k(&e, k).unwrap(), PutOutcome::Stored);
     }
@@ -109,8 +135,17 @@ fn dram_misses_are_served_from_ssd_and_promoted() {
 
 #[test]
 fn warm_restart_from_checkpoint_and_from_scan() {
+    warm_restart_scenario(SsdIoBackend::Posix);
+}
+
+#[test]
+fn warm_restart_through_io_uring() {
+    warm_restart_scenario(SsdIoBackend::IoUring);
+}
+
+fn warm_restart_scenario(backend: SsdIoBackend) {
     let dir = tempfile::tempdir().unwrap();
-    let c = ssd_config(dir.path(), 16, 16, |_| {});
+    let c = ssd_config(dir.path(), 16, 16, |c| c.ssd_io_backend = backend);
     {
         let e = open(&c);
         for k in 0..200 {
@@ -125,6 +160,7 @@ fn warm_restart_from_checkpoint_and_from_scan() {
             std::fs::remove_file(dir.path().join("index.ckpt")).unwrap();
         }
         let e = open(&c);
+        assert_backend(&e, backend);
         let r = e.recovery_report().unwrap();
         assert_eq!(r.used_checkpoint, round == 0, "{r:?}");
         // Round 1 also finds the object put after round 0's restart.
@@ -187,8 +223,20 @@ fn strict_puts_are_on_disk_when_they_return() {
 
 #[test]
 fn corrupt_record_is_a_miss_and_the_rest_stays_readable() {
+    corrupt_record_scenario(SsdIoBackend::Posix);
+}
+
+#[test]
+fn corrupt_record_is_a_miss_through_io_uring() {
+    corrupt_record_scenario(SsdIoBackend::IoUring);
+}
+
+fn corrupt_record_scenario(backend: SsdIoBackend) {
     let dir = tempfile::tempdir().unwrap();
-    let c = ssd_config(dir.path(), 16, 8, |c| c.auto_promote_on_read = false);
+    let c = ssd_config(dir.path(), 16, 8, |c| {
+        c.auto_promote_on_read = false;
+        c.ssd_io_backend = backend;
+    });
     let e = open(&c);
     for k in 0..30 {
         put_k(&e, k).unwrap();

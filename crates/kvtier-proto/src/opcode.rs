@@ -52,23 +52,28 @@ pub enum Opcode {
     Clear = 16,
     /// Request and response: empty body. Makes acknowledged puts as durable as configured.
     Flush = 17,
+    /// Request: [`crate::server::InspectQuery`]. Response: [`crate::server::TextReply`] holding
+    /// a JSON document: per store, which tiers hold each key (`kvtier inspect`). Needs no
+    /// session: it is the operator's view of every store, keys as stored (tenant prefixes
+    /// included).
+    Inspect = 18,
     /// Peer data port, first frame of a connection. Request: [`crate::peer::PeerHello`].
     /// Response: empty body; a wrong cluster token is answered with an error and the
     /// connection is closed.
-    PeerHello = 18,
+    PeerHello = 19,
     /// Peer data port. Request: [`crate::peer::PeerPutMeta`] followed by the object's bytes up
     /// to the end of the body. Response: empty body, or an error.
-    PeerPut = 19,
+    PeerPut = 20,
     /// Peer data port. Request: [`crate::peer::PeerGet`]. Response: the object's bytes as the
     /// whole body, or an error (not found, size mismatch).
-    PeerGet = 20,
+    PeerGet = 21,
     /// Peer data port. Request: [`crate::KeyBatch`]. Response: [`crate::BatchResult`].
-    PeerRemove = 21,
+    PeerRemove = 22,
 }
 
 impl Opcode {
     /// Every opcode, in wire-value order.
-    pub const ALL: [Opcode; 21] = [
+    pub const ALL: [Opcode; 22] = [
         Opcode::Handshake,
         Opcode::Ping,
         Opcode::ExistsV2,
@@ -86,6 +91,7 @@ impl Opcode {
         Opcode::Stats,
         Opcode::Clear,
         Opcode::Flush,
+        Opcode::Inspect,
         Opcode::PeerHello,
         Opcode::PeerPut,
         Opcode::PeerGet,
@@ -126,10 +132,11 @@ impl TryFrom<u16> for Opcode {
             15 => Opcode::Stats,
             16 => Opcode::Clear,
             17 => Opcode::Flush,
-            18 => Opcode::PeerHello,
-            19 => Opcode::PeerPut,
-            20 => Opcode::PeerGet,
-            21 => Opcode::PeerRemove,
+            18 => Opcode::Inspect,
+            19 => Opcode::PeerHello,
+            20 => Opcode::PeerPut,
+            21 => Opcode::PeerGet,
+            22 => Opcode::PeerRemove,
             other => return Err(ProtoError::UnknownOpcode(other)),
         })
     }
@@ -156,7 +163,7 @@ mod tests {
 
     #[test]
     fn unknown_values_are_rejected_by_name() {
-        for value in [0, 22, 0x0100, u16::MAX] {
+        for value in [0, 23, 0x0100, u16::MAX] {
             let err = Opcode::try_from(value).unwrap_err();
             assert!(matches!(err, ProtoError::UnknownOpcode(v) if v == value));
             assert!(err.to_string().contains(&value.to_string()));

@@ -20,6 +20,7 @@
 //! Count         := varint(value)
 //! ObjectLens    := count (0x00 | 0x01 varint(len))*
 //! TextReply     := str(text)
+//! InspectQuery  := count(keys) bytes(key)* (0x00 | 0x01 bytes(prefix)) varint(limit)
 //! ```
 //! The same invariants hold as for every other body: canonical, strict (trailing bytes, bad
 //! tags and over-limit counts are errors), symmetric limits, allocation bounded by input size.
@@ -137,7 +138,60 @@ pub struct TextReply {
     pub text: String,
 }
 
+/// The body of `Inspect`: exact keys to look up, and/or a prefix to enumerate (at most `limit`
+/// keys per store).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct InspectQuery {
+    pub keys: Vec<Vec<u8>>,
+    pub prefix: Option<Vec<u8>>,
+    pub limit: u64,
+}
+
 // ---------------------------------------------------------------------------------------------
+
+impl Encode for InspectQuery {
+    fn encode_fields(&self, out: &mut Vec<u8>) -> Result<(), ProtoError> {
+        put_key_list(
+            out,
+            "key count",
+            "key",
+            &self.keys,
+            MAX_KEYS_PER_BATCH,
+            MAX_KEY_LEN,
+        )?;
+        match &self.prefix {
+            None => out.push(OPTION_NONE),
+            Some(p) => {
+                out.push(OPTION_SOME);
+                put_bytes(out, "key prefix", p, MAX_KEY_LEN)?;
+            }
+        }
+        put_varint(out, self.limit);
+        Ok(())
+    }
+}
+
+impl Decode for InspectQuery {
+    fn read_from(reader: &mut Reader<'_>) -> Result<Self, ProtoError> {
+        let keys = read_key_list(reader, "key count", "key", MAX_KEYS_PER_BATCH, MAX_KEY_LEN)?;
+        let prefix = match reader.read_u8("prefix tag")? {
+            OPTION_NONE => None,
+            OPTION_SOME => Some(reader.read_bytes("key prefix", MAX_KEY_LEN)?.to_vec()),
+            tag => {
+                return Err(ProtoError::InvalidTag {
+                    what: "prefix tag",
+                    tag,
+                })
+            }
+        };
+        let limit = reader.read_varint("inspect limit")?;
+        Ok(InspectQuery {
+            keys,
+            prefix,
+            limit,
+        })
+    }
+}
 
 impl Encode for SessionTicket {
     fn encode_fields(&self, out: &mut Vec<u8>) -> Result<(), ProtoError> {
@@ -478,6 +532,46 @@ impl Decode for TextReply {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn inspect_query_round_trips_and_rejects_bad_bodies() {
+        for q in [
+            InspectQuery {
+                keys: vec![b"a@fp.c4".to_vec(), b"b".to_vec()],
+                prefix: None,
+                limit: 0,
+            },
+            InspectQuery {
+                keys: Vec::new(),
+                prefix: Some(b"tenant/".to_vec()),
+                limit: 1000,
+            },
+        ] {
+            let bytes = q.encode_to_vec().unwrap();
+            assert_eq!(InspectQuery::decode(&bytes).unwrap(), q);
+            // Every strict prefix of the body is short; one more byte is trailing.
+            for cut in 0..bytes.len() {
+                assert!(InspectQuery::decode(&bytes[..cut]).is_err(), "cut {cut}");
+            }
+            let mut long = bytes.clone();
+            long.push(0);
+            assert!(InspectQuery::decode(&long).is_err());
+        }
+        // A bad prefix tag is named.
+        let bytes = [0x00, 0x07, 0x00];
+        assert!(matches!(
+            InspectQuery::decode(&bytes),
+            Err(ProtoError::InvalidTag {
+                what: "prefix tag",
+                tag: 7
+            })
+        ));
+        let long_key = InspectQuery {
+            keys: vec![vec![b'x'; MAX_KEY_LEN + 1]],
+            ..Default::default()
+        };
+        assert!(long_key.encode_to_vec().is_err());
+    }
 
     #[test]
     fn page_io_round_trips_and_checks_shape() {

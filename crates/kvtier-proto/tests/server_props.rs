@@ -8,8 +8,8 @@ use std::time::Instant;
 
 use common::{allocation_is_justified, bytes, text, HeapFootprint, XorShift};
 use kvtier_proto::server::{
-    Count, ObjectLens, OpenSession, PageIo, PageKeys, RegionGrant, RegisterRegion, SessionTicket,
-    ShmRef, TextReply,
+    Count, InspectQuery, ObjectLens, OpenSession, PageIo, PageKeys, RegionGrant, RegisterRegion,
+    SessionTicket, ShmRef, TextReply,
 };
 use kvtier_proto::{Decode, Encode};
 use proptest::collection::vec;
@@ -65,6 +65,11 @@ impl HeapFootprint for PageIo {
 impl HeapFootprint for ObjectLens {
     fn heap_bytes(&self) -> usize {
         vec_bytes(&self.lens)
+    }
+}
+impl HeapFootprint for InspectQuery {
+    fn heap_bytes(&self) -> usize {
+        self.keys.heap_bytes() + self.prefix.as_ref().map(|p| p.capacity()).unwrap_or(0)
     }
 }
 impl HeapFootprint for TextReply {
@@ -216,6 +221,17 @@ server_codec_properties!(
 );
 server_codec_properties!(object_lens_body, ObjectLens, object_lens());
 server_codec_properties!(
+    inspect_query_body,
+    InspectQuery,
+    (vec(bytes(16), 0..8), option::of(bytes(12)), any::<u64>()).prop_map(
+        |(keys, prefix, limit)| InspectQuery {
+            keys,
+            prefix,
+            limit
+        }
+    )
+);
+server_codec_properties!(
     text_reply_body,
     TextReply,
     text().prop_map(|text| TextReply { text })
@@ -265,11 +281,17 @@ fn hundred_thousand_random_buffers_through_server_decoders() {
             text: "{\"objects\": 3}".into(),
         }
         .encode_to_vec(),
+        InspectQuery {
+            keys: vec![b"page0@fp.c4".to_vec()],
+            prefix: Some(b"page".to_vec()),
+            limit: 100,
+        }
+        .encode_to_vec(),
     ]
     .into_iter()
     .collect::<Result<_, _>>()
     .unwrap_or_default();
-    assert_eq!(corpus.len(), 6);
+    assert_eq!(corpus.len(), 7);
     let mut rng = XorShift(0x2545_f491_4f6c_dd1d);
     let mut buffer = Vec::new();
     let mut accepted = 0usize;
@@ -310,7 +332,8 @@ fn hundred_thousand_random_buffers_through_server_decoders() {
             PageIo,
             Count,
             ObjectLens,
-            TextReply
+            TextReply,
+            InspectQuery
         );
     }
     assert!(accepted > 1_000, "only {accepted} buffers decoded");

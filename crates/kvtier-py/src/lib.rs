@@ -468,6 +468,78 @@ impl Store {
         self.client.is_closed()
     }
 
+    /// Start recording page-group events (embedded mode) into a ring of `capacity` events.
+    /// Returns False in server mode (the events happen in the server's engine).
+    fn enable_events(&self, capacity: usize) -> bool {
+        self.client
+            .with_engine(|e| e.enable_events(capacity))
+            .is_some()
+    }
+
+    /// Take up to `max` of the oldest events: `([(seq, kind, group, depth)], dropped_total,
+    /// pending)`, `kind` one of `stored`, `evicted`, `removed`, `cleared`, `group` the page
+    /// group (`[tag/]page_hash@`; bytes that are not UTF-8 are replaced). Empty in server
+    /// mode.
+    #[allow(clippy::type_complexity)] // the tuple is the Python-facing shape
+    fn drain_events(
+        &self,
+        py: Python<'_>,
+        max: usize,
+    ) -> (Vec<(u64, &'static str, String, Option<u32>)>, u64, usize) {
+        let client = &self.client;
+        let drained = py.detach(|| client.with_engine(|e| e.drain_events(max)));
+        let Some(d) = drained else {
+            return (Vec::new(), 0, 0);
+        };
+        let events = d
+            .events
+            .into_iter()
+            .map(|ev| {
+                (
+                    ev.seq,
+                    ev.kind.as_str(),
+                    String::from_utf8_lossy(&ev.group).into_owned(),
+                    ev.depth,
+                )
+            })
+            .collect();
+        (events, d.dropped_total, d.pending)
+    }
+
+    /// `(groups evicted whole, groups tracked)` of the DRAM tier (embedded mode; `None` in
+    /// server mode).
+    fn group_stats(&self) -> Option<(u64, u64)> {
+        self.client.with_engine(|e| e.group_stats())
+    }
+
+    /// Refresh the recency of each key's page group (an eviction hint); returns how many keys
+    /// were in DRAM (0 in server mode).
+    fn touch_keys(&self, py: Python<'_>, keys: Vec<String>) -> usize {
+        let client = &self.client;
+        py.detach(|| {
+            client
+                .with_engine(|e| keys.iter().filter(|k| e.touch(k.as_bytes())).count())
+                .unwrap_or(0)
+        })
+    }
+
+    /// Refresh the recency of each page group (`[tag/]page_hash@`) in DRAM, an eviction hint
+    /// for callers that know pages, not keys (SGLang's KV events); returns how many groups
+    /// were in DRAM (0 in server mode).
+    fn touch_groups(&self, py: Python<'_>, groups: Vec<String>) -> usize {
+        let client = &self.client;
+        py.detach(|| {
+            client
+                .with_engine(|e| {
+                    groups
+                        .iter()
+                        .filter(|g| e.touch_group(g.as_bytes()))
+                        .count()
+                })
+                .unwrap_or(0)
+        })
+    }
+
     /// Counters as a dict of int.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let dict = PyDict::new(py);

@@ -1,11 +1,12 @@
-//! The `serve`, `stat` and `bench server` subcommands (wired into the `kvtier` binary).
+//! The `serve`, `stat`, `inspect` and `bench server` subcommands (wired into the `kvtier`
+//! binary).
 
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use kvtier_proto::frame::{FLAG_ERROR, PROTOCOL_VERSION};
-use kvtier_proto::server::TextReply;
+use kvtier_proto::server::{InspectQuery, TextReply};
 use kvtier_proto::{encode_frame, read_frame, Decode, ErrorReply, Handshake, Opcode};
 use serde_json::{Map, Value};
 
@@ -53,6 +54,10 @@ pub struct ServeArgs {
     /// Cluster mode: comma-separated tags this node registers with.
     #[arg(long)]
     pub node_tags: Option<String>,
+    /// Serve Prometheus metrics at http://HOST:PORT/metrics (port 0: a free port, printed
+    /// at startup).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub metrics_addr: Option<String>,
     /// Seconds to wait for running requests at shutdown.
     #[arg(long, default_value_t = 30)]
     pub shutdown_timeout: u64,
@@ -64,6 +69,32 @@ pub struct StatArgs {
     #[arg(long)]
     pub socket: Option<PathBuf>,
     /// Print the whole JSON document instead of the summary.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `kvtier inspect`: which tiers of a running server hold a key, or every key under a prefix.
+#[derive(Debug, Clone, clap::Args)]
+#[command(group(clap::ArgGroup::new("what").required(true).args(["key", "prefix"])))]
+pub struct InspectArgs {
+    /// Exact object keys, as the client named them (`<page_hash>@<fingerprint>...<pool>`).
+    pub key: Vec<String>,
+    /// List every object whose key starts with this (e.g. a page hash; "" lists the tenant).
+    #[arg(long)]
+    pub prefix: Option<String>,
+    /// The tenant whose keys these are (the client's extra_backend_tag; default: none).
+    #[arg(long, default_value = "")]
+    pub tenant: String,
+    /// Send KEY and --prefix as stored, without the tenant namespace (e.g. --prefix "" over
+    /// every tenant).
+    #[arg(long, conflicts_with = "tenant")]
+    pub raw: bool,
+    /// At most this many keys per store under --prefix (the server caps it at 10000).
+    #[arg(long, default_value_t = 1000)]
+    pub limit: u64,
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+    /// Print the server's JSON document instead of the table.
     #[arg(long)]
     pub json: bool,
 }
@@ -85,6 +116,9 @@ pub fn serve_config(args: &ServeArgs) -> Result<ServerConfig, String> {
     }
     if let Some(group) = &args.socket_group {
         flags.insert("socket_group".into(), Value::String(group.clone()));
+    }
+    if let Some(addr) = &args.metrics_addr {
+        flags.insert("metrics_addr".into(), Value::String(addr.clone()));
     }
     if !args.tenant_quota.is_empty() {
         flags.insert(
@@ -154,8 +188,11 @@ pub fn serve_main(args: ServeArgs) -> i32 {
             return 1;
         }
     };
+    let metrics = server.metrics_addr().map_or(String::new(), |a| {
+        format!("; metrics on http://{a}/metrics")
+    });
     eprintln!(
-        "kvtier serve: listening on {} (pid {}, DRAM {} MiB, {} tenant partitions)",
+        "kvtier serve: listening on {} (pid {}, DRAM {} MiB, {} tenant partitions){metrics}",
         server.socket().display(),
         std::process::id(),
         capacity >> 20,
@@ -189,6 +226,26 @@ pub fn serve_main(args: ServeArgs) -> i32 {
 
 /// Fetch the stats document of the server at `socket`.
 pub fn fetch_stats(socket: &std::path::Path) -> Result<Value, String> {
+    fetch_json(
+        socket,
+        "kvtier-stat",
+        Opcode::Stats,
+        &kvtier_client::remote::EmptyBody,
+    )
+}
+
+/// Fetch the `Inspect` document of the server at `socket`.
+pub fn fetch_inspect(socket: &std::path::Path, query: &InspectQuery) -> Result<Value, String> {
+    fetch_json(socket, "kvtier-inspect", Opcode::Inspect, query)
+}
+
+/// Handshake, then one request whose reply is a JSON [`TextReply`].
+fn fetch_json(
+    socket: &std::path::Path,
+    client_name: &str,
+    opcode: Opcode,
+    request: &dyn kvtier_proto::Encode,
+) -> Result<Value, String> {
     let mut stream = UnixStream::connect(socket)
         .map_err(|e| format!("cannot connect to {}: {e}", socket.display()))?;
     stream
@@ -211,19 +268,19 @@ pub fn fetch_stats(socket: &std::path::Path) -> Result<Value, String> {
         1,
         &Handshake {
             version: PROTOCOL_VERSION,
-            client_name: "kvtier-stat".into(),
+            client_name: client_name.into(),
         },
     )?;
-    let reply = call(Opcode::Stats, 2, &kvtier_client::remote::EmptyBody)?;
+    let reply = call(opcode, 2, request)?;
     let text = TextReply::decode(&reply).map_err(|e| e.to_string())?;
     serde_json::from_str(&text.text).map_err(|e| e.to_string())
 }
 
-/// Run `kvtier stat`; returns the exit code.
-pub fn stat_main(args: StatArgs) -> i32 {
-    let socket = match &args.socket {
-        Some(s) => s.clone(),
-        None => match serve_config(&ServeArgs {
+/// The socket of `--socket`, or the default `kvtier serve` would use.
+fn socket_or_default(socket: &Option<PathBuf>) -> Result<PathBuf, String> {
+    match socket {
+        Some(s) => Ok(s.clone()),
+        None => serve_config(&ServeArgs {
             socket: None,
             config: None,
             socket_mode: None,
@@ -236,14 +293,120 @@ pub fn stat_main(args: StatArgs) -> i32 {
             data_addr: None,
             node_id: None,
             node_tags: None,
+            metrics_addr: None,
             shutdown_timeout: 0,
-        }) {
-            Ok(c) => c.socket,
-            Err(e) => {
-                eprintln!("kvtier stat: {e}");
-                return 2;
-            }
-        },
+        })
+        .map(|c| c.socket),
+    }
+}
+
+/// Run `kvtier inspect`; returns the exit code: 0 when every asked key (or at least one key
+/// under the prefix) is stored somewhere, 1 when nothing was found or the server failed, 2 on
+/// a usage error.
+pub fn inspect_main(args: InspectArgs) -> i32 {
+    let socket = match socket_or_default(&args.socket) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("kvtier inspect: {e}");
+            return 2;
+        }
+    };
+    // The server stores a tenant's keys under `tenant 0x1f key`.
+    let ns = |k: &str| {
+        let mut out = Vec::new();
+        if !args.raw {
+            out.extend_from_slice(args.tenant.as_bytes());
+            out.push(TENANT_SEPARATOR);
+        }
+        out.extend_from_slice(k.as_bytes());
+        out
+    };
+    let query = InspectQuery {
+        keys: args.key.iter().map(|k| ns(k)).collect(),
+        prefix: args.prefix.as_deref().map(ns),
+        limit: args.limit,
+    };
+    let doc = match fetch_inspect(&socket, &query) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("kvtier inspect: {e}");
+            return 1;
+        }
+    };
+    let stores = doc["stores"].as_array().cloned().unwrap_or_default();
+    let held = |p: &Value| !p["dram_bytes"].is_null() || !p["ssd_bytes"].is_null();
+    // Each asked key must be somewhere (in any store); a prefix must match something.
+    let keys_found =
+        (0..query.keys.len()).all(|i| stores.iter().any(|s| s["keys"].get(i).is_some_and(held)));
+    let prefix_found = query.prefix.is_none()
+        || stores
+            .iter()
+            .any(|s| s["prefix"].as_array().is_some_and(|l| !l.is_empty()));
+    let code = i32::from(!(keys_found && prefix_found));
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&doc).unwrap_or_else(|_| doc.to_string())
+        );
+        return code;
+    }
+    println!(
+        "{:<10} {:<10} {:<8} {:>10} {:>10}  {:<16} key",
+        "store", "tenant", "tiers", "dram_bytes", "ssd_bytes", "pool"
+    );
+    for s in &stores {
+        let name = s["store"].as_str().unwrap_or("?");
+        let asked = s["keys"].as_array().into_iter().flatten();
+        let under = s["prefix"].as_array().into_iter().flatten();
+        for p in asked.chain(under) {
+            let stored = p["key"].as_str().unwrap_or("");
+            let (tenant, key) = stored
+                .split_once(char::from(TENANT_SEPARATOR))
+                .unwrap_or(("?", stored));
+            let tiers = match (p["dram_bytes"].is_null(), p["ssd_bytes"].is_null()) {
+                (false, false) => "dram+ssd",
+                (false, true) => "dram",
+                (true, false) => "ssd",
+                (true, true) => "-",
+            };
+            let bytes = |v: &Value| v.as_u64().map_or("-".to_string(), |n| n.to_string());
+            println!(
+                "{:<10} {:<10} {:<8} {:>10} {:>10}  {:<16} {}",
+                name,
+                if tenant.is_empty() { "-" } else { tenant },
+                tiers,
+                bytes(&p["dram_bytes"]),
+                bytes(&p["ssd_bytes"]),
+                pool_of(key),
+                key
+            );
+        }
+        if s["truncated"].as_bool() == Some(true) {
+            println!("{name:<10} ... more keys under the prefix (raise --limit)");
+        }
+    }
+    code
+}
+
+/// What separates the tenant from the key in a stored key (kvtier serve's namespaces).
+const TENANT_SEPARATOR: u8 = 0x1f;
+
+/// The pool component of a kvtier key (`...@fingerprint[.tpN...].component`): the text after
+/// the last `.` following the `@`, or `-` for a key outside kvtier's scheme.
+fn pool_of(key: &str) -> &str {
+    key.split_once('@')
+        .and_then(|(_, rest)| rest.rsplit_once('.'))
+        .map_or("-", |(_, pool)| pool)
+}
+
+/// Run `kvtier stat`; returns the exit code.
+pub fn stat_main(args: StatArgs) -> i32 {
+    let socket = match socket_or_default(&args.socket) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("kvtier stat: {e}");
+            return 2;
+        }
     };
     let doc = match fetch_stats(&socket) {
         Ok(d) => d,

@@ -66,6 +66,11 @@ pub struct ServerSettings {
     /// bounded by it instead of the engine's `ssd_capacity_bytes`. Same forms as the DRAM one.
     #[serde(deserialize_with = "quota_map")]
     pub tenant_ssd_quota: BTreeMap<String, u64>,
+    /// Serve Prometheus metrics at `http://HOST:PORT/metrics` (port 0: a free port, printed
+    /// at startup). When unset, the engine key `metrics_addr` (`KVTIER_METRICS_ADDR`, the
+    /// `[engine]` table) is taken instead.
+    #[serde(deserialize_with = "strict::optional_socket_addr")]
+    pub metrics_addr: Option<String>,
 }
 
 impl Default for ServerSettings {
@@ -80,6 +85,7 @@ impl Default for ServerSettings {
             prefault_regions: true,
             tenant_dram_quota: BTreeMap::new(),
             tenant_ssd_quota: BTreeMap::new(),
+            metrics_addr: None,
         }
     }
 }
@@ -202,7 +208,7 @@ impl ServerConfig {
             }
         }
         for (key, value) in sources.flags {
-            origins.insert(key.clone(), Origin::ExtraConfig);
+            origins.insert(key.clone(), Origin::CommandLine);
             merged.insert(key, value);
         }
         let origin_of = |key: &str| origins.get(key).cloned().unwrap_or(Origin::Default);
@@ -229,7 +235,7 @@ impl ServerConfig {
                 ));
             }
         }
-        let settings: ServerSettings = serde_json::from_value(Value::Object(merged))
+        let mut settings: ServerSettings = serde_json::from_value(Value::Object(merged))
             .map_err(|e| ConfigError::new("<server config>", &Origin::Default, e.to_string()))?;
 
         let socket_mode = u32::from_str_radix(settings.socket_mode.trim_start_matches("0o"), 8)
@@ -292,6 +298,11 @@ impl ServerConfig {
         // The server is the store: it never runs in server mode itself.
         engine.server_socket = None;
         engine.server_auto_start = false;
+        // One endpoint for the whole server, whichever schema named it.
+        if settings.metrics_addr.is_none() {
+            settings.metrics_addr = engine.metrics_addr.take();
+        }
+        engine.metrics_addr = None;
         let socket = settings
             .socket
             .as_ref()
@@ -422,6 +433,36 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("kvtier-server-cfg-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         dir.to_string_lossy().into_owned()
+    }
+
+    #[test]
+    fn metrics_addr_comes_from_the_server_or_the_engine_keys() {
+        let c = ServerConfig::load(ServerSources {
+            env: env(&[("KVTIER_METRICS_ADDR", "127.0.0.1:0")]),
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(c.settings.metrics_addr.as_deref(), Some("127.0.0.1:0"));
+        assert_eq!(
+            c.engine.metrics_addr, None,
+            "the stores never bind their own"
+        );
+        let mut flags = Map::new();
+        flags.insert("metrics_addr".into(), json!("127.0.0.1:9100"));
+        let c = ServerConfig::load(ServerSources {
+            env: env(&[("KVTIER_METRICS_ADDR", "127.0.0.1:0")]),
+            flags,
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(c.settings.metrics_addr.as_deref(), Some("127.0.0.1:9100"));
+        let e = ServerConfig::load(ServerSources {
+            env: env(&[("KVTIER_SERVE_METRICS_ADDR", "not-an-address")]),
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert_eq!(e.key, "metrics_addr");
+        assert!(e.origin.contains("KVTIER_SERVE_METRICS_ADDR"), "{e}");
     }
 
     #[test]

@@ -27,13 +27,14 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use kvtier_client::metrics::{self as kvmetrics, names, Collector, Endpoint, Samples};
 use kvtier_client::{BatchResult, Client, MemRef, PageBatch};
 use kvtier_proto::frame::{
     FrameHeader, FLAG_ERROR, FLAG_RESPONSE, HEADER_LEN, MAX_FRAME_BODY, PROTOCOL_VERSION,
 };
 use kvtier_proto::server::{
-    error_code, Count, ObjectLens, OpenSession, PageIo, PageKeys, RegionGrant, RegisterRegion,
-    SessionTicket, TextReply,
+    error_code, Count, InspectQuery, ObjectLens, OpenSession, PageIo, PageKeys, RegionGrant,
+    RegisterRegion, SessionTicket, TextReply,
 };
 use kvtier_proto::{
     encode_frame, BatchResult as WireResult, Decode, Encode, ErrorReply, ExistsV2Query, Handshake,
@@ -70,6 +71,8 @@ pub enum ServerError {
     InUse(PathBuf),
     #[error("socket group {0:?} not found in /etc/group")]
     UnknownGroup(String),
+    #[error(transparent)]
+    Metrics(#[from] kvtier_client::metrics::MetricsError),
 }
 
 /// A request failed as a whole: answered with an [`ErrorReply`].
@@ -111,6 +114,32 @@ struct SessionCounters {
     refused_requests: AtomicU64,
 }
 
+/// A tenant's Prometheus counters (no-ops when the server publishes no metrics).
+struct TenantMetrics {
+    bytes_in: metrics::Counter,
+    bytes_out: metrics::Counter,
+    pages_put: metrics::Counter,
+    pages_got: metrics::Counter,
+}
+
+impl TenantMetrics {
+    fn new(tenant: &str) -> TenantMetrics {
+        let tenant = if tenant.is_empty() {
+            "default".to_string()
+        } else {
+            tenant.to_string()
+        };
+        let bytes = |direction: &'static str| metrics::counter!(names::TENANT_BYTES, "tenant" => tenant.clone(), "direction" => direction);
+        let pages = |op: &'static str| metrics::counter!(names::TENANT_PAGES, "tenant" => tenant.clone(), "op" => op);
+        TenantMetrics {
+            bytes_in: bytes("in"),
+            bytes_out: bytes("out"),
+            pages_put: pages("put"),
+            pages_got: pages("get"),
+        }
+    }
+}
+
 /// What one client process owns on the server.
 struct Session {
     id: u64,
@@ -126,6 +155,7 @@ struct Session {
     mapped_bytes: AtomicU64,
     connections: AtomicUsize,
     counters: SessionCounters,
+    metrics: TenantMetrics,
     started: Instant,
 }
 
@@ -154,6 +184,38 @@ struct Shared {
     counters: ServerCounters,
     started: Instant,
     live_mappings: Arc<AtomicU64>,
+    metrics: Option<Arc<Endpoint>>,
+}
+
+impl Collector for Shared {
+    fn collect(&self, out: &mut Samples) {
+        let (sessions, mapped) = {
+            let sessions = self.sessions.lock();
+            let mapped: u64 = sessions
+                .values()
+                .map(|s| s.mapped_bytes.load(Ordering::Relaxed))
+                .sum();
+            (sessions.len(), mapped)
+        };
+        let c = &self.counters;
+        out.gauge(
+            names::SERVER_CONNECTIONS,
+            &[],
+            self.open_conns.load(Ordering::Relaxed) as f64,
+        );
+        out.gauge(names::SERVER_SESSIONS, &[], sessions as f64);
+        out.gauge(names::SERVER_MAPPED_BYTES, &[], mapped as f64);
+        out.counter(
+            names::SERVER_REQUESTS,
+            &[],
+            c.requests.load(Ordering::Relaxed),
+        );
+        out.counter(
+            names::SERVER_MALFORMED_FRAMES,
+            &[],
+            c.malformed_frames.load(Ordering::Relaxed),
+        );
+    }
 }
 
 /// A bound, not yet running server.
@@ -217,21 +279,27 @@ impl Server {
             }
             std::fs::remove_file(&path).map_err(socket_err)?;
         }
+        // Before the stores open, so that they record into the endpoint's registry.
+        let metrics = match &config.settings.metrics_addr {
+            Some(addr) => Some(kvmetrics::serve(addr)?),
+            None => None,
+        };
         // The node's own store is embedded here even when the settings name a master: cluster
         // mode is what this process serves to others (data port + node agent), not its store.
         let mut store_config = config.engine.clone();
         store_config.master_address = None;
         let main = Arc::new(Store {
             name: "main".into(),
-            client: Arc::new(Client::open(store_config)?),
+            client: Arc::new(Client::open_as(store_config, "main")?),
         });
         let mut partitions = BTreeMap::new();
         for (tenant, quota) in &config.settings.tenant_dram_quota {
-            let client = Client::open(config.partition_config(tenant, *quota))?;
+            let name = format!("tenant:{tenant}");
+            let client = Client::open_as(config.partition_config(tenant, *quota), &name)?;
             partitions.insert(
                 tenant.clone(),
                 Arc::new(Store {
-                    name: format!("tenant:{tenant}"),
+                    name,
                     client: Arc::new(client),
                 }),
             );
@@ -261,6 +329,7 @@ impl Server {
                 counters: ServerCounters::default(),
                 started: Instant::now(),
                 live_mappings: Arc::new(AtomicU64::new(0)),
+                metrics,
             }),
             listener,
         })
@@ -270,8 +339,17 @@ impl Server {
         &self.shared.config.socket
     }
 
+    /// The bound address of the metrics endpoint (`metrics_addr`), if any.
+    pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        self.shared.metrics.as_ref().map(|e| e.addr())
+    }
+
     /// Start accepting on a background thread.
     pub fn spawn(self) -> RunningServer {
+        if self.shared.metrics.is_some() {
+            let weak = Arc::downgrade(&self.shared);
+            kvmetrics::register_collector(weak);
+        }
         let shared = Arc::clone(&self.shared);
         let listener = self.listener;
         let accept = std::thread::Builder::new()
@@ -293,6 +371,11 @@ impl RunningServer {
     /// The shared store (the one cluster peers are served from).
     pub fn main_store(&self) -> Arc<Client> {
         Arc::clone(&self.shared.main.client)
+    }
+
+    /// The bound address of the metrics endpoint (`metrics_addr`), if any.
+    pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        self.shared.metrics.as_ref().map(|e| e.addr())
     }
 
     /// The stats document `Stats` returns (without a requesting session).
@@ -838,6 +921,12 @@ impl<'a> Connection<'a> {
                     .map_err(|e| Refusal::new(error_code::INTERNAL, e.to_string()))?;
                 Ok(Vec::new())
             }
+            Opcode::Inspect => {
+                let query = InspectQuery::decode(body)?;
+                encode(&TextReply {
+                    text: inspect_document(self.shared, &query).to_string(),
+                })
+            }
             Opcode::BatchGet | Opcode::BatchPut => Err(Refusal::new(
                 error_code::UNSUPPORTED,
                 format!("{opcode:?} is not served by kvtier serve; use PutPages/GetPages"),
@@ -884,8 +973,10 @@ impl<'a> Connection<'a> {
                 let mut namespace = open.tenant.as_bytes().to_vec();
                 namespace.push(0x1f);
                 let id = self.shared.next_session.fetch_add(1, Ordering::Relaxed);
+                let metrics = TenantMetrics::new(&open.tenant);
                 let session = Arc::new(Session {
                     id,
+                    metrics,
                     token: random_u64(),
                     tenant: open.tenant,
                     client_name: open.client_name,
@@ -1070,6 +1161,7 @@ fn page_io(session: &Session, io: &PageIo, is_put: bool) -> BatchResult {
     let mut bufs: Vec<MemRef> = Vec::with_capacity(pages * comps);
     let mut page_bufs: Vec<MemRef> = Vec::with_capacity(comps);
     let mut bytes = 0u64;
+    let mut page_bytes: Vec<u64> = Vec::with_capacity(pages);
     for i in 0..pages {
         page_bufs.clear();
         let mut error = None;
@@ -1109,7 +1201,9 @@ fn page_io(session: &Session, io: &PageIo, is_put: bool) -> BatchResult {
             }
             None => {
                 valid_pages.push(i);
-                bytes += page_bufs.iter().map(|b| b.len as u64).sum::<u64>();
+                let n = page_bufs.iter().map(|b| b.len as u64).sum::<u64>();
+                page_bytes.push(n);
+                bytes += n;
                 bufs.extend_from_slice(&page_bufs);
             }
         }
@@ -1147,6 +1241,20 @@ fn page_io(session: &Session, io: &PageIo, is_put: bool) -> BatchResult {
     };
     drop(held);
     let done = inner.ok.iter().filter(|&&b| b).count() as u64;
+    let done_bytes: u64 = inner
+        .ok
+        .iter()
+        .zip(&page_bytes)
+        .filter_map(|(ok, n)| ok.then_some(*n))
+        .sum();
+    let m = &session.metrics;
+    if is_put {
+        m.pages_put.increment(done);
+        m.bytes_in.increment(done_bytes);
+    } else {
+        m.pages_got.increment(done);
+        m.bytes_out.increment(done_bytes);
+    }
     if is_put {
         session
             .counters
@@ -1179,6 +1287,52 @@ fn page_io(session: &Session, io: &PageIo, is_put: bool) -> BatchResult {
     }
     result.suppressed_errors += inner.suppressed_errors;
     result
+}
+
+/// Keys per store an `Inspect` reply lists at most (the reply is one JSON text frame).
+const INSPECT_MAX_KEYS: u64 = 10_000;
+
+/// The reply of `Inspect`: per store, the placement of each asked key and of the keys under
+/// the prefix (at most `limit`, capped at [`INSPECT_MAX_KEYS`]; `truncated` when more matched).
+fn inspect_document(shared: &Shared, query: &InspectQuery) -> Value {
+    let limit = if query.limit == 0 {
+        INSPECT_MAX_KEYS
+    } else {
+        query.limit.min(INSPECT_MAX_KEYS)
+    } as usize;
+    let placement = |p: &kvtier_engine::Placement| {
+        json!({
+            "key": String::from_utf8_lossy(&p.key),
+            "dram_bytes": p.dram_len,
+            "ssd_bytes": p.ssd_len,
+        })
+    };
+    let mut stores = Vec::new();
+    for store in std::iter::once(&shared.main).chain(shared.partitions.values()) {
+        let doc = store.client.with_engine(|e| {
+            let keys: Vec<Value> = query
+                .keys
+                .iter()
+                .map(|k| placement(&e.placement(k)))
+                .collect();
+            let (under, truncated) = match &query.prefix {
+                Some(prefix) => e.inspect_prefix(prefix, limit),
+                None => (Vec::new(), false),
+            };
+            json!({
+                "store": store.name,
+                "keys": keys,
+                "prefix": under.iter().map(placement).collect::<Vec<_>>(),
+                "truncated": truncated,
+            })
+        });
+        stores.push(doc.unwrap_or_else(|| json!({ "store": store.name, "error": "no engine" })));
+    }
+    json!({
+        "prefix": query.prefix.as_ref().map(|p| String::from_utf8_lossy(p).into_owned()),
+        "limit": limit,
+        "stores": stores,
+    })
 }
 
 fn stats_document(shared: &Shared, you: Option<&Session>) -> Value {

@@ -1,4 +1,4 @@
-"""``python -m kvtier.bench sglang [--quick] [--json PATH] [--markdown]``."""
+"""``python -m kvtier.bench sglang|profile|workload [--quick] [--json PATH] ...``."""
 
 from __future__ import annotations
 
@@ -49,11 +49,25 @@ def _parser() -> argparse.ArgumentParser:
     )
     pr.add_argument("--quick", action="store_true")
     pr.add_argument("--json", metavar="PATH")
+    from kvtier.bench import workload
+
+    w = sub.add_parser(
+        "workload",
+        help="multi-turn chat trace through the SGLang backend: prefix_depth vs lru eviction "
+        "over several DRAM budgets (token hit rate, restorable prefix, bytes moved)",
+        description=workload.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    workload.add_arguments(w)
     return p
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    if args.suite == "workload":
+        from kvtier.bench import workload
+
+        return workload.main(args)
     if args.suite == "profile":
         from kvtier.bench import profile
 

@@ -113,6 +113,19 @@ impl Arena {
         assert_eq!(done, src.len(), "extents too small for the object");
     }
 
+    /// The first `n` bytes of `extent` as a slice, for handing to the kernel (O_DIRECT writes
+    /// straight from DRAM). The caller must hold a shared borrow of the allocation the extent
+    /// belongs to for as long as the slice lives (no writer can exist meanwhile).
+    pub(in crate::dram) fn slice(&self, extent: Extent, n: usize) -> &[u8] {
+        let (start, bytes) = self.range(extent);
+        assert!(n <= bytes, "slice of {n} bytes from an extent of {bytes}");
+        // SAFETY: `[start, start + n)` lies inside the mapping (asserted by `range` and
+        // `n <= bytes`), which lives as long as `self`. The bytes were fully written before the
+        // object was published and the caller's shared borrow of the owning allocation (module
+        // invariants) excludes every writer while the returned slice lives.
+        unsafe { std::slice::from_raw_parts(self.base.add(start), n) }
+    }
+
     /// Gather `dst.len()` bytes from `extents` in order into `dst`. The caller must hold a
     /// shared borrow of the allocation the extents belong to (no writer can exist).
     pub(in crate::dram) fn read(&self, extents: &[Extent], dst: &mut [u8]) {

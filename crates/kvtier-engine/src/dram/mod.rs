@@ -27,6 +27,17 @@ struct Shared {
     arena: Arena,
     allocator: Mutex<Allocator>,
     block_size: u64,
+    checksums: bool,
+}
+
+/// How the DRAM tier is set up.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DramOptions {
+    /// Touch every page at open so the first put into a block does not pay the page fault.
+    pub prefault: bool,
+    /// Compute each object's CRC-32C while it is copied in (while its bytes are in cache), so
+    /// the SSD tier need not read the object again to checksum its record.
+    pub checksums: bool,
 }
 
 /// Handle to the DRAM tier; cheap to share.
@@ -35,9 +46,9 @@ pub(crate) struct DramTier {
 }
 
 impl DramTier {
-    /// Map and (optionally) pre-fault `blocks` blocks of `block_size` bytes.
-    pub(crate) fn open(blocks: u32, block_size: u32, prefault: bool) -> io::Result<DramTier> {
-        let arena = Arena::new(blocks, block_size, prefault)?;
+    /// Map `blocks` blocks of `block_size` bytes.
+    pub(crate) fn open(blocks: u32, block_size: u32, options: DramOptions) -> io::Result<DramTier> {
+        let arena = Arena::new(blocks, block_size, options.prefault)?;
         debug_assert_eq!(
             arena.len() as u64,
             u64::from(blocks) * u64::from(block_size)
@@ -47,6 +58,7 @@ impl DramTier {
                 arena,
                 allocator: Mutex::new(Allocator::new(blocks)),
                 block_size: u64::from(block_size),
+                checksums: options.checksums,
             }),
         })
     }
@@ -83,6 +95,7 @@ impl DramTier {
             shared: Arc::clone(&self.shared),
             extents: extents.into_boxed_slice(),
             len,
+            checksum: None,
         })
     }
 
@@ -99,6 +112,8 @@ pub(crate) struct DramAllocation {
     shared: Arc<Shared>,
     extents: Box<[Extent]>,
     len: u64,
+    /// CRC-32C of the bytes, when the tier computes checksums (set by `write`).
+    checksum: Option<u32>,
 }
 
 impl DramAllocation {
@@ -119,7 +134,29 @@ impl DramAllocation {
     /// Fill the allocation with `src`, whose length must be the allocation's.
     pub(crate) fn write(&mut self, src: &[u8]) {
         assert_eq!(src.len() as u64, self.len, "write of the wrong length");
+        // The checksum pass reads `src` into cache just before the copy reads it again.
+        self.checksum = self.shared.checksums.then(|| crc_fast::crc32_iscsi(src));
         self.shared.arena.write(&self.extents, src);
+    }
+
+    /// CRC-32C of the bytes, if the tier computes checksums.
+    pub(crate) fn checksum(&self) -> Option<u32> {
+        self.checksum
+    }
+
+    /// The object's bytes in place, one slice per extent, in order (empty objects: none).
+    /// Every slice starts on a block boundary of the arena, which is page aligned.
+    pub(crate) fn slices(&self) -> impl Iterator<Item = &[u8]> + '_ {
+        let block = self.shared.block_size;
+        let mut left = self.len;
+        self.extents.iter().map_while(move |&extent| {
+            if left == 0 {
+                return None;
+            }
+            let n = (u64::from(extent.count) * block).min(left);
+            left -= n;
+            Some(self.shared.arena.slice(extent, n as usize))
+        })
     }
 
     /// Copy the whole object into `dst`, whose length must be the allocation's.
@@ -142,6 +179,10 @@ mod tests {
     use super::*;
 
     const BS: u32 = 4096;
+    const OPTS: DramOptions = DramOptions {
+        prefault: false,
+        checksums: true,
+    };
 
     fn pattern(len: usize, seed: u8) -> Vec<u8> {
         (0..len)
@@ -151,7 +192,7 @@ mod tests {
 
     #[test]
     fn odd_sizes_round_trip_exactly() {
-        let tier = DramTier::open(64, BS, true).unwrap();
+        let tier = DramTier::open(64, BS, OPTS).unwrap();
         let b = BS as usize;
         let sizes = [1, b - 1, b, b + 1, b * 7 / 2, 0, 3 * b];
         let mut live = Vec::new();
@@ -179,7 +220,7 @@ mod tests {
 
     #[test]
     fn scattered_allocation_round_trips() {
-        let tier = DramTier::open(8, BS, false).unwrap();
+        let tier = DramTier::open(8, BS, OPTS).unwrap();
         let singles: Vec<_> = (0..8)
             .map(|i| {
                 let mut a = tier.try_allocate(1).unwrap();
@@ -208,6 +249,13 @@ mod tests {
             k.read(&mut b);
             assert_eq!(b[0] as usize, 2 * j + 1);
         }
+        assert_eq!(a.checksum(), Some(crc_fast::crc32_iscsi(&data)));
+        let joined: Vec<u8> = a.slices().flatten().copied().collect();
+        assert_eq!(joined, data, "slices cover the object exactly, in order");
+        assert_eq!(a.slices().count(), 4);
+        assert!(a
+            .slices()
+            .all(|s| (s.as_ptr() as usize).is_multiple_of(BS as usize)));
         assert!(tier.try_allocate(1).is_none(), "arena is full");
     }
 }

@@ -1,36 +1,27 @@
-//! Plain least-recently-used: the coldest object goes first.
-
-use std::sync::Arc;
+//! Plain least-recently-used over page groups: the coldest group goes first.
 
 use parking_lot::Mutex;
 
-use super::{EvictionPolicy, RecencyList};
+use super::{GroupList, GroupPolicy, Victim};
 
-/// Least-recently-used eviction.
+/// Least-recently-used eviction of whole page groups.
 #[derive(Debug, Default)]
 pub struct Lru {
-    list: Mutex<RecencyList>,
+    list: Mutex<GroupList>,
 }
 
-impl EvictionPolicy for Lru {
-    fn on_insert(&self, key: &[u8], size: u64, depth: Option<u32>) {
-        self.list.lock().insert(key, size, depth);
+impl GroupPolicy for Lru {
+    fn list(&self) -> &Mutex<GroupList> {
+        &self.list
     }
 
-    fn on_access(&self, key: &[u8]) {
-        self.list.lock().touch(key);
-    }
-
-    fn on_remove(&self, key: &[u8]) {
-        self.list.lock().remove(key);
-    }
-
-    fn candidates(&self, skip: usize, window: usize, out: &mut Vec<Arc<[u8]>>) {
-        let list = self.list.lock();
-        out.extend(list.coldest(skip, window).map(|(k, _)| Arc::clone(k)));
-    }
-
-    fn len(&self) -> usize {
-        self.list.lock().len()
+    /// Broken groups first, then coldest first.
+    fn order(list: &GroupList, skip: usize, window: usize, out: &mut Vec<Victim>) {
+        let mut picked: Vec<(bool, u64, Victim)> = list
+            .coldest(skip, window)
+            .map(|(g, info)| (info.broken, info.tick, info.victim(g)))
+            .collect();
+        picked.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        out.extend(picked.into_iter().map(|(_, _, v)| v));
     }
 }

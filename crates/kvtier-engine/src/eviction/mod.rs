@@ -1,18 +1,37 @@
-//! Eviction: which object to drop when a put needs room.
+//! Eviction: which objects to drop when a put needs room.
 //!
-//! Owns: the [`EvictionPolicy`] trait, the recency bookkeeping shared by its implementations
-//! ([`RecencyList`]), and the two policies, [`Lru`] and [`PrefixDepth`].
+//! Owns: the [`EvictionPolicy`] trait, page groups ([`group_of`]) and the group recency
+//! bookkeeping shared by the policies ([`GroupList`]), the two policies, [`Lru`] and
+//! [`PrefixDepth`], and the engine's event log ([`events`]).
+//!
+//! **Page groups.** One SGLang page is several objects: with a DeepSeek-V4 `HostPoolGroup` a
+//! page has SWA, compressed-KV, indexer and compressor-state components (and on MHA a K and a
+//! V object, per TP rank). Losing any one component makes the page unrestorable while its
+//! siblings keep their memory, so the policies rank and propose whole *groups*, and the
+//! engine evicts a group all-or-nothing. The group of a key is derived from the key itself
+//! ([`group_of`]): kvtier's key scheme is `[tag "/"] page_hash "@" fingerprint ... "."
+//! component`, so everything up to and including the first `@` is the tenant plus the page
+//! hash, shared by every component of that page in every pool. A key without `@` is a group
+//! of its own (plain per-object eviction). The key, not a put-time field, carries the group so
+//! that every path (embedded, server, promotion from SSD) agrees without extra plumbing.
 //!
 //! Contract with the engine (which makes the policy's key set equal to the index's):
 //! - `on_insert` / `on_remove` are called while the engine holds the write lock of the key's
 //!   index shard, so they are ordered exactly like the index mutations they mirror;
 //! - `on_access` may be called without any index lock and may therefore name a key that was
 //!   removed meanwhile: policies ignore unknown keys there;
-//! - `candidates` proposes keys only; the engine decides (under the shard lock) whether a
-//!   candidate can go, skipping objects pinned by readers. A policy never frees anything.
+//! - `candidates` proposes groups only; the engine decides (holding the write locks of every
+//!   member's shard) whether a group can go, skipping groups with a member pinned by a
+//!   reader. A policy never frees anything.
 //!
-//! Lock order: index shard → policy. The engine calls `candidates` holding no index lock.
+//! Invariants of [`GroupList`]: every tracked key is a member of exactly the group
+//! [`group_of`] names; a group is tracked iff it has at least one member; `len()` counts
+//! members (objects), so it equals the index size at quiescence.
+//!
+//! Lock order: index shard(s) → policy → event log. The engine calls `candidates` holding no
+//! index lock.
 
+pub mod events;
 mod lru;
 mod prefix_depth;
 
@@ -24,21 +43,57 @@ pub use prefix_depth::PrefixDepth;
 
 use crate::config::EvictionPolicyKind;
 
+/// The page group of `key`: the bytes up to and including its first `@` (tenant tag and page
+/// hash in kvtier's key scheme), or the whole key when it has no `@`.
+pub fn group_of(key: &[u8]) -> &[u8] {
+    match key.iter().position(|&b| b == b'@') {
+        Some(at) => &key[..=at],
+        None => key,
+    }
+}
+
+/// What an insert or remove did to the key's group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GroupChange {
+    /// The key was the group's first member: the group now exists.
+    Created,
+    /// The group existed before and still exists.
+    Unchanged,
+    /// The key was the group's last member: the group is gone.
+    Emptied,
+    /// The key was not tracked (remove of an unknown key).
+    Unknown,
+}
+
+/// One group a policy proposes for eviction.
+#[derive(Clone, Debug)]
+pub struct Victim {
+    pub group: Arc<[u8]>,
+    /// Member keys when the proposal was made (the engine re-reads them under the locks).
+    pub members: Vec<Arc<[u8]>>,
+    pub depth: Option<u32>,
+}
+
 /// A replacement policy for one tier. Implementations synchronize internally.
 pub trait EvictionPolicy: Send + Sync {
     /// A new object became visible. `size` is its length in bytes; `depth` its page depth in
     /// its prefix chain (0 = first page), when known.
-    fn on_insert(&self, key: &[u8], size: u64, depth: Option<u32>);
-    /// The object was read (or re-put). Unknown keys are ignored.
+    fn on_insert(&self, key: &[u8], size: u64, depth: Option<u32>) -> GroupChange;
+    /// The object was read (or re-put): its whole group becomes most recent. Unknown keys are
+    /// ignored.
     fn on_access(&self, key: &[u8]);
-    /// The object left the tier (evicted, removed, cleared). Unknown keys are ignored.
-    fn on_remove(&self, key: &[u8]);
-    /// Append to `out` the keys of the cold window — the objects ranked `skip ..
-    /// skip + window` from least recently used — ordered best victim first. An empty result
-    /// means no object is ranked at or beyond `skip`.
-    fn candidates(&self, skip: usize, window: usize, out: &mut Vec<Arc<[u8]>>);
+    /// The object left the tier (evicted, removed, cleared).
+    fn on_remove(&self, key: &[u8]) -> GroupChange;
+    /// Append to `out` the groups of the cold window — the groups ranked `skip .. skip +
+    /// window` from least recently used — ordered best victim first. An empty result means no
+    /// group is ranked at or beyond `skip`.
+    fn candidates(&self, skip: usize, window: usize, out: &mut Vec<Victim>);
+    /// The current members of `group` (empty when it is not tracked).
+    fn members(&self, group: &[u8]) -> Vec<Arc<[u8]>>;
     /// Number of objects tracked.
     fn len(&self) -> usize;
+    /// Number of groups tracked.
+    fn groups(&self) -> usize;
     /// Whether no object is tracked.
     fn is_empty(&self) -> bool {
         self.len() == 0
@@ -53,79 +108,192 @@ pub fn new_policy(kind: EvictionPolicyKind) -> Box<dyn EvictionPolicy> {
     }
 }
 
-/// What a policy remembers about one object.
-#[derive(Clone, Copy, Debug)]
-pub struct EntryInfo {
-    /// Logical clock of the last insert or access; unique per entry.
+/// What a policy remembers about one group.
+#[derive(Clone, Debug)]
+pub struct GroupInfo {
+    /// Logical clock of the last insert or access of any member; unique per group.
     pub tick: u64,
-    pub size: u64,
+    /// Deepest known depth among the members (they normally agree: one page, one depth).
     pub depth: Option<u32>,
+    /// A member was removed while others stayed (an explicit per-key remove): the rest of the
+    /// page cannot be restored, so the group is proposed before any other in its window.
+    pub broken: bool,
+    pub members: Vec<Arc<[u8]>>,
 }
 
-/// Objects ordered by recency: O(log n) touch, coldest-first iteration.
+impl GroupInfo {
+    fn victim(&self, group: &Arc<[u8]>) -> Victim {
+        Victim {
+            group: Arc::clone(group),
+            members: self.members.clone(),
+            depth: self.depth,
+        }
+    }
+}
+
+/// Groups ordered by recency: O(log n) touch, coldest-first iteration.
 ///
-/// Invariant: `by_tick` and `entries` hold the same keys, and `entries[k].tick` is the key of
-/// `k` in `by_tick`.
+/// Invariant: `by_tick` and `groups` hold the same groups, `groups[g].tick` is the key of `g`
+/// in `by_tick`, and `objects` is the total number of members.
 #[derive(Debug, Default)]
-pub struct RecencyList {
-    entries: HashMap<Arc<[u8]>, EntryInfo, foldhash::fast::RandomState>,
+pub struct GroupList {
+    groups: HashMap<Arc<[u8]>, GroupInfo, foldhash::fast::RandomState>,
     by_tick: BTreeMap<u64, Arc<[u8]>>,
+    objects: usize,
     clock: u64,
 }
 
-impl RecencyList {
+impl GroupList {
     fn next_tick(&mut self) -> u64 {
         self.clock += 1;
         self.clock
     }
 
-    /// Track `key` as most recent (re-inserting an existing key refreshes it).
-    pub fn insert(&mut self, key: &[u8], size: u64, depth: Option<u32>) {
-        self.remove(key);
-        let tick = self.next_tick();
-        let key: Arc<[u8]> = Arc::from(key);
-        self.by_tick.insert(tick, Arc::clone(&key));
-        self.entries.insert(key, EntryInfo { tick, size, depth });
-    }
-
-    /// Mark `key` most recent; no-op for unknown keys.
-    pub fn touch(&mut self, key: &[u8]) {
+    fn refresh(&mut self, group: &[u8]) {
         let tick = self.clock + 1;
-        let Some(info) = self.entries.get_mut(key) else {
+        let Some(info) = self.groups.get_mut(group) else {
             return;
         };
         self.clock = tick;
-        if let Some(k) = self.by_tick.remove(&info.tick) {
-            self.by_tick.insert(tick, k);
+        if let Some(g) = self.by_tick.remove(&info.tick) {
+            self.by_tick.insert(tick, g);
         }
         info.tick = tick;
     }
 
-    pub fn remove(&mut self, key: &[u8]) {
-        if let Some(info) = self.entries.remove(key) {
-            self.by_tick.remove(&info.tick);
+    /// Track `key` in its group and make the group most recent (re-inserting a member only
+    /// refreshes it).
+    pub fn insert(&mut self, key: &[u8], depth: Option<u32>) -> GroupChange {
+        let group = group_of(key);
+        if let Some(info) = self.groups.get_mut(group) {
+            if !info.members.iter().any(|m| &**m == key) {
+                info.members.push(Arc::from(key));
+                self.objects += 1;
+            }
+            info.depth = info.depth.max(depth);
+            self.refresh(group);
+            return GroupChange::Unchanged;
+        }
+        let tick = self.next_tick();
+        let group: Arc<[u8]> = Arc::from(group);
+        self.by_tick.insert(tick, Arc::clone(&group));
+        self.groups.insert(
+            group,
+            GroupInfo {
+                tick,
+                depth,
+                broken: false,
+                members: vec![Arc::from(key)],
+            },
+        );
+        self.objects += 1;
+        GroupChange::Created
+    }
+
+    /// Mark the group of `key` most recent; no-op for unknown keys.
+    pub fn touch(&mut self, key: &[u8]) {
+        let group = group_of(key);
+        if self
+            .groups
+            .get(group)
+            .is_some_and(|g| g.members.iter().any(|m| &**m == key))
+        {
+            self.refresh(group);
         }
     }
 
+    /// Stop tracking `key`.
+    pub fn remove(&mut self, key: &[u8]) -> GroupChange {
+        let group = group_of(key);
+        let Some(info) = self.groups.get_mut(group) else {
+            return GroupChange::Unknown;
+        };
+        let Some(pos) = info.members.iter().position(|m| &**m == key) else {
+            return GroupChange::Unknown;
+        };
+        info.members.swap_remove(pos);
+        self.objects -= 1;
+        if !info.members.is_empty() {
+            info.broken = true;
+            return GroupChange::Unchanged;
+        }
+        let tick = info.tick;
+        self.groups.remove(group);
+        self.by_tick.remove(&tick);
+        GroupChange::Emptied
+    }
+
+    /// Members of `group` now.
+    pub fn members(&self, group: &[u8]) -> Vec<Arc<[u8]>> {
+        self.groups
+            .get(group)
+            .map(|g| g.members.clone())
+            .unwrap_or_default()
+    }
+
+    /// Objects tracked.
     pub fn len(&self) -> usize {
-        self.entries.len()
+        self.objects
     }
 
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        self.objects == 0
     }
 
-    /// Entries ranked `skip .. skip + window` from the coldest, coldest first.
+    /// Groups tracked.
+    pub fn group_count(&self) -> usize {
+        self.groups.len()
+    }
+
+    /// Groups ranked `skip .. skip + window` from the coldest, coldest first.
     pub fn coldest(
         &self,
         skip: usize,
         window: usize,
-    ) -> impl Iterator<Item = (&Arc<[u8]>, &EntryInfo)> + '_ {
+    ) -> impl Iterator<Item = (&Arc<[u8]>, &GroupInfo)> + '_ {
         self.by_tick
             .values()
             .skip(skip)
             .take(window)
-            .filter_map(|k| self.entries.get_key_value(k))
+            .filter_map(|g| self.groups.get_key_value(g))
+    }
+}
+
+/// The shared body of both policies: a [`GroupList`] behind a mutex plus an ordering of the
+/// cold window. Implementing it implements [`EvictionPolicy`].
+pub trait GroupPolicy: Send + Sync {
+    fn list(&self) -> &parking_lot::Mutex<GroupList>;
+    /// Append the groups ranked `skip .. skip + window` to `out`, best victim first.
+    fn order(list: &GroupList, skip: usize, window: usize, out: &mut Vec<Victim>);
+}
+
+impl<P: GroupPolicy> EvictionPolicy for P {
+    fn on_insert(&self, key: &[u8], _size: u64, depth: Option<u32>) -> GroupChange {
+        self.list().lock().insert(key, depth)
+    }
+
+    fn on_access(&self, key: &[u8]) {
+        self.list().lock().touch(key);
+    }
+
+    fn on_remove(&self, key: &[u8]) -> GroupChange {
+        self.list().lock().remove(key)
+    }
+
+    fn candidates(&self, skip: usize, window: usize, out: &mut Vec<Victim>) {
+        P::order(&self.list().lock(), skip, window, out);
+    }
+
+    fn members(&self, group: &[u8]) -> Vec<Arc<[u8]>> {
+        self.list().lock().members(group)
+    }
+
+    fn len(&self) -> usize {
+        self.list().lock().len()
+    }
+
+    fn groups(&self) -> usize {
+        self.list().lock().group_count()
     }
 }
 
@@ -137,25 +305,57 @@ mod tests {
         let mut out = Vec::new();
         p.candidates(skip, window, &mut out);
         out.iter()
-            .map(|k| String::from_utf8(k.to_vec()).unwrap())
+            .map(|v| String::from_utf8(v.group.to_vec()).unwrap())
             .collect()
+    }
+
+    #[test]
+    fn group_of_is_tag_and_page_hash() {
+        assert_eq!(group_of(b"t/abc@fp1.tp0.swa"), b"t/abc@");
+        assert_eq!(group_of(b"abc@fp2.c4.c0"), b"abc@");
+        assert_eq!(group_of(b"plain-key"), b"plain-key");
+        assert_eq!(group_of(b"@x"), b"@");
     }
 
     #[test]
     fn lru_orders_by_recency_and_ignores_unknown() {
         let p = Lru::default();
         for k in ["a", "b", "c", "d"] {
-            p.on_insert(k.as_bytes(), 1, None);
+            assert_eq!(p.on_insert(k.as_bytes(), 1, None), GroupChange::Created);
         }
         p.on_access(b"a");
         p.on_access(b"zzz");
-        p.on_remove(b"c");
-        p.on_remove(b"nope");
+        assert_eq!(p.on_remove(b"c"), GroupChange::Emptied);
+        assert_eq!(p.on_remove(b"nope"), GroupChange::Unknown);
         assert_eq!(keys(&p, 0, 10), ["b", "d", "a"]);
         assert_eq!(keys(&p, 0, 2), ["b", "d"]);
         assert_eq!(keys(&p, 2, 2), ["a"]);
         assert!(keys(&p, 3, 2).is_empty());
         assert_eq!(p.len(), 3);
+    }
+
+    #[test]
+    fn components_of_a_page_form_one_group() {
+        let p = Lru::default();
+        assert_eq!(p.on_insert(b"h1@f.swa", 10, Some(2)), GroupChange::Created);
+        assert_eq!(p.on_insert(b"h2@f.swa", 10, Some(3)), GroupChange::Created);
+        assert_eq!(p.on_insert(b"h1@g.c4", 10, Some(2)), GroupChange::Unchanged);
+        // Re-inserting a member refreshes it without counting it twice.
+        assert_eq!(p.on_insert(b"h1@g.c4", 10, Some(2)), GroupChange::Unchanged);
+        assert_eq!((p.len(), p.groups()), (3, 2));
+        // Touching any member refreshes the whole group: h2 is now the coldest.
+        let mut out = Vec::new();
+        p.candidates(0, 10, &mut out);
+        assert_eq!(&*out[0].group, b"h2@");
+        assert_eq!(&*out[1].group, b"h1@");
+        let mut members: Vec<_> = out[1].members.iter().map(|m| m.to_vec()).collect();
+        members.sort();
+        assert_eq!(members, [b"h1@f.swa".to_vec(), b"h1@g.c4".to_vec()]);
+        // Removing one member leaves a broken group; removing the last empties it.
+        assert_eq!(p.on_remove(b"h1@f.swa"), GroupChange::Unchanged);
+        assert_eq!(p.on_remove(b"h1@g.c4"), GroupChange::Emptied);
+        assert_eq!((p.len(), p.groups()), (1, 1));
+        assert!(p.members(b"h1@").is_empty());
     }
 
     #[test]
@@ -173,5 +373,19 @@ mod tests {
         // Touching p3 makes it more recent than q3, so the depth-3 tie now goes to q3.
         p.on_access(b"p3");
         assert_eq!(keys(&p, 0, 10), ["q3", "p3", "p2", "p1", "p0", "u"]);
+    }
+
+    #[test]
+    fn broken_groups_go_first() {
+        for p in [
+            Box::new(Lru::default()) as Box<dyn EvictionPolicy>,
+            Box::new(PrefixDepth::default()),
+        ] {
+            p.on_insert(b"a@x.1", 1, Some(5));
+            p.on_insert(b"b@x.1", 1, Some(0));
+            p.on_insert(b"b@x.2", 1, Some(0));
+            p.on_remove(b"b@x.2");
+            assert_eq!(keys(&*p, 0, 10), ["b@", "a@"]);
+        }
     }
 }

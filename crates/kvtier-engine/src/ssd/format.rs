@@ -49,11 +49,7 @@ pub(crate) fn crc32c(data: &[u8]) -> u32 {
 }
 
 fn crc32c_parts(parts: &[&[u8]]) -> u32 {
-    let mut d = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
-    for p in parts {
-        d.update(p);
-    }
-    d.finalize() as u32
+    payload_crc(parts.iter().copied())
 }
 
 fn u16_at(b: &[u8], o: usize) -> u16 {
@@ -262,24 +258,66 @@ pub(crate) fn finish_record(
     );
     let po = layout.payload_offset as usize;
     let end = po + payload_len as usize;
-    out[HEADER_LEN..HEADER_LEN + key.len()].copy_from_slice(key);
-    out[HEADER_LEN + key.len()..po].fill(0);
     out[end..].fill(0);
+    let payload_crc = crc32c(&out[po..end]);
+    let fields = HeadFields {
+        key,
+        payload_len,
+        depth,
+        seq,
+        generation,
+        payload_crc,
+    };
+    encode_head(&mut out[..po], &fields, layout);
+    layout
+}
+
+/// What a record head holds besides its layout.
+pub(crate) struct HeadFields<'a> {
+    pub key: &'a [u8],
+    pub payload_len: u64,
+    pub depth: Option<u32>,
+    pub seq: u64,
+    pub generation: u64,
+    /// CRC-32C of the payload (see [`payload_crc`]).
+    pub payload_crc: u32,
+}
+
+/// CRC-32C of a payload given in pieces (DRAM extents, in order).
+pub(crate) fn payload_crc<'a>(pieces: impl IntoIterator<Item = &'a [u8]>) -> u32 {
+    let mut d = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
+    for p in pieces {
+        d.update(p);
+    }
+    d.finalize() as u32
+}
+
+/// Encode the head of a live record, everything before its payload: header, key and zero
+/// fill. `head` is exactly `layout.payload_offset` bytes; the payload is written separately
+/// (straight from DRAM), so its CRC comes in `fields`.
+pub(crate) fn encode_head(head: &mut [u8], fields: &HeadFields<'_>, layout: RecordLayout) {
+    let key = fields.key;
+    assert_eq!(
+        head.len(),
+        layout.payload_offset as usize,
+        "record head of the wrong length"
+    );
+    head[HEADER_LEN..HEADER_LEN + key.len()].copy_from_slice(key);
+    head[HEADER_LEN + key.len()..].fill(0);
     let h = RecordHeader {
         dead: false,
         key_len: key.len() as u32,
-        depth,
-        payload_len,
-        seq,
-        generation,
+        depth: fields.depth,
+        payload_len: fields.payload_len,
+        seq: fields.seq,
+        generation: fields.generation,
         payload_offset: layout.payload_offset,
         rec_len: layout.rec_len,
-        payload_crc: crc32c(&out[po..end]),
+        payload_crc: fields.payload_crc,
     };
-    h.encode_fixed(out);
-    let crc = crc32c_parts(&[&out[0..60], key]);
-    out[60..64].copy_from_slice(&crc.to_le_bytes());
-    layout
+    h.encode_fixed(head);
+    let crc = crc32c_parts(&[&head[0..60], key]);
+    head[60..64].copy_from_slice(&crc.to_le_bytes());
 }
 
 /// Encode a dead marker for a record of `rec_len` bytes into a 4 KiB `block`.

@@ -1,21 +1,28 @@
-//! The posix I/O layer: segment files opened with `O_DIRECT` when the filesystem allows it,
+//! The I/O layer: segment files opened with `O_DIRECT` when the filesystem allows it,
 //! positioned reads and writes, `fdatasync`, pre-allocation, and the fault-injection hook.
 //!
 //! Owns: [`SegFile`] and [`Faults`]. Every byte the SSD tier moves goes through here, so an
 //! injected fault behaves exactly like a failing disk to the layers above.
 //!
 //! With `O_DIRECT` every offset, length and memory address must be 4 KiB aligned: callers pass
-//! [`super::aligned::AlignedBuf`] slices and block-aligned offsets only (the segment log's
-//! records are 4 KiB aligned by construction).
+//! [`super::aligned::AlignedBuf`] slices or DRAM arena extents (page aligned, whole 4 KiB
+//! blocks) and block-aligned offsets only (the segment log's records are 4 KiB aligned by
+//! construction).
 
 use std::fs::{File, OpenOptions};
-use std::io::{self, IoSliceMut};
+use std::io::{self, IoSlice, IoSliceMut};
+use std::os::fd::AsFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 use super::aligned::{AlignedBuf, ALIGN};
+use super::uring;
+use crate::config::SsdIoBackend;
+
+/// Most slices one `pwritev` takes (Linux's `IOV_MAX`).
+const IOV_MAX: usize = 1024;
 
 /// Injected faults (tests): each counter is the number of upcoming operations of that kind
 /// that fail with `EIO` (`u64::MAX` = all of them until reset).
@@ -74,6 +81,7 @@ fn libc_o_direct() -> i32 {
 pub(crate) struct SegFile {
     file: File,
     faults: Arc<Faults>,
+    backend: SsdIoBackend,
 }
 
 impl SegFile {
@@ -92,6 +100,7 @@ impl SegFile {
         Ok(SegFile {
             file: o.open(path)?,
             faults,
+            backend: SsdIoBackend::Posix,
         })
     }
 
@@ -105,7 +114,28 @@ impl SegFile {
         Ok(SegFile {
             file: o.open(path)?,
             faults: Arc::default(),
+            backend: SsdIoBackend::Posix,
         })
+    }
+
+    /// Move this file's reads and writes to `backend` (`posix` unless changed).
+    pub(crate) fn with_backend(mut self, backend: SsdIoBackend) -> SegFile {
+        self.backend = backend;
+        self
+    }
+
+    fn pwritev(&self, bufs: &[IoSlice<'_>], offset: u64) -> io::Result<usize> {
+        match self.backend {
+            SsdIoBackend::Posix => Ok(rustix::io::pwritev(&self.file, bufs, offset)?),
+            SsdIoBackend::IoUring => uring::pwritev(self.file.as_fd(), bufs, offset),
+        }
+    }
+
+    fn preadv(&self, bufs: &mut [IoSliceMut<'_>], offset: u64) -> io::Result<usize> {
+        match self.backend {
+            SsdIoBackend::Posix => Ok(rustix::io::preadv(&self.file, bufs, offset)?),
+            SsdIoBackend::IoUring => uring::preadv(self.file.as_fd(), bufs, offset),
+        }
     }
 
     pub(crate) fn len(&self) -> io::Result<u64> {
@@ -129,7 +159,8 @@ impl SegFile {
     pub(crate) fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
         let mut done = 0;
         while done < buf.len() {
-            match self.file.read_at(&mut buf[done..], offset + done as u64) {
+            let rest = &mut [IoSliceMut::new(&mut buf[done..])];
+            match self.preadv(rest, offset + done as u64) {
                 Ok(0) => break,
                 Ok(n) => done += n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -146,7 +177,7 @@ impl SegFile {
         offset: u64,
     ) -> io::Result<()> {
         let want: usize = bufs.iter().map(|b| b.len()).sum();
-        let got = rustix::io::preadv(&self.file, bufs, offset)?;
+        let got = self.preadv(bufs, offset)?;
         if got != want {
             return Err(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
@@ -161,7 +192,52 @@ impl SegFile {
         if Faults::take(&self.faults.write_errors) {
             return Err(injected());
         }
-        self.file.write_all_at(buf, offset)
+        self.write_parts_unchecked(&[buf], offset)
+    }
+
+    /// Write all of `parts`, back to back, at `offset` with `pwritev` (subject to injected
+    /// faults). Short writes are continued; at most [`IOV_MAX`] slices go in one call.
+    pub(crate) fn write_parts_at(&self, parts: &[&[u8]], offset: u64) -> io::Result<()> {
+        if Faults::take(&self.faults.write_errors) {
+            return Err(injected());
+        }
+        self.write_parts_unchecked(parts, offset)
+    }
+
+    fn write_parts_unchecked(&self, parts: &[&[u8]], offset: u64) -> io::Result<()> {
+        let mut at = offset;
+        let mut first = 0; // index of the first part not fully written
+        let mut skip = 0; // bytes of `parts[first]` already written
+        while first < parts.len() {
+            let end = parts.len().min(first + IOV_MAX);
+            let iov: Vec<IoSlice<'_>> = std::iter::once(&parts[first][skip..])
+                .chain(parts[first + 1..end].iter().copied())
+                .map(IoSlice::new)
+                .collect();
+            let mut n = match self.pwritev(&iov, at) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            };
+            at += n as u64;
+            while n > 0 {
+                let left = parts[first].len() - skip;
+                if n < left {
+                    skip += n;
+                    n = 0;
+                } else {
+                    n -= left;
+                    first += 1;
+                    skip = 0;
+                }
+            }
+            while first < parts.len() && parts[first].len() == skip {
+                first += 1;
+                skip = 0;
+            }
+        }
+        Ok(())
     }
 
     /// `fdatasync` (subject to injected faults).
@@ -243,5 +319,42 @@ mod tests {
         faults.sync_errors.store(1, Relaxed);
         assert!(f.sync().is_err());
         f.sync().unwrap();
+    }
+
+    #[test]
+    fn vectored_writes_span_more_slices_than_one_call_takes() {
+        let dir = tempfile::tempdir().unwrap();
+        let direct = probe_direct(dir.path());
+        let f = SegFile::open(&dir.path().join("v"), true, direct, Arc::default()).unwrap();
+        // 2 x IOV_MAX + 3 blocks, each filled with its own index, plus empty slices between.
+        let blocks = 2 * IOV_MAX + 3;
+        let mut buf = AlignedBuf::zeroed(blocks * ALIGN);
+        for (i, b) in buf.as_mut_slice().chunks_mut(ALIGN).enumerate() {
+            b.fill((i % 251) as u8);
+        }
+        let mut parts: Vec<&[u8]> = Vec::new();
+        for (i, b) in buf.as_slice().chunks(ALIGN).enumerate() {
+            parts.push(b);
+            if i % 100 == 0 {
+                parts.push(&[]);
+            }
+        }
+        f.write_parts_at(&parts, ALIGN as u64).unwrap();
+        let mut back = AlignedBuf::zeroed(blocks * ALIGN);
+        assert_eq!(
+            f.read_at(back.as_mut_slice(), ALIGN as u64).unwrap(),
+            blocks * ALIGN
+        );
+        assert!(
+            back.as_slice() == buf.as_slice(),
+            "every slice landed in order"
+        );
+        let faults = Arc::new(Faults::default());
+        let g = SegFile::open(&dir.path().join("v"), false, direct, Arc::clone(&faults)).unwrap();
+        faults.write_errors.store(1, Relaxed);
+        assert!(
+            g.write_parts_at(&parts, 0).is_err(),
+            "injected faults apply"
+        );
     }
 }

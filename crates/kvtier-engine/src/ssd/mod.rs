@@ -87,8 +87,11 @@
 //! destination is 4 KiB aligned and the payload is block-aligned in the record, one `preadv`
 //! puts the payload straight into the destination (header and last partial block into the
 //! bounce buffer) — on a failed verification the destination may then hold garbage, but the
-//! read still reports a miss. The only `unsafe` code is the aligned buffer (`aligned.rs`).
-//! `io_uring` is not built in: `ssd_io_backend = "io_uring"` is an `InvalidConfig`.
+//! read still reports a miss. The only `unsafe` code is the aligned buffer (`aligned.rs`) and
+//! the `io_uring` submission (`uring.rs`).
+//! `ssd_io_backend = "io_uring"` sends segment reads and writes through a per-thread ring
+//! (`uring.rs`) instead of `preadv`/`pwritev`; `fdatasync` and `fallocate` stay syscalls.
+//! Where the kernel refuses `io_uring` the tier falls back to posix with one warning.
 
 mod aligned;
 mod checkpoint;
@@ -97,6 +100,7 @@ mod fsck;
 mod io;
 mod scan;
 pub(crate) mod tier;
+mod uring;
 
 use std::time::Duration;
 

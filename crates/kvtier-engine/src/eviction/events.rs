@@ -1,0 +1,172 @@
+//! The engine's event log: which page groups appeared in and left the DRAM tier, and why.
+//!
+//! Owns: [`EventLog`], a bounded ring of [`StoreEvent`]s that consumers drain (the Python
+//! module turns them into SGLang `KVEventBatch`es), and its drop counter.
+//!
+//! Events are per page group (see [`super::group_of`]), recorded by the engine under the
+//! shard lock of the object whose insert or removal changed the group, so per group they are
+//! in the order the index changed:
+//! - `Stored` when a group's first object is published (its first component; the other
+//!   components of the page normally follow in the same batch);
+//! - `Evicted` / `Removed` when its last object leaves (capacity eviction / explicit remove);
+//! - `Cleared` once for `clear()` (no per-group events then).
+//!
+//! Invariants: sequence numbers are strictly increasing and gap-free as recorded; when the
+//! ring is full the *oldest* event is dropped and counted, so a consumer that sees a gap in
+//! `seq` knows exactly how many it missed. Recording is off (one relaxed load per call) until
+//! [`EventLog::enable`] is called.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+/// Why an event was recorded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EventKind {
+    /// The group's first object became visible.
+    Stored,
+    /// The group's last object was evicted to make room.
+    Evicted,
+    /// The group's last object was removed explicitly.
+    Removed,
+    /// Every object was removed (`clear`); `group` is empty.
+    Cleared,
+}
+
+impl EventKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventKind::Stored => "stored",
+            EventKind::Evicted => "evicted",
+            EventKind::Removed => "removed",
+            EventKind::Cleared => "cleared",
+        }
+    }
+}
+
+/// One event of the log.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoreEvent {
+    /// Position in the log, from 0, without gaps as recorded.
+    pub seq: u64,
+    pub kind: EventKind,
+    /// The page group (`[tag/]page_hash@`, or the whole key for keys without `@`).
+    pub group: Arc<[u8]>,
+    /// Prefix depth of the group when known.
+    pub depth: Option<u32>,
+}
+
+#[derive(Debug, Default)]
+struct Ring {
+    events: VecDeque<StoreEvent>,
+    capacity: usize,
+    next_seq: u64,
+    dropped: u64,
+}
+
+/// What [`EventLog::drain`] returns.
+#[derive(Clone, Debug, Default)]
+pub struct Drained {
+    pub events: Vec<StoreEvent>,
+    /// Events dropped (ring full) since the log was enabled, in total.
+    pub dropped_total: u64,
+    /// Events still in the ring after this drain.
+    pub pending: usize,
+}
+
+/// A bounded event ring, off until enabled.
+#[derive(Debug, Default)]
+pub struct EventLog {
+    enabled: AtomicBool,
+    ring: Mutex<Ring>,
+}
+
+impl EventLog {
+    /// Start recording into a ring of `capacity` events (at least 1). Calling it again
+    /// changes the capacity, dropping (and counting) the oldest events that no longer fit.
+    pub fn enable(&self, capacity: usize) {
+        let mut ring = self.ring.lock();
+        ring.capacity = capacity.max(1);
+        while ring.events.len() > ring.capacity {
+            ring.events.pop_front();
+            ring.dropped += 1;
+        }
+        self.enabled.store(true, Ordering::Release);
+    }
+
+    /// Whether events are being recorded.
+    pub fn is_enabled(&self) -> bool {
+        self.enabled.load(Ordering::Relaxed)
+    }
+
+    /// Record one event (no-op while disabled).
+    pub fn record(&self, kind: EventKind, group: &[u8], depth: Option<u32>) {
+        if !self.is_enabled() {
+            return;
+        }
+        let mut ring = self.ring.lock();
+        let seq = ring.next_seq;
+        ring.next_seq += 1;
+        if ring.events.len() >= ring.capacity {
+            ring.events.pop_front();
+            ring.dropped += 1;
+        }
+        ring.events.push_back(StoreEvent {
+            seq,
+            kind,
+            group: Arc::from(group),
+            depth,
+        });
+    }
+
+    /// Take up to `max` of the oldest events.
+    pub fn drain(&self, max: usize) -> Drained {
+        let mut ring = self.ring.lock();
+        let n = max.min(ring.events.len());
+        let events = ring.events.drain(..n).collect();
+        Drained {
+            events,
+            dropped_total: ring.dropped,
+            pending: ring.events.len(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn disabled_records_nothing() {
+        let log = EventLog::default();
+        log.record(EventKind::Stored, b"a@", None);
+        assert!(log.drain(10).events.is_empty());
+    }
+
+    #[test]
+    fn full_ring_drops_the_oldest_and_counts() {
+        let log = EventLog::default();
+        log.enable(3);
+        for i in 0..5u32 {
+            log.record(EventKind::Stored, format!("g{i}").as_bytes(), Some(i));
+        }
+        let d = log.drain(2);
+        assert_eq!(d.events.iter().map(|e| e.seq).collect::<Vec<_>>(), [2, 3]);
+        assert_eq!((d.dropped_total, d.pending), (2, 1));
+        let d = log.drain(10);
+        assert_eq!(d.events.len(), 1);
+        assert_eq!(&*d.events[0].group, b"g4");
+        assert_eq!(d.events[0].depth, Some(4));
+        // Shrinking keeps the newest.
+        for i in 0..3u32 {
+            log.record(EventKind::Evicted, format!("h{i}").as_bytes(), None);
+        }
+        log.enable(1);
+        let d = log.drain(10);
+        assert_eq!(d.events.iter().map(|e| e.seq).collect::<Vec<_>>(), [7]);
+        assert_eq!(d.dropped_total, 4);
+    }
+}
