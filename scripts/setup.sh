@@ -13,11 +13,14 @@ SGLANG_VERSION=0.5.23
 log() { printf '[setup] %s\n' "$*"; }
 
 # System packages: a C toolchain for -sys crates and torch's JIT extensions, protoc for the
-# control-plane crates. Installed only when missing.
+# control-plane crates, etcd (cluster-mode HA tests start a real one) and iproute2 (the
+# partition test's network namespaces). Installed only when missing.
 need_apt=()
 command -v cc >/dev/null 2>&1 || need_apt+=(build-essential)
 command -v g++ >/dev/null 2>&1 || need_apt+=(g++)
 command -v protoc >/dev/null 2>&1 || need_apt+=(protobuf-compiler)
+command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
+command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     log "apt-get install ${need_apt[*]}"
