@@ -5,58 +5,13 @@
 //! cluster token, an unknown node id, and a node kill (its objects become misses, the rest
 //! keeps working).
 
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
+mod common;
+
 use std::time::{Duration, Instant};
 
-use kvtier_client::{Client, KvtierConfig, MemRef, PageBatch};
+use common::{spawn_master, wait_for, NodeOpts, Pool, Proc, TOKEN};
+use kvtier_client::{Client, KvtierConfig, PageBatch};
 use kvtier_proto::{ExistsV2Query, HitPolicy, KvComponents, PoolQuery};
-
-const TOKEN: &str = "test-cluster-secret";
-
-/// A child process this test started; killed (by its own pid) when dropped.
-struct Proc {
-    child: Child,
-    name: String,
-}
-
-impl Proc {
-    fn spawn(name: &str, args: &[&str], envs: &[(&str, &str)]) -> Proc {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvtier"));
-        cmd.args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit());
-        for (k, v) in envs {
-            cmd.env(k, v);
-        }
-        Proc {
-            child: cmd.spawn().expect("spawn kvtier"),
-            name: name.to_string(),
-        }
-    }
-
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            eprintln!("test: stopping {}", self.name);
-        }
-        self.kill();
-    }
-}
-
-fn free_port(ip: &str) -> u16 {
-    TcpListener::bind((ip, 0))
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 struct Cluster {
     _dir: tempfile::TempDir,
@@ -66,44 +21,15 @@ struct Cluster {
 }
 
 fn start_node(dir: &std::path::Path, master: &str, id: &str, ip: &str) -> (String, String, Proc) {
-    let data = format!("{ip}:{}", free_port(ip));
-    let socket = dir.join(format!("{id}.sock"));
-    let p = Proc::spawn(
-        id,
-        &[
-            "serve",
-            "--socket",
-            socket.to_str().unwrap(),
-            "--dram-capacity",
-            "64MiB",
-            "--engine",
-            "dram_prefault=false",
-            "--master",
-            master,
-            "--data-addr",
-            &data,
-            "--node-id",
-            id,
-        ],
-        &[("KVTIER_CLUSTER_TOKEN", TOKEN)],
-    );
-    (id.to_string(), data, p)
+    let opts = NodeOpts::new(dir, master, id, ip);
+    let p = opts.spawn();
+    (opts.id, opts.data, p)
 }
 
 fn start_cluster(lease_ms: u64) -> Cluster {
     let dir = tempfile::tempdir().unwrap();
-    let master_addr = format!("127.0.0.1:{}", free_port("127.0.0.1"));
-    let master = Proc::spawn(
-        "master",
-        &[
-            "master",
-            "--listen",
-            &master_addr,
-            "--lease-ms",
-            &lease_ms.to_string(),
-        ],
-        &[],
-    );
+    let master_addr = format!("127.0.0.1:{}", common::free_port("127.0.0.1"));
+    let master = spawn_master(&master_addr, lease_ms, &[]);
     let nodes = vec![
         start_node(dir.path(), &master_addr, "node-a", "127.0.0.2"),
         start_node(dir.path(), &master_addr, "node-b", "127.0.0.3"),
@@ -134,51 +60,6 @@ fn client(cluster: &Cluster, node_id: &str, token: &str) -> Client {
         ..KvtierConfig::default()
     };
     Client::open(config).expect("open a cluster client")
-}
-
-fn wait_for(limit: Duration, what: &str, mut ok: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !ok() {
-        assert!(start.elapsed() < limit, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// Host memory standing in for a pool: `pages x comps` buffers of `len` bytes.
-struct Pool {
-    bytes: Vec<u8>,
-    len: usize,
-}
-
-impl Pool {
-    fn new(objects: usize, len: usize) -> Pool {
-        Pool {
-            bytes: vec![0u8; objects * len],
-            len,
-        }
-    }
-    fn fill(&mut self, seed: u8) {
-        for (i, b) in self.bytes.iter_mut().enumerate() {
-            *b = (i as u8).wrapping_mul(13) ^ seed;
-        }
-    }
-    fn refs(&self) -> Vec<MemRef> {
-        (0..self.bytes.len() / self.len)
-            .map(|i| MemRef {
-                ptr: self.bytes.as_ptr() as usize + i * self.len,
-                len: self.len,
-            })
-            .collect()
-    }
-    fn register(&self, client: &Client) {
-        // SAFETY: the pool outlives every batch of this test and is not otherwise borrowed
-        // while the client writes into it.
-        unsafe {
-            client
-                .register_region(self.bytes.as_ptr() as usize, self.bytes.len(), "test pool")
-                .unwrap();
-        }
-    }
 }
 
 fn lookup_nodes(client: &Client, key: &[u8]) -> Vec<String> {

@@ -189,7 +189,7 @@ impl Directory {
             shards: (0..SHARDS).map(|_| RwLock::new(Shard::default())).collect(),
             nodes: RwLock::new(Vec::new()),
             pending: Mutex::new(HashMap::new()),
-            next_claim: Mutex::new(1),
+            next_claim: Mutex::new(first_claim()),
             lease,
             claim_timeout,
         }
@@ -485,6 +485,7 @@ impl Directory {
         }
         self.nodes.write().clear();
         self.pending.lock().clear();
+        *self.next_claim.lock() = first_claim();
     }
 
     /// Insert an entry directly (benchmarks and rebuilds).
@@ -493,6 +494,16 @@ impl Directory {
             .write()
             .insert(hash, Replicas::from_nodes(nodes));
     }
+}
+
+/// The first claim id of a directory's life: the wall clock in ns, so the claims of a later
+/// leader (or a restarted master) never repeat one a client still holds from an earlier one,
+/// whose commit then cannot match a new claim (its node indexes may mean other nodes now).
+fn first_claim() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX / 2))
+        .max(1)
 }
 
 /// Choose `replication` distinct live nodes for an object of `size` bytes: the writer's own

@@ -12,11 +12,17 @@
 //! put costs one master round trip, not an etcd write), and an object is only ever listed
 //! where a node reported it.
 //!
+//! A leader fences itself by time: it counts as leader only until `sent + TTL` of its last
+//! keep-alive that etcd answered (`sent` = when this master sent it, so no later than etcd's
+//! own expiry of the lease). A leader cut off from etcd therefore stops answering before its
+//! lease can lapse and a follower can win, and two masters never both act as leader (up to
+//! clock-rate drift between the hosts).
+//!
 //! Without etcd, [`Leadership::single`] makes the one master the leader for good.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use etcd_client::{Client, Compare, CompareOp, ConnectOptions, PutOptions, Txn, TxnOp};
 use parking_lot::RwLock;
@@ -28,6 +34,9 @@ use crate::directory::Directory;
 pub struct Leadership {
     is_leader: AtomicBool,
     leader_address: RwLock<String>,
+    /// Leads only until then (the etcd lease may lapse after it); `None`: no bound (single
+    /// master).
+    lead_until: RwLock<Option<Instant>>,
 }
 
 impl Leadership {
@@ -36,11 +45,22 @@ impl Leadership {
         Leadership {
             is_leader: AtomicBool::new(true),
             leader_address: RwLock::new(address.to_string()),
+            lead_until: RwLock::new(None),
         }
     }
 
+    /// Leader now: elected and the lease's last renewal still covers this instant.
     pub fn is_leader(&self) -> bool {
         self.is_leader.load(Ordering::Acquire)
+            && self
+                .lead_until
+                .read()
+                .is_none_or(|until| Instant::now() < until)
+    }
+
+    /// The lease is known to live until at least `until`.
+    fn renewed(&self, until: Instant) {
+        *self.lead_until.write() = Some(until);
     }
 
     pub fn leader_address(&self) -> String {
@@ -74,7 +94,7 @@ pub async fn campaign(
     let poll = (config.ttl / 4).max(Duration::from_millis(100));
     loop {
         let result = campaign_once(&config, ttl_secs, poll, &leadership, &directory).await;
-        if leadership.is_leader() {
+        if leadership.is_leader.load(Ordering::Acquire) {
             eprintln!("kvtier master: lost leadership");
         }
         leadership.set(false, "");
@@ -98,13 +118,22 @@ async fn campaign_once(
     let mut client = Client::connect(&config.endpoints, Some(options)).await?;
     let lease = client.lease_grant(ttl_secs, None).await?.id();
     let (mut keeper, mut replies) = client.lease_keep_alive(lease).await?;
+    let ttl = Duration::from_secs(u64::try_from(ttl_secs).unwrap_or(1));
     loop {
+        let sent = Instant::now();
         keeper.keep_alive().await?;
-        match replies.message().await? {
-            Some(reply) if reply.ttl() > 0 => {}
-            _ => return Ok(()), // the lease is gone: start over with a new one
+        // A stream that stops answering must not stall the campaign: the lease lapses anyway.
+        match tokio::time::timeout(ttl, replies.message()).await {
+            Ok(reply) => match reply? {
+                Some(reply) if reply.ttl() > 0 => {
+                    let granted = Duration::from_secs(u64::try_from(reply.ttl()).unwrap_or(0));
+                    leadership.renewed(sent + granted.min(ttl));
+                }
+                _ => return Ok(()), // the lease is gone: start over with a new one
+            },
+            Err(_) => return Ok(()),
         }
-        if !leadership.is_leader() {
+        if !leadership.is_leader.load(Ordering::Acquire) {
             let txn = Txn::new()
                 .when([Compare::create_revision(
                     config.key.clone(),
@@ -122,13 +151,19 @@ async fn campaign_once(
                 eprintln!("kvtier master: elected leader ({})", config.advertise);
             } else {
                 let current = client.get(config.key.clone(), None).await?;
-                let leader = current
-                    .kvs()
-                    .first()
-                    .and_then(|kv| kv.value_str().ok())
-                    .unwrap_or("")
-                    .to_string();
-                leadership.set(false, &leader);
+                let kv = current.kvs().first();
+                if kv.is_some_and(|kv| kv.lease() == lease) {
+                    // Ours already (a put whose reply was lost): lead, from an empty directory.
+                    directory.reset();
+                    leadership.set(true, &config.advertise);
+                    eprintln!("kvtier master: elected leader ({})", config.advertise);
+                } else {
+                    let leader = kv
+                        .and_then(|kv| kv.value_str().ok())
+                        .unwrap_or("")
+                        .to_string();
+                    leadership.set(false, &leader);
+                }
             }
         } else {
             // Still ours? (An operator may have deleted the key.)

@@ -4,6 +4,46 @@
 //! holds which object) and placement ([`directory`]), serves them as tonic RPCs ([`service`],
 //! schema in `proto/kvtier_master.proto`), and, with etcd configured, elects one leader among
 //! several masters ([`election`]). Page bytes never pass through the master.
+//!
+//! # Why the directory is rebuilt from the nodes, not kept in etcd
+//!
+//! etcd decides only who leads (one lease and one key per master). The directory lives in the
+//! leader's memory, and a master that becomes leader (or a single master that restarted)
+//! starts from an empty one: every node's next heartbeat is answered `known = false`, and the
+//! node registers again with its data address and every key it holds (peer-stored keys and,
+//! after a node restart, what its SSD tier brought back). The reasons:
+//!
+//! - Cost per put. Keeping the directory in etcd would add a quorum-replicated, fsynced etcd
+//!   write per committed object (per key of a batch: a page batch is pages x components keys)
+//!   to every put, besides the one `CommitPuts` round trip it costs now.
+//! - etcd's write rate. etcd is built for small amounts of control data; its own performance
+//!   guide puts a whole cluster at tens of thousands of small writes per second and its
+//!   database at a few GiB, well below a KV cache's churn of object puts and evictions.
+//! - The node is the truth. A node holds the bytes; an entry in etcd could outlive them (a
+//!   node that restarted without its SSD, an eviction not yet reported), while a rebuilt entry
+//!   exists only because a live node just reported it.
+//! - Rebuilding is cheap: `tests/rebuild_cost.rs` registers two nodes reporting the same 1 M
+//!   keys (2 M replica entries) in about 0.6 s on a shared 2-core machine (about 300 ns per
+//!   replica); each registration message then carries about 74 bytes per key (1 M keys: about
+//!   74 MB, within the 256 MiB RPC limit).
+//!
+//! What a failover (or a single master's restart) loses:
+//!
+//! - Nothing acknowledged that a live node still holds. A put is acknowledged only after
+//!   `CommitPuts`, and only once its bytes are on the nodes, so every acknowledged object is
+//!   on a node that reports it when it registers with the new leader. Objects whose only
+//!   copies are on a node that is dead or not yet re-registered are misses until it registers.
+//! - In-flight puts: a claim of the old leader is unknown to the new one (claim ids differ per
+//!   leader term), so its commit is refused and the put fails, unless a node already reported
+//!   the key; the caller (SGLang's HiCache) puts it again. Bytes written for a put that failed
+//!   stay on the node and are listed at its next registration.
+//! - Availability for about the etcd lease TTL plus one campaign poll (TTL / 4) plus a node
+//!   heartbeat (lease / 3): in `tests/cluster_failover.rs` (TTL 2 s, node lease 1 s) a
+//!   follower leads 2.4-2.6 s after the leader's SIGKILL and puts and gets succeed again
+//!   50-150 ms later. Meanwhile calls retry for `cluster_master_retry_ms`, then fail.
+//! - Replication of puts placed while only some nodes have re-registered: placement picks
+//!   among the nodes registered then, so such a put can get fewer replicas than asked.
+//! - Pending claims and free-space estimates (rebuilt from the next heartbeats).
 
 pub mod directory;
 pub mod election;

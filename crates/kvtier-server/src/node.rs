@@ -9,7 +9,15 @@
 //!   agent register again at once.
 //! - Every heartbeat also reports the keys the store dropped since (eviction, removal), so the
 //!   directory stops pointing at them; a read in between fails cleanly and heals the entry.
+//! - At start the agent lists what the store already holds (a warm restart brings the SSD
+//!   tier's objects back), so a node that restarts with its SSD directory registers those
+//!   objects and serves them again.
+//! - A registration replaces the node's part of the directory with the keys it carries, so
+//!   keys a peer stored (and a writer committed) between the snapshot and the master's
+//!   handling of the registration would drop out; the agent checks after every registration
+//!   and registers again while such keys appeared.
 
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -88,6 +96,66 @@ async fn sleep_unless_stopped(total: Duration, stop: &AtomicBool) -> bool {
     !stop.load(Ordering::SeqCst)
 }
 
+/// Most keys one registration carries (the master refuses more).
+const MAX_REGISTERED_KEYS: usize = 16 << 20;
+/// Registrations in a row while keys keep arriving during them (then the next heartbeat
+/// cycle carries on).
+const MAX_REREGISTER_ROUNDS: usize = 4;
+
+/// Every key the store holds now, in any tier (embedded stores only; empty otherwise).
+fn keys_in_store(store: &Client) -> HashSet<Vec<u8>> {
+    store
+        .with_engine(|engine| {
+            engine
+                .inspect_prefix(b"", MAX_REGISTERED_KEYS)
+                .0
+                .into_iter()
+                .map(|p| p.key)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The keys the node holds for the cluster: what peers stored since start plus what the store
+/// held at start and still holds.
+fn held_now(store: &Client, held: &HeldKeys, recovered: &mut HashSet<Vec<u8>>) -> Vec<Vec<u8>> {
+    let mut keys = held.snapshot(store);
+    if !recovered.is_empty() {
+        let list: Vec<Vec<u8>> = recovered.iter().cloned().collect();
+        let present = store.exists_keys(&list);
+        let mut seen: HashSet<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+        let mut extra = Vec::new();
+        for (key, present) in list.iter().zip(present) {
+            if !present {
+                recovered.remove(key);
+            } else if seen.insert(key.as_slice()) {
+                extra.push(key.clone());
+            }
+        }
+        keys.extend(extra);
+    }
+    keys.truncate(MAX_REGISTERED_KEYS);
+    keys
+}
+
+/// Recovered keys the store no longer holds (forgotten here, reported to the master).
+fn recovered_dropped(store: &Client, recovered: &mut HashSet<Vec<u8>>) -> Vec<Vec<u8>> {
+    if recovered.is_empty() {
+        return Vec::new();
+    }
+    let list: Vec<Vec<u8>> = recovered.iter().cloned().collect();
+    let present = store.exists_keys(&list);
+    let dropped: Vec<Vec<u8>> = list
+        .into_iter()
+        .zip(present)
+        .filter_map(|(k, p)| (!p).then_some(k))
+        .collect();
+    for key in &dropped {
+        recovered.remove(key);
+    }
+    dropped
+}
+
 async fn agent_loop(
     config: NodeAgentConfig,
     store: Arc<Client>,
@@ -101,6 +169,16 @@ async fn agent_loop(
         Duration::from_millis(1),
     );
     let mut registered_once = false;
+    // What the store held before any peer wrote to it: a warm restart's SSD contents.
+    let mut recovered = keys_in_store(&store);
+    if !recovered.is_empty() {
+        eprintln!(
+            "kvtier serve: node {:?} holds {} objects from before its start",
+            config.node_id,
+            recovered.len()
+        );
+    }
+    let mut rounds = 0usize;
     while !stop.load(Ordering::SeqCst) {
         let (capacity, free) = free_bytes(&store);
         let request = RegisterNodeRequest {
@@ -109,7 +187,7 @@ async fn agent_loop(
             capacity_bytes: capacity,
             free_bytes: free,
             tags: config.tags.clone(),
-            keys: held.snapshot(&store),
+            keys: held_now(&store, &held, &mut recovered),
         };
         let keys = request.keys.len();
         let reply = match link
@@ -142,6 +220,19 @@ async fn agent_loop(
             link.current_leader().unwrap_or_default()
         );
         registered_once = true;
+        // Keys stored while the registration was on its way are not in it: register again.
+        rounds += 1;
+        if rounds < MAX_REREGISTER_ROUNDS {
+            let sent: HashSet<&[u8]> = request.keys.iter().map(Vec::as_slice).collect();
+            let arrived = held
+                .snapshot(&store)
+                .iter()
+                .any(|k| !sent.contains(k.as_slice()));
+            if arrived {
+                continue;
+            }
+        }
+        rounds = 0;
         let every = Duration::from_millis((reply.lease_ms / 3).max(50));
         loop {
             if !sleep_unless_stopped(every, &stop).await {
@@ -166,7 +257,8 @@ async fn agent_loop(
                     continue;
                 }
             }
-            let dropped = held.take_dropped(&store);
+            let mut dropped = held.take_dropped(&store);
+            dropped.extend(recovered_dropped(&store, &mut recovered));
             if !dropped.is_empty() {
                 let report = ReportDroppedRequest {
                     node: reply.index,

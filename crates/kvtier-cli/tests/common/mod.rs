@@ -1,0 +1,267 @@
+//! Helpers shared by the cluster tests: child processes killed on drop, free ports, waiting,
+//! host memory standing in for a pool, a `kvtier serve --master` node, a real etcd.
+#![allow(dead_code)]
+
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvtier_client::{Client, MemRef};
+
+pub const TOKEN: &str = "test-cluster-secret";
+
+/// A child process this test started; killed (by its own pid) when dropped.
+pub struct Proc {
+    pub child: Child,
+    pub name: String,
+}
+
+impl Proc {
+    pub fn spawn(name: &str, args: &[&str], envs: &[(&str, &str)]) -> Proc {
+        Proc::spawn_program(env!("CARGO_BIN_EXE_kvtier"), name, args, envs)
+    }
+
+    pub fn spawn_program(program: &str, name: &str, args: &[&str], envs: &[(&str, &str)]) -> Proc {
+        let mut cmd = Command::new(program);
+        cmd.args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit());
+        for (k, v) in envs {
+            cmd.env(k, v);
+        }
+        Proc {
+            child: cmd
+                .spawn()
+                .unwrap_or_else(|e| panic!("spawn {program}: {e}")),
+            name: name.to_string(),
+        }
+    }
+
+    /// SIGKILL and reap.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM and wait for the exit (SIGKILL after `limit`).
+    pub fn terminate(&mut self, limit: Duration) {
+        let pid = self.child.id().to_string();
+        let _ = Command::new("kill").args(["-TERM", &pid]).status();
+        let start = Instant::now();
+        while start.elapsed() < limit {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.kill();
+    }
+
+    pub fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            eprintln!("test: stopping {}", self.name);
+        }
+        self.kill();
+    }
+}
+
+pub fn free_port(ip: &str) -> u16 {
+    TcpListener::bind((ip, 0))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+pub fn wait_for(limit: Duration, what: &str, mut ok: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !ok() {
+        assert!(start.elapsed() < limit, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Host memory standing in for a pool: `pages x comps` buffers of `len` bytes.
+pub struct Pool {
+    pub bytes: Vec<u8>,
+    pub len: usize,
+}
+
+impl Pool {
+    pub fn new(objects: usize, len: usize) -> Pool {
+        Pool {
+            bytes: vec![0u8; objects * len],
+            len,
+        }
+    }
+    pub fn fill(&mut self, seed: u8) {
+        for (i, b) in self.bytes.iter_mut().enumerate() {
+            *b = (i as u8).wrapping_mul(13) ^ seed;
+        }
+    }
+    pub fn refs(&self) -> Vec<MemRef> {
+        (0..self.bytes.len() / self.len)
+            .map(|i| MemRef {
+                ptr: self.bytes.as_ptr() as usize + i * self.len,
+                len: self.len,
+            })
+            .collect()
+    }
+    pub fn register(&self, client: &Client) {
+        // SAFETY: the pool outlives every batch of this test and is not otherwise borrowed
+        // while the client writes into it.
+        unsafe {
+            client
+                .register_region(self.bytes.as_ptr() as usize, self.bytes.len(), "test pool")
+                .unwrap();
+        }
+    }
+}
+
+/// How to start one `kvtier serve --master` node.
+#[derive(Clone, Debug)]
+pub struct NodeOpts {
+    pub id: String,
+    /// IP:PORT of its data port.
+    pub data: String,
+    /// Comma-separated master addresses.
+    pub masters: String,
+    /// Where its socket (and SSD segments, with `ssd`) live.
+    pub dir: PathBuf,
+    /// SSD tier on, write-through, strict durability (an acknowledged put is synced).
+    pub ssd: bool,
+}
+
+impl NodeOpts {
+    pub fn new(dir: &Path, masters: &str, id: &str, ip: &str) -> NodeOpts {
+        NodeOpts {
+            id: id.to_string(),
+            data: format!("{ip}:{}", free_port(ip)),
+            masters: masters.to_string(),
+            dir: dir.to_path_buf(),
+            ssd: false,
+        }
+    }
+
+    pub fn spawn(&self) -> Proc {
+        let socket = self.dir.join(format!("{}.sock", self.id));
+        let _ = std::fs::remove_file(&socket);
+        let ssd_dir = self.dir.join(format!("{}-ssd", self.id));
+        let ssd_dir_flag = format!("ssd_storage_dir={}", ssd_dir.display());
+        let mut args: Vec<&str> = vec![
+            "serve",
+            "--socket",
+            socket.to_str().unwrap(),
+            "--dram-capacity",
+            "64MiB",
+            "--engine",
+            "dram_prefault=false",
+            "--master",
+            &self.masters,
+            "--data-addr",
+            &self.data,
+            "--node-id",
+            &self.id,
+        ];
+        if self.ssd {
+            args.extend([
+                "--engine",
+                "ssd_enabled=true",
+                "--engine",
+                &ssd_dir_flag,
+                "--engine",
+                "ssd_capacity_bytes=64MiB",
+                "--engine",
+                "ssd_segment_size_bytes=4MiB",
+                "--engine",
+                "ssd_durability_mode=strict",
+                "--engine",
+                "ssd_write_policy=write_through",
+            ]);
+        }
+        Proc::spawn(&self.id, &args, &[("KVTIER_CLUSTER_TOKEN", TOKEN)])
+    }
+}
+
+/// Start a single master (no etcd) on `addr`.
+pub fn spawn_master(addr: &str, lease_ms: u64, extra: &[&str]) -> Proc {
+    let lease = lease_ms.to_string();
+    let mut args = vec!["master", "--listen", addr, "--lease-ms", &lease];
+    args.extend_from_slice(extra);
+    Proc::spawn(&format!("master {addr}"), &args, &[])
+}
+
+/// A real etcd (the Debian etcd-server binary) on free loopback ports, data in a temp dir;
+/// killed when dropped.
+pub struct Etcd {
+    pub endpoint: String,
+    _proc: Proc,
+    _dir: tempfile::TempDir,
+}
+
+pub const ETCD_BINARY: &str = "/usr/bin/etcd";
+
+impl Etcd {
+    pub fn start() -> Etcd {
+        assert!(
+            Path::new(ETCD_BINARY).exists(),
+            "{ETCD_BINARY} is missing: run scripts/setup.sh (it installs etcd-server) — \
+             the HA tests need a real etcd"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let client_port = free_port("127.0.0.1");
+        let mut peer_port = free_port("127.0.0.1");
+        while peer_port == client_port {
+            peer_port = free_port("127.0.0.1");
+        }
+        let client_url = format!("http://127.0.0.1:{client_port}");
+        let peer_url = format!("http://127.0.0.1:{peer_port}");
+        let cluster = format!("kvtier-test={peer_url}");
+        let data_dir = dir.path().join("etcd");
+        let proc = Proc::spawn_program(
+            ETCD_BINARY,
+            "etcd",
+            &[
+                "--name",
+                "kvtier-test",
+                "--data-dir",
+                data_dir.to_str().unwrap(),
+                "--listen-client-urls",
+                &client_url,
+                "--advertise-client-urls",
+                &client_url,
+                "--listen-peer-urls",
+                &peer_url,
+                "--initial-advertise-peer-urls",
+                &peer_url,
+                "--initial-cluster",
+                &cluster,
+                "--initial-cluster-state",
+                "new",
+                "--logger",
+                "zap",
+                "--log-level",
+                "error",
+            ],
+            &[],
+        );
+        let etcd = Etcd {
+            endpoint: client_url,
+            _proc: proc,
+            _dir: dir,
+        };
+        wait_for(
+            Duration::from_secs(10),
+            "etcd to accept connections",
+            || TcpStream::connect(("127.0.0.1", client_port)).is_ok(),
+        );
+        etcd
+    }
+}
