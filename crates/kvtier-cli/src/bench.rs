@@ -46,7 +46,7 @@ fn o_direct() -> i32 {
     rustix::fs::OFlags::DIRECT.bits() as i32
 }
 
-fn bar(len: u64, what: &str) -> ProgressBar {
+pub(crate) fn bar(len: u64, what: &str) -> ProgressBar {
     if !crate::interactive() {
         return ProgressBar::hidden();
     }
@@ -59,19 +59,19 @@ fn bar(len: u64, what: &str) -> ProgressBar {
     b
 }
 
-fn note(json: bool, msg: &str) {
+pub(crate) fn note(json: bool, msg: &str) {
     if !json && !crate::interactive() {
         eprintln!("{msg}");
     }
 }
 
-struct TempDir {
-    path: PathBuf,
+pub(crate) struct TempDir {
+    pub(crate) path: PathBuf,
     remove: bool,
 }
 
 impl TempDir {
-    fn new(dir: Option<PathBuf>, name: &str) -> Result<TempDir, String> {
+    pub(crate) fn new(dir: Option<PathBuf>, name: &str) -> Result<TempDir, String> {
         let (path, remove) = match dir {
             Some(d) => (
                 d.join(format!("kvtier-bench-{name}-{}", std::process::id())),
@@ -95,11 +95,11 @@ impl Drop for TempDir {
     }
 }
 
-fn gbps(bytes: u64, d: Duration) -> f64 {
+pub(crate) fn gbps(bytes: u64, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / 1e9
 }
 
-fn p50(mut v: Vec<Duration>) -> Duration {
+pub(crate) fn p50(mut v: Vec<Duration>) -> Duration {
     v.sort();
     v[v.len() / 2]
 }

@@ -4,21 +4,28 @@
 //! - Authentication: the first frame must be `PeerHello` with the cluster token (compared in
 //!   constant time). Anything else is answered `UNAUTHORIZED`, logged with the peer's address,
 //!   and the connection is closed; nothing is served before.
-//! - One thread per connection (clients keep a few pooled connections per node, like the
-//!   Unix-socket server); requests are answered in order, so clients may pipeline.
+//! - Two threads per connection (clients keep a few pooled connections per node): a reader
+//!   that serves requests in order and a writer that sends the replies in the same order, so
+//!   clients may pipeline and a get's copy out of the store overlaps the send of the previous
+//!   object (up to `REPLIES_IN_FLIGHT` replies queued).
 //! - Puts are put-if-absent in the node's store. Every key stored through this port is
 //!   remembered in [`HeldKeys`], which the node agent reports to the master when it
 //!   (re-)registers and checks against the store to report evictions.
 //! - A frame that loses stream sync closes the connection; a bad body gets an error reply.
+//! - Page bytes moved are counted per peer host in `kvtier_peer_transfer_bytes_total{peer,
+//!   direction}` (`peer` = the client's IP address, `direction="in"` for puts received,
+//!   `"out"` for gets sent), besides the port-wide [`DataPortCounters`].
 
 use std::collections::HashSet;
-use std::io::{self, Write};
+use std::io::{self, IoSlice, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use kvtier_client::metrics::names;
+use kvtier_client::transport::tcp::write_all_vectored;
 use kvtier_client::Client;
 use kvtier_proto::frame::{FLAG_ERROR, FLAG_RESPONSE, HEADER_LEN};
 use kvtier_proto::peer::{peer_error_code, PeerGet, PeerHello, PeerPutMeta};
@@ -211,13 +218,7 @@ fn accept_loop(shared: &Arc<PortShared>, listener: TcpListener) {
     }
 }
 
-fn send_error(
-    stream: &mut TcpStream,
-    opcode: u16,
-    request_id: u64,
-    code: u16,
-    message: String,
-) -> io::Result<()> {
+fn error_frame(opcode: u16, request_id: u64, code: u16, message: String) -> io::Result<Vec<u8>> {
     let reply = ErrorReply { code, message };
     let mut frame = Vec::new();
     let opcode = Opcode::try_from(opcode).unwrap_or(Opcode::Ping);
@@ -229,20 +230,17 @@ fn send_error(
         &reply,
     )
     .map_err(io::Error::other)?;
-    stream.write_all(&frame)
+    Ok(frame)
 }
 
-fn send_ok(stream: &mut TcpStream, opcode: Opcode, request_id: u64, body: &[u8]) -> io::Result<()> {
-    let header = FrameHeader::new(opcode, request_id, FLAG_RESPONSE, body.len() as u32).encode();
-    if body.len() <= 64 << 10 {
-        let mut frame = Vec::with_capacity(HEADER_LEN + body.len());
-        frame.extend_from_slice(&header);
-        frame.extend_from_slice(body);
-        stream.write_all(&frame)
-    } else {
-        stream.write_all(&header)?;
-        stream.write_all(body)
-    }
+fn send_error(
+    stream: &mut TcpStream,
+    opcode: u16,
+    request_id: u64,
+    code: u16,
+    message: String,
+) -> io::Result<()> {
+    stream.write_all(&error_frame(opcode, request_id, code, message)?)
 }
 
 fn proto_io(e: ProtoError) -> io::Error {
@@ -263,7 +261,8 @@ fn serve_connection(shared: &PortShared, mut stream: TcpStream, peer: &str) -> i
     };
     match hello {
         Some(h) if tokens_equal(&h.token, &shared.token) => {
-            send_ok(&mut stream, Opcode::PeerHello, header.request_id, &[])?;
+            let ok = FrameHeader::new(Opcode::PeerHello, header.request_id, FLAG_RESPONSE, 0);
+            stream.write_all(&ok.encode())?;
         }
         other => {
             shared
@@ -282,78 +281,192 @@ fn serve_connection(shared: &PortShared, mut stream: TcpStream, peer: &str) -> i
             return Ok(());
         }
     }
-    let mut out = Vec::new();
+    let host = stream
+        .peer_addr()
+        .map(|a| a.ip().to_string())
+        .unwrap_or_else(|_| "?".into());
+    let writer_stream = stream.try_clone()?;
+    let (tx, rx) = mpsc::sync_channel::<Reply>(REPLIES_IN_FLIGHT);
+    let (spare_tx, spare_rx) = mpsc::sync_channel::<Vec<u8>>(REPLIES_IN_FLIGHT + 2);
+    let moved_out =
+        metrics::counter!(names::PEER_TRANSFER_BYTES, "peer" => host.clone(), "direction" => "out");
+    let writer = std::thread::Builder::new()
+        .name("kvtier-data-tx".into())
+        .spawn(move || write_replies(writer_stream, rx, spare_tx, moved_out))?;
+    let replies = Replies {
+        tx,
+        spare: spare_rx,
+    };
+    let moved_in =
+        metrics::counter!(names::PEER_TRANSFER_BYTES, "peer" => host, "direction" => "in");
+    let served = serve_requests(shared, &mut stream, &mut body, &replies, &moved_in);
+    // The writer ends once every queued reply is written (or the socket failed).
+    drop(replies);
+    let written = writer
+        .join()
+        .unwrap_or_else(|_| Err(io::Error::other("data port writer panicked")));
+    served.and(written)
+}
+
+/// Replies queued per connection: the reader copies the next object out of the store while
+/// the writer thread still sends the previous one.
+const REPLIES_IN_FLIGHT: usize = 2;
+/// Reply buffers larger than this are freed rather than kept for the next get.
+const MAX_KEPT_BUFFER: usize = 8 << 20;
+
+/// One response frame for a connection's writer thread.
+enum Reply {
+    /// A whole encoded frame (small replies, errors).
+    Frame(Vec<u8>),
+    /// A get's header and the object bytes (the buffer goes back to the reader afterwards).
+    Object {
+        header: [u8; HEADER_LEN],
+        body: Vec<u8>,
+    },
+}
+
+/// The reader's side of a connection's writer thread.
+struct Replies {
+    tx: mpsc::SyncSender<Reply>,
+    spare: mpsc::Receiver<Vec<u8>>,
+}
+
+impl Replies {
+    fn queue(&self, reply: Reply) -> io::Result<()> {
+        self.tx
+            .send(reply)
+            .map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "data port writer stopped"))
+    }
+
+    fn ok(&self, opcode: Opcode, request_id: u64) -> io::Result<()> {
+        let header = FrameHeader::new(opcode, request_id, FLAG_RESPONSE, 0).encode();
+        self.queue(Reply::Frame(header.to_vec()))
+    }
+
+    fn error(&self, opcode: u16, request_id: u64, code: u16, message: String) -> io::Result<()> {
+        self.queue(Reply::Frame(error_frame(
+            opcode, request_id, code, message,
+        )?))
+    }
+
+    /// A buffer of exactly `len` bytes for an object (a returned one when there is).
+    fn buffer(&self, len: usize) -> Vec<u8> {
+        let mut buf = self.spare.try_recv().unwrap_or_default();
+        // Only a change of size touches the bytes; a same-size buffer is overwritten whole.
+        buf.resize(len, 0);
+        buf
+    }
+}
+
+fn write_replies(
+    mut stream: TcpStream,
+    rx: mpsc::Receiver<Reply>,
+    spare: mpsc::SyncSender<Vec<u8>>,
+    moved_out: metrics::Counter,
+) -> io::Result<()> {
+    let mut send = |reply: Reply| -> io::Result<()> {
+        match reply {
+            Reply::Frame(frame) => stream.write_all(&frame),
+            Reply::Object { header, body } => {
+                write_all_vectored(
+                    &mut stream,
+                    &mut [IoSlice::new(&header), IoSlice::new(&body)],
+                )?;
+                moved_out.increment(body.len() as u64);
+                if body.capacity() <= MAX_KEPT_BUFFER {
+                    let _ = spare.try_send(body);
+                }
+                Ok(())
+            }
+        }
+    };
+    for reply in rx {
+        if let Err(e) = send(reply) {
+            // Wake the reader too: this connection is done.
+            let _ = stream.shutdown(Shutdown::Both);
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
+fn serve_requests(
+    shared: &PortShared,
+    stream: &mut TcpStream,
+    body: &mut Vec<u8>,
+    replies: &Replies,
+    moved_in: &metrics::Counter,
+) -> io::Result<()> {
     loop {
-        let header =
-            match read_frame_limited(&mut stream, &mut body, kvtier_proto::frame::MAX_FRAME_BODY) {
-                Ok(h) => h,
-                Err(ProtoError::ConnectionClosed) => return Ok(()),
-                Err(e) => return Err(proto_io(e)),
-            };
+        let header = match read_frame_limited(stream, body, kvtier_proto::frame::MAX_FRAME_BODY) {
+            Ok(h) => h,
+            Err(ProtoError::ConnectionClosed) => return Ok(()),
+            Err(e) => return Err(proto_io(e)),
+        };
         if shared.stopping.load(Ordering::Relaxed) {
             return Ok(());
         }
         let id = header.request_id;
         match header.opcode() {
-            Ok(Opcode::PeerPut) => match PeerPutMeta::split_body(&body) {
-                Ok((meta, value)) => match shared.store.put_slice(&meta.key, value, meta.depth) {
-                    Ok(_) => {
-                        shared.held.insert(&meta.key);
-                        shared.counters.puts.fetch_add(1, Ordering::Relaxed);
-                        shared
-                            .counters
-                            .bytes_in
-                            .fetch_add(value.len() as u64, Ordering::Relaxed);
-                        send_ok(&mut stream, Opcode::PeerPut, id, &[])?;
+            Ok(Opcode::PeerPut) => match PeerPutMeta::split_body(body) {
+                Ok((meta, value)) => {
+                    moved_in.increment(value.len() as u64);
+                    match shared.store.put_slice(&meta.key, value, meta.depth) {
+                        Ok(_) => {
+                            shared.held.insert(&meta.key);
+                            shared.counters.puts.fetch_add(1, Ordering::Relaxed);
+                            shared
+                                .counters
+                                .bytes_in
+                                .fetch_add(value.len() as u64, Ordering::Relaxed);
+                            replies.ok(Opcode::PeerPut, id)?;
+                        }
+                        Err(e) => replies.error(
+                            header.opcode,
+                            id,
+                            peer_error_code::STORE,
+                            e.to_string(),
+                        )?,
                     }
-                    Err(e) => send_error(
-                        &mut stream,
-                        header.opcode,
-                        id,
-                        peer_error_code::STORE,
-                        e.to_string(),
-                    )?,
-                },
-                Err(e) => send_error(
-                    &mut stream,
-                    header.opcode,
-                    id,
-                    error_code::MALFORMED,
-                    e.to_string(),
-                )?,
+                }
+                Err(e) => replies.error(header.opcode, id, error_code::MALFORMED, e.to_string())?,
             },
-            Ok(Opcode::PeerGet) => match PeerGet::decode(&body) {
+            Ok(Opcode::PeerGet) => match PeerGet::decode(body) {
                 Ok(get) => match shared.store.object_len(&get.key) {
                     None => {
                         shared.counters.misses.fetch_add(1, Ordering::Relaxed);
-                        send_error(
-                            &mut stream,
+                        replies.error(
                             header.opcode,
                             id,
                             peer_error_code::NOT_FOUND,
                             "not found".into(),
                         )?
                     }
-                    Some(len) if len != get.expected_len => send_error(
-                        &mut stream,
+                    Some(len) if len != get.expected_len => replies.error(
                         header.opcode,
                         id,
                         peer_error_code::SIZE_MISMATCH,
                         format!("stored {len} bytes, buffer has {}", get.expected_len),
                     )?,
                     Some(len) => {
-                        out.resize(len as usize, 0);
+                        let mut out = replies.buffer(len as usize);
                         match shared.store.get_into_slice(&get.key, &mut out) {
                             Ok(()) => {
                                 shared.counters.gets.fetch_add(1, Ordering::Relaxed);
                                 shared.counters.bytes_out.fetch_add(len, Ordering::Relaxed);
-                                send_ok(&mut stream, Opcode::PeerGet, id, &out)?;
+                                let header = FrameHeader::new(
+                                    Opcode::PeerGet,
+                                    id,
+                                    FLAG_RESPONSE,
+                                    len as u32,
+                                )
+                                .encode();
+                                replies.queue(Reply::Object { header, body: out })?;
                             }
                             // Evicted between the length check and the copy.
                             Err(_) => {
                                 shared.counters.misses.fetch_add(1, Ordering::Relaxed);
-                                send_error(
-                                    &mut stream,
+                                replies.error(
                                     header.opcode,
                                     id,
                                     peer_error_code::NOT_FOUND,
@@ -363,15 +476,9 @@ fn serve_connection(shared: &PortShared, mut stream: TcpStream, peer: &str) -> i
                         }
                     }
                 },
-                Err(e) => send_error(
-                    &mut stream,
-                    header.opcode,
-                    id,
-                    error_code::MALFORMED,
-                    e.to_string(),
-                )?,
+                Err(e) => replies.error(header.opcode, id, error_code::MALFORMED, e.to_string())?,
             },
-            Ok(Opcode::PeerRemove) => match KeyBatch::decode(&body) {
+            Ok(Opcode::PeerRemove) => match KeyBatch::decode(body) {
                 Ok(batch) => {
                     let ok: Vec<bool> = batch
                         .keys
@@ -385,19 +492,12 @@ fn serve_connection(shared: &PortShared, mut stream: TcpStream, peer: &str) -> i
                     let mut frame = Vec::new();
                     encode_frame(&mut frame, Opcode::PeerRemove, id, FLAG_RESPONSE, &reply)
                         .map_err(io::Error::other)?;
-                    stream.write_all(&frame)?;
+                    replies.queue(Reply::Frame(frame))?;
                 }
-                Err(e) => send_error(
-                    &mut stream,
-                    header.opcode,
-                    id,
-                    error_code::MALFORMED,
-                    e.to_string(),
-                )?,
+                Err(e) => replies.error(header.opcode, id, error_code::MALFORMED, e.to_string())?,
             },
-            Ok(Opcode::Ping) => send_ok(&mut stream, Opcode::Ping, id, &[])?,
-            _ => send_error(
-                &mut stream,
+            Ok(Opcode::Ping) => replies.ok(Opcode::Ping, id)?,
+            _ => replies.error(
                 header.opcode,
                 id,
                 error_code::UNSUPPORTED,
@@ -405,11 +505,8 @@ fn serve_connection(shared: &PortShared, mut stream: TcpStream, peer: &str) -> i
             )?,
         }
         // Release a huge body's memory rather than keep it per connection.
-        if body.capacity() > 8 << 20 {
-            body = Vec::new();
-        }
-        if out.capacity() > 8 << 20 {
-            out = Vec::new();
+        if body.capacity() > MAX_KEPT_BUFFER {
+            *body = Vec::new();
         }
     }
 }

@@ -66,6 +66,9 @@ pub enum TransportError {
         #[source]
         source: ProtoError,
     },
+    /// The rest of a batch after its connection failed: the reason names the peer already.
+    #[error("{reason} (the batch stopped there)")]
+    BatchAborted { reason: String },
 }
 
 impl TransportError {
@@ -81,6 +84,7 @@ impl TransportError {
             TransportError::Connect { .. }
                 | TransportError::Io { .. }
                 | TransportError::PeerDown { .. }
+                | TransportError::BatchAborted { .. }
         )
     }
 }

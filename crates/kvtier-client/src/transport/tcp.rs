@@ -9,12 +9,14 @@
 //! - Get responses are read header first; only a body whose length equals the destination's
 //!   is read, straight into the destination. Anything else fails that item closed (the body
 //!   is drained so the stream stays in sync).
+//! - Page bytes moved are counted per peer in [`names::PEER_TRANSFER_BYTES`] (`peer` = the
+//!   node's data address; `direction="out"` for puts, `"in"` for gets), once per run.
 //! - Every socket has read/write timeouts (`request_timeout`); a peer that fails to connect or
 //!   times out is marked down for `down_backoff`, during which calls to it fail at once, so a
 //!   dead peer costs a caller one timeout, not one per call.
 
 use std::collections::HashMap;
-use std::io::{self, Read, Write};
+use std::io::{self, IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
@@ -27,6 +29,7 @@ use kvtier_proto::{
 use parking_lot::Mutex;
 
 use super::{GetItem, PutItem, Transport, TransportError};
+use crate::metrics::names;
 
 /// Requests in flight on one connection.
 pub const PIPELINE_WINDOW: usize = 32;
@@ -65,7 +68,30 @@ pub struct TcpTransport {
     down_until: Mutex<HashMap<String, Instant>>,
 }
 
-/// A frame written in two parts: header + small prefix, then the payload (no copy of it).
+/// Write every byte of `bufs` (vectored: one syscall for a header and its payload when the
+/// socket takes them).
+pub fn write_all_vectored(stream: &mut impl Write, mut bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
+    IoSlice::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        match stream.write_vectored(bufs) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Count `bytes` of page data moved to (`"out"`) or from (`"in"`) `peer`.
+fn count_transfer(peer: &str, direction: &'static str, bytes: u64) {
+    if bytes > 0 {
+        metrics::counter!(names::PEER_TRANSFER_BYTES, "peer" => peer.to_string(), "direction" => direction)
+            .increment(bytes);
+    }
+}
+
+/// A frame written as header + small prefix, then the payload (no copy of it), vectored.
 fn write_request(
     stream: &mut TcpStream,
     opcode: Opcode,
@@ -88,13 +114,7 @@ fn write_request(
     let mut head = Vec::with_capacity(HEADER_LEN + prefix.len());
     head.extend_from_slice(&header);
     head.extend_from_slice(prefix);
-    if payload.len() <= 64 << 10 {
-        head.extend_from_slice(payload);
-        stream.write_all(&head)?;
-    } else {
-        stream.write_all(&head)?;
-        stream.write_all(payload)?;
-    }
+    write_all_vectored(stream, &mut [IoSlice::new(&head), IoSlice::new(payload)])?;
     Ok(())
 }
 
@@ -148,6 +168,14 @@ impl TcpTransport {
     }
 
     fn io_error(peer: &str, source: io::Error) -> TransportError {
+        // A socket read/write timeout surfaces as EAGAIN (WouldBlock) on Linux: say what it is.
+        let source = match source.kind() {
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => io::Error::new(
+                io::ErrorKind::TimedOut,
+                "no answer within the request timeout (cluster_request_timeout_ms)",
+            ),
+            _ => source,
+        };
         TransportError::Io {
             peer: peer.to_string(),
             source,
@@ -316,7 +344,9 @@ impl TcpTransport {
                 let message = e.to_string();
                 results.push(Err(e));
                 for _ in 1..count {
-                    results.push(Err(Self::io_error(peer, io::Error::other(message.clone()))));
+                    results.push(Err(TransportError::BatchAborted {
+                        reason: message.clone(),
+                    }));
                 }
                 return results;
             }
@@ -351,7 +381,9 @@ impl TcpTransport {
                 tracing::warn!(peer, reason = %reason, "kvtier: peer connection failed");
                 self.mark_down(peer);
                 while results.len() < count {
-                    results.push(Err(Self::io_error(peer, io::Error::other(reason.clone()))));
+                    results.push(Err(TransportError::BatchAborted {
+                        reason: reason.clone(),
+                    }));
                 }
             }
         }
@@ -360,7 +392,8 @@ impl TcpTransport {
 
     fn put_run(&self, peer: &str, items: &[PutItem<'_>]) -> Vec<Result<(), TransportError>> {
         let mut meta = Vec::new();
-        self.pipeline(
+        let mut sent = 0u64;
+        let results = self.pipeline(
             peer,
             items.len(),
             |stream, i| {
@@ -372,7 +405,9 @@ impl TcpTransport {
                 .encode(&mut meta)
                 .map_err(|e| Self::proto_error(peer, e))?;
                 write_request(stream, Opcode::PeerPut, i as u64, &meta, items[i].value)
-                    .map_err(|e| Self::proto_error(peer, e))
+                    .map_err(|e| Self::proto_error(peer, e))?;
+                sent += items[i].value.len() as u64;
+                Ok(())
             },
             |stream, i| {
                 let header = read_header(stream)
@@ -396,7 +431,9 @@ impl TcpTransport {
                 drain(stream, u64::from(header.body_len))
                     .map_err(|e| ItemFailure::Connection(Self::io_error(peer, e)))
             },
-        )
+        );
+        count_transfer(peer, "out", sent);
+        results
     }
 
     fn get_run(&self, peer: &str, items: &mut [GetItem<'_>]) -> Vec<Result<(), TransportError>> {
@@ -411,7 +448,8 @@ impl TcpTransport {
                 .unwrap_or_default()
             })
             .collect();
-        self.pipeline(
+        let mut received = 0u64;
+        let results = self.pipeline(
             peer,
             items.len(),
             |stream, i| {
@@ -460,9 +498,13 @@ impl TcpTransport {
                 }
                 stream
                     .read_exact(dst)
-                    .map_err(|e| ItemFailure::Connection(Self::io_error(peer, e)))
+                    .map_err(|e| ItemFailure::Connection(Self::io_error(peer, e)))?;
+                received += dst.len() as u64;
+                Ok(())
             },
-        )
+        );
+        count_transfer(peer, "in", received);
+        results
     }
 }
 
