@@ -11,10 +11,16 @@
 //!   DRAM-miss latency against a raw `O_DIRECT` baseline measured in the same run, same place.
 //! - `kvtier bench recovery [--dir DIR] [--objects N] [--json]` — warm-restart time from the
 //!   index checkpoint and by a full segment scan.
+//! - `kvtier bench cluster [--sizes S,..] [--batch N] [--rounds N] [--mooncake] [--json]` —
+//!   remote set/get through a cluster node over loopback TCP against the same run's raw TCP
+//!   throughput and, with --mooncake, Mooncake Store's TCP protocol (`bench_cluster.rs`).
 
 mod bench;
+mod bench_cluster;
+mod cluster_view;
 mod config_check;
 mod master;
+mod master_metrics;
 mod serve;
 mod workload;
 
@@ -101,6 +107,10 @@ enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Remote set/get through a cluster node (master + node started here, client not
+    /// co-located: every byte over loopback TCP) vs the same run's raw single-stream TCP,
+    /// and optionally Mooncake Store over TCP in the same run.
+    Cluster(bench_cluster::BenchClusterArgs),
 }
 
 fn main() -> ExitCode {
@@ -117,6 +127,7 @@ fn main() -> ExitCode {
             BenchCommand::Recovery { dir, objects, json } => bench::recovery(dir, objects, json),
             BenchCommand::Server(args) => serve::bench(args),
             BenchCommand::Workload(args) => workload::run(args),
+            BenchCommand::Cluster(args) => bench_cluster::run(args),
         },
         Command::Config { what } => config_check::run(what),
         Command::Server(command) => serve::run(command),

@@ -32,6 +32,10 @@ pub struct MasterArgs {
     /// Replication factor of one namespace (the clients' extra_backend_tag), NS=N, repeatable.
     #[arg(long = "replication", value_name = "NS=N")]
     pub replication: Vec<String>,
+    /// Serve Prometheus metrics at http://HOST:PORT/metrics (port 0: a free port, printed at
+    /// startup): leadership, nodes, directory size, RPC latency.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub metrics_addr: Option<String>,
 }
 
 pub fn master(args: MasterArgs) -> Result<ExitCode, String> {
@@ -73,6 +77,16 @@ pub fn master(args: MasterArgs) -> Result<ExitCode, String> {
             .collect(),
         election_ttl: Duration::from_secs(args.election_ttl_s.max(1)),
         ..MasterConfig::default()
+    };
+    // Started before the RPC port binds, so an address in use fails the start.
+    let _metrics = match &args.metrics_addr {
+        Some(addr) => {
+            let m = crate::master_metrics::start(addr, args.listen)
+                .map_err(|e| format!("metrics_addr {addr}: {e}"))?;
+            eprintln!("kvtier master: metrics at {}", m.endpoint.url());
+            Some(m)
+        }
+        None => None,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -102,6 +102,19 @@ pub mod names {
     pub const TENANT_PAGES: &str = "kvtier_tenant_pages_total";
     /// Counter `{peer, direction}`: page bytes moved to / from a cluster peer (cluster mode).
     pub const PEER_TRANSFER_BYTES: &str = "kvtier_peer_transfer_bytes_total";
+    /// Gauge: 1 when the scrape reached this `kvtier master`'s RPC port.
+    pub const MASTER_UP: &str = "kvtier_master_up";
+    /// Gauge: 1 while this master leads (single-master mode: always).
+    pub const MASTER_IS_LEADER: &str = "kvtier_master_is_leader";
+    /// Gauge: objects in the leader's key directory.
+    pub const MASTER_OBJECTS: &str = "kvtier_master_objects";
+    /// Gauge `{state}`: registered nodes, `alive` (lease current) or `down`.
+    pub const MASTER_NODES: &str = "kvtier_master_nodes";
+    /// Gauge `{node}`: capacity / free bytes a node reported.
+    pub const MASTER_NODE_CAPACITY_BYTES: &str = "kvtier_master_node_capacity_bytes";
+    pub const MASTER_NODE_FREE_BYTES: &str = "kvtier_master_node_free_bytes";
+    /// Histogram `{rpc}`: latency of one master RPC as its handler saw it.
+    pub const MASTER_RPC_DURATION: &str = "kvtier_master_rpc_duration_seconds";
 }
 
 /// Upper bounds of the `_seconds` histograms: 10 us to 10 s.

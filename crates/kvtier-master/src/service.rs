@@ -150,12 +150,39 @@ fn node_index(raw: u32) -> Result<u16, Status> {
         .map_err(|_| Status::invalid_argument(format!("node index {raw} is out of range")))
 }
 
+/// Name of the master's RPC latency histogram (`kvtier_client::metrics::names` lists it too;
+/// this crate sits below the client, so it records by name through the `metrics` facade,
+/// a no-op unless the process installed a recorder with `--metrics-addr`).
+const RPC_DURATION: &str = "kvtier_master_rpc_duration_seconds";
+
+/// Records one RPC's latency, labelled `rpc`, when dropped (every return path counts).
+struct RpcTimer {
+    rpc: &'static str,
+    start: std::time::Instant,
+}
+
+impl RpcTimer {
+    fn start(rpc: &'static str) -> RpcTimer {
+        RpcTimer {
+            rpc,
+            start: std::time::Instant::now(),
+        }
+    }
+}
+
+impl Drop for RpcTimer {
+    fn drop(&mut self) {
+        metrics::histogram!(RPC_DURATION, "rpc" => self.rpc).record(self.start.elapsed());
+    }
+}
+
 #[tonic::async_trait]
 impl Master for MasterService {
     async fn register_node(
         &self,
         request: Request<RegisterNodeRequest>,
     ) -> Result<Response<RegisterNodeReply>, Status> {
+        let _timer = RpcTimer::start("register_node");
         self.lead()?;
         let r = request.into_inner();
         if r.data_address.parse::<SocketAddr>().is_err() {
@@ -195,6 +222,7 @@ impl Master for MasterService {
         &self,
         request: Request<HeartbeatRequest>,
     ) -> Result<Response<HeartbeatReply>, Status> {
+        let _timer = RpcTimer::start("heartbeat");
         self.lead()?;
         let r = request.into_inner();
         Ok(Response::new(HeartbeatReply {
@@ -206,6 +234,7 @@ impl Master for MasterService {
         &self,
         request: Request<PlacePutsRequest>,
     ) -> Result<Response<PlacePutsReply>, Status> {
+        let _timer = RpcTimer::start("place_puts");
         self.lead()?;
         let r = request.into_inner();
         check_keys(&r.keys)?;
@@ -255,6 +284,7 @@ impl Master for MasterService {
         &self,
         request: Request<CommitPutsRequest>,
     ) -> Result<Response<CommitPutsReply>, Status> {
+        let _timer = RpcTimer::start("commit_puts");
         self.lead()?;
         let r = request.into_inner();
         check_keys(&r.keys)?;
@@ -281,6 +311,7 @@ impl Master for MasterService {
         &self,
         request: Request<LookupRequest>,
     ) -> Result<Response<LookupReply>, Status> {
+        let _timer = RpcTimer::start("lookup");
         self.lead()?;
         let r = request.into_inner();
         check_keys(&r.keys)?;
@@ -300,6 +331,7 @@ impl Master for MasterService {
         &self,
         request: Request<ExistsV2Request>,
     ) -> Result<Response<ExistsV2Reply>, Status> {
+        let _timer = RpcTimer::start("exists_v2");
         self.lead()?;
         let r = request.into_inner();
         let query = ExistsV2Query::decode(&r.query)
@@ -315,6 +347,7 @@ impl Master for MasterService {
         &self,
         request: Request<ReportDroppedRequest>,
     ) -> Result<Response<ReportDroppedReply>, Status> {
+        let _timer = RpcTimer::start("report_dropped");
         self.lead()?;
         let r = request.into_inner();
         check_keys(&r.keys)?;
@@ -328,6 +361,7 @@ impl Master for MasterService {
         &self,
         _request: Request<ClusterRequest>,
     ) -> Result<Response<ClusterReply>, Status> {
+        let _timer = RpcTimer::start("cluster");
         let leader = self.leadership.is_leader();
         Ok(Response::new(ClusterReply {
             nodes: if leader {
@@ -349,6 +383,7 @@ impl Master for MasterService {
         &self,
         request: Request<ForgetRequest>,
     ) -> Result<Response<ForgetReply>, Status> {
+        let _timer = RpcTimer::start("forget");
         self.lead()?;
         let r = request.into_inner();
         check_keys(&r.keys)?;

@@ -68,6 +68,10 @@ pub struct ServeArgs {
 pub struct StatArgs {
     #[arg(long)]
     pub socket: Option<PathBuf>,
+    /// A cluster instead of one server: the `kvtier master` address(es), comma-separated
+    /// (nodes, leases, leader, directory size as the leader sees them).
+    #[arg(long, conflicts_with = "socket")]
+    pub master: Option<String>,
     /// Print the whole JSON document instead of the summary.
     #[arg(long)]
     pub json: bool,
@@ -94,6 +98,10 @@ pub struct InspectArgs {
     pub limit: u64,
     #[arg(long)]
     pub socket: Option<PathBuf>,
+    /// A cluster instead of one server: ask the `kvtier master` (comma-separated addresses)
+    /// which nodes hold each KEY (exact keys only).
+    #[arg(long, conflicts_with = "socket")]
+    pub master: Option<String>,
     /// Print the server's JSON document instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -344,10 +352,7 @@ pub fn inspect_main(args: InspectArgs) -> i32 {
             .any(|s| s["prefix"].as_array().is_some_and(|l| !l.is_empty()));
     let code = i32::from(!(keys_found && prefix_found));
     if args.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&doc).unwrap_or_else(|_| doc.to_string())
-        );
+        print_json(&doc);
         return code;
     }
     println!(
@@ -399,6 +404,14 @@ fn pool_of(key: &str) -> &str {
         .map_or("-", |(_, pool)| pool)
 }
 
+/// Print a JSON document for scripts (pretty; compact if it cannot be pretty-printed).
+pub fn print_json(doc: &Value) {
+    println!(
+        "{}",
+        serde_json::to_string_pretty(doc).unwrap_or_else(|_| doc.to_string())
+    );
+}
+
 /// Run `kvtier stat`; returns the exit code.
 pub fn stat_main(args: StatArgs) -> i32 {
     let socket = match socket_or_default(&args.socket) {
@@ -416,10 +429,7 @@ pub fn stat_main(args: StatArgs) -> i32 {
         }
     };
     if args.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&doc).unwrap_or_else(|_| doc.to_string())
-        );
+        print_json(&doc);
         return 0;
     }
     let s = &doc["server"];

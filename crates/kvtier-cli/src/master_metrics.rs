@@ -1,0 +1,100 @@
+//! `kvtier master --metrics-addr`: the master's Prometheus metrics.
+//!
+//! At scrape time a collector asks this master, over its own RPC port, for its node table and
+//! directory size (the `Cluster` RPC, answered by followers too), so a scrape shows exactly
+//! what the master holds at that moment; the master's RPC handlers record their latency with
+//! the `metrics` macros into the same registry. A follower publishes `kvtier_master_is_leader
+//! 0` and no nodes: the leader's table is the cluster's.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvtier_client::metrics::{self, names, Collector, Endpoint, Samples};
+use kvtier_master::rpc::master_client::MasterClient;
+use kvtier_master::rpc::ClusterRequest;
+use parking_lot::Mutex;
+
+/// Bound of the scrape's own RPC: a master too busy to answer shows as `kvtier_master_up 0`.
+const SCRAPE_RPC_TIMEOUT: Duration = Duration::from_secs(2);
+
+struct MasterCollector {
+    /// `http://HOST:PORT` of this master's RPC port.
+    url: String,
+    runtime: Mutex<tokio::runtime::Runtime>,
+}
+
+impl Collector for MasterCollector {
+    fn collect(&self, out: &mut Samples) {
+        let url = self.url.clone();
+        let reply = self.runtime.lock().block_on(async move {
+            let fetch = async {
+                let mut client = MasterClient::connect(url).await.ok()?;
+                client
+                    .cluster(ClusterRequest {})
+                    .await
+                    .ok()
+                    .map(|r| r.into_inner())
+            };
+            tokio::time::timeout(SCRAPE_RPC_TIMEOUT, fetch)
+                .await
+                .ok()
+                .flatten()
+        });
+        let Some(reply) = reply else {
+            out.gauge(names::MASTER_UP, &[], 0.0);
+            return;
+        };
+        out.gauge(names::MASTER_UP, &[], 1.0);
+        out.gauge(
+            names::MASTER_IS_LEADER,
+            &[],
+            if reply.is_leader { 1.0 } else { 0.0 },
+        );
+        out.gauge(names::MASTER_OBJECTS, &[], reply.objects as f64);
+        let alive = reply.nodes.iter().filter(|n| n.alive).count();
+        out.gauge(names::MASTER_NODES, &[("state", "alive")], alive as f64);
+        out.gauge(
+            names::MASTER_NODES,
+            &[("state", "down")],
+            (reply.nodes.len() - alive) as f64,
+        );
+        for n in &reply.nodes {
+            let node = [("node", n.node_id.as_str())];
+            out.gauge(
+                names::MASTER_NODE_CAPACITY_BYTES,
+                &node,
+                n.capacity_bytes as f64,
+            );
+            out.gauge(names::MASTER_NODE_FREE_BYTES, &node, n.free_bytes as f64);
+        }
+    }
+}
+
+/// A running master endpoint; keep it alive for the master's lifetime.
+pub struct MasterMetrics {
+    pub endpoint: Arc<Endpoint>,
+    _collector: Arc<dyn Collector>,
+}
+
+/// Start the endpoint on `addr` for the master whose RPC port is `rpc` (an unspecified
+/// address such as `0.0.0.0` is reached on loopback).
+pub fn start(addr: &str, rpc: std::net::SocketAddr) -> Result<MasterMetrics, String> {
+    let endpoint = metrics::serve(addr).map_err(|e| e.to_string())?;
+    let mut target = rpc;
+    if target.ip().is_unspecified() {
+        target.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("metrics runtime: {e}"))?;
+    let collector: Arc<dyn Collector> = Arc::new(MasterCollector {
+        url: format!("http://{target}"),
+        runtime: Mutex::new(runtime),
+    });
+    metrics::register_collector(Arc::downgrade(&collector));
+    Ok(MasterMetrics {
+        endpoint,
+        _collector: collector,
+    })
+}
