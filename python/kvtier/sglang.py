@@ -342,9 +342,10 @@ class KvtierStore(HiCacheStorage):
         self._tp_lcm = (getattr(cfg, "tp_lcm_size", None) or self._tp_size) if cfg else 1
         is_writer = cfg.is_storage_writer if cfg else True
         # An embedded store is private to this process, so every rank must write its own
-        # copy of rank-replicated KV; the local-server mode shares one copy per host, written
-        # by SGLang's storage writer rank and read by every rank.
-        self._store_is_process_private = not self._server_mode
+        # copy of rank-replicated KV; the local-server mode shares one copy per host, and
+        # cluster mode (master_address) one copy per cluster, written by SGLang's storage
+        # writer rank and read by every rank.
+        self._store_is_process_private = self._store.mode == "embedded"
         self._writes_replicated_kv = is_writer or self._store_is_process_private
         if not is_writer and self._store_is_process_private:
             logger.info(
@@ -365,7 +366,7 @@ class KvtierStore(HiCacheStorage):
         self._lock = threading.Lock()
         logger.info(
             "kvtier store opened (%s, kv path %s): %s",
-            "server mode" if self._server_mode else "embedded",
+            {"server": "server mode", "cluster": "cluster mode"}.get(self._store.mode, "embedded"),
             "v1 zero-copy" if self._interface_v1 else "legacy tensor copy",
             self._store.config_toml().replace("\n", "; "),
         )
