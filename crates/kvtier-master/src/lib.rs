@@ -39,7 +39,7 @@
 //!   stay on the node and are listed at its next registration.
 //! - Availability for about the etcd lease TTL plus one campaign poll (TTL / 4) plus a node
 //!   heartbeat (lease / 3): in `tests/cluster_failover.rs` (TTL 2 s, node lease 1 s) a
-//!   follower leads 2.4-2.6 s after the leader's SIGKILL and puts and gets succeed again
+//!   follower leads 2.3-2.6 s after the leader's SIGKILL and puts and gets succeed again
 //!   50-150 ms later. Meanwhile calls retry for `cluster_master_retry_ms`, then fail.
 //! - Replication of puts placed while only some nodes have re-registered: placement picks
 //!   among the nodes registered then, so such a put can get fewer replicas than asked.
