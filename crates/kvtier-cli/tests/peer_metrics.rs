@@ -10,7 +10,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use common::{free_port, spawn_master, wait_for, Proc, TOKEN};
+use common::{free_port, spawn_master, wait_for, NodeOpts, TOKEN};
 use kvtier_client::{Client, KvtierConfig};
 
 const NAME: &str = "kvtier_peer_transfer_bytes_total";
@@ -43,32 +43,13 @@ fn transfer(addr: &str, peer: &str, direction: &str) -> u64 {
 fn peer_transfer_bytes_count_remote_puts_and_gets_on_both_sides() {
     let dir = tempfile::tempdir().unwrap();
     let master = format!("127.0.0.1:{}", free_port("127.0.0.1"));
-    let data = format!("127.0.0.1:{}", free_port("127.0.0.1"));
     let node_metrics = format!("127.0.0.1:{}", free_port("127.0.0.1"));
-    let socket = dir.path().join("node.sock");
     let _master = spawn_master(&master, 3000, &[]);
     wait_for(LIMIT, "the master", || TcpStream::connect(&master).is_ok());
-    let _node = Proc::spawn(
-        "node-m",
-        &[
-            "serve",
-            "--socket",
-            socket.to_str().unwrap(),
-            "--dram-capacity",
-            "64MiB",
-            "--engine",
-            "dram_prefault=false",
-            "--master",
-            &master,
-            "--data-addr",
-            &data,
-            "--node-id",
-            "node-m",
-            "--metrics-addr",
-            &node_metrics,
-        ],
-        &[("KVTIER_CLUSTER_TOKEN", TOKEN)],
-    );
+    let mut node = NodeOpts::new(dir.path(), &master, "node-m", "127.0.0.1");
+    node.metrics_addr = Some(node_metrics.clone());
+    let data = node.data.clone();
+    let _node = node.spawn();
     wait_for(LIMIT, "the node's metrics endpoint", || {
         metrics_text(&node_metrics).is_some()
     });

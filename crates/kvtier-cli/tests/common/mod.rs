@@ -137,6 +137,8 @@ pub struct NodeOpts {
     pub dir: PathBuf,
     /// SSD tier on, write-through, strict durability (an acknowledged put is synced).
     pub ssd: bool,
+    /// `--metrics-addr` of the node, if any.
+    pub metrics_addr: Option<String>,
 }
 
 impl NodeOpts {
@@ -147,6 +149,7 @@ impl NodeOpts {
             masters: masters.to_string(),
             dir: dir.to_path_buf(),
             ssd: false,
+            metrics_addr: None,
         }
     }
 
@@ -185,6 +188,9 @@ impl NodeOpts {
                 "--engine",
                 "ssd_write_policy=write_through",
             ]);
+        }
+        if let Some(addr) = &self.metrics_addr {
+            args.extend(["--metrics-addr", addr.as_str()]);
         }
         Proc::spawn(&self.id, &args, &[("KVTIER_CLUSTER_TOKEN", TOKEN)])
     }

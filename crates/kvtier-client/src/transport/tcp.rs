@@ -330,6 +330,30 @@ impl TcpTransport {
 
     /// Run `items` over one connection with a pipelined window. `send(stream, i)` writes
     /// request `i`; `receive(stream, i)` reads its response.
+    /// The header of reply `i` of a pipelined batch: out of order is a connection failure; an
+    /// error reply is read whole and returned as `Err` (an item failure the caller names).
+    fn reply_header(
+        stream: &mut TcpStream,
+        peer: &str,
+        i: usize,
+    ) -> Result<Result<FrameHeader, ErrorReply>, ItemFailure> {
+        let header =
+            read_header(stream).map_err(|e| ItemFailure::Connection(Self::proto_error(peer, e)))?;
+        if header.request_id != i as u64 {
+            return Err(ItemFailure::Connection(TransportError::OutOfOrder {
+                peer: peer.to_string(),
+                expected: i as u64,
+                found: header.request_id,
+            }));
+        }
+        if header.is_error() {
+            return read_error(stream, &header)
+                .map(Err)
+                .map_err(|e| ItemFailure::Connection(Self::proto_error(peer, e)));
+        }
+        Ok(Ok(header))
+    }
+
     fn pipeline(
         &self,
         peer: &str,
@@ -410,24 +434,16 @@ impl TcpTransport {
                 Ok(())
             },
             |stream, i| {
-                let header = read_header(stream)
-                    .map_err(|e| ItemFailure::Connection(Self::proto_error(peer, e)))?;
-                if header.request_id != i as u64 {
-                    return Err(ItemFailure::Connection(TransportError::OutOfOrder {
-                        peer: peer.to_string(),
-                        expected: i as u64,
-                        found: header.request_id,
-                    }));
-                }
-                if header.is_error() {
-                    let reply = read_error(stream, &header)
-                        .map_err(|e| ItemFailure::Connection(Self::proto_error(peer, e)))?;
-                    return Err(ItemFailure::Item(TransportError::Refused {
-                        peer: peer.to_string(),
-                        code: reply.code,
-                        message: reply.message,
-                    }));
-                }
+                let header = match Self::reply_header(stream, peer, i)? {
+                    Ok(header) => header,
+                    Err(reply) => {
+                        return Err(ItemFailure::Item(TransportError::Refused {
+                            peer: peer.to_string(),
+                            code: reply.code,
+                            message: reply.message,
+                        }))
+                    }
+                };
                 drain(stream, u64::from(header.body_len))
                     .map_err(|e| ItemFailure::Connection(Self::io_error(peer, e)))
             },
@@ -457,32 +473,24 @@ impl TcpTransport {
                     .map_err(|e| Self::proto_error(peer, e))
             },
             |stream, i| {
-                let header = read_header(stream)
-                    .map_err(|e| ItemFailure::Connection(Self::proto_error(peer, e)))?;
-                if header.request_id != i as u64 {
-                    return Err(ItemFailure::Connection(TransportError::OutOfOrder {
-                        peer: peer.to_string(),
-                        expected: i as u64,
-                        found: header.request_id,
-                    }));
-                }
-                if header.is_error() {
-                    let reply = read_error(stream, &header)
-                        .map_err(|e| ItemFailure::Connection(Self::proto_error(peer, e)))?;
-                    let peer = peer.to_string();
-                    return Err(ItemFailure::Item(match reply.code {
-                        peer_error_code::NOT_FOUND => TransportError::NotFound { peer },
-                        peer_error_code::SIZE_MISMATCH => TransportError::SizeMismatch {
-                            peer,
-                            message: reply.message,
-                        },
-                        code => TransportError::Refused {
-                            peer,
-                            code,
-                            message: reply.message,
-                        },
-                    }));
-                }
+                let header = match Self::reply_header(stream, peer, i)? {
+                    Ok(header) => header,
+                    Err(reply) => {
+                        let peer = peer.to_string();
+                        return Err(ItemFailure::Item(match reply.code {
+                            peer_error_code::NOT_FOUND => TransportError::NotFound { peer },
+                            peer_error_code::SIZE_MISMATCH => TransportError::SizeMismatch {
+                                peer,
+                                message: reply.message,
+                            },
+                            code => TransportError::Refused {
+                                peer,
+                                code,
+                                message: reply.message,
+                            },
+                        }));
+                    }
+                };
                 let dst = &mut *items[i].dst;
                 if header.body_len as usize != dst.len() {
                     drain(stream, u64::from(header.body_len))
