@@ -364,6 +364,9 @@ class KvtierStore(HiCacheStorage):
         self._meter = _CallMeter()
         self._closed = False
         self._lock = threading.Lock()
+        # Largest trailing window (pages) seen per TRAILING_PAGES pool, from existence
+        # queries and backups: it bounds which earlier window state a backup supersedes.
+        self._trailing_window: Dict[str, int] = {}
         logger.info(
             "kvtier store opened (%s, kv path %s): %s",
             {"server": "server mode", "cluster": "cluster mode"}.get(self._store.mode, "embedded"),
@@ -927,6 +930,7 @@ class KvtierStore(HiCacheStorage):
                     policy, suffixes = "all_pages", []
                 if transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
                     param = max(1, len(transfer.keys) if transfer.keys else 1)
+                    self._learn_window(name, param)
                 elif transfer.hit_policy == PoolHitPolicy.BLOCK_GROUPS:
                     param = int(transfer.group_pages or 0)
                     if param <= 0:
@@ -990,6 +994,44 @@ class KvtierStore(HiCacheStorage):
                 results[transfer.name] = [False] * len(keys)
         return results
 
+    def _learn_window(self, pool: str, pages: int) -> None:
+        if pages > self._trailing_window.get(pool, 0):
+            self._trailing_window[pool] = pages
+
+    def _demote_superseded(
+        self, transfers: List[PoolTransfer], results: Dict[Any, List[bool]], extra_info
+    ) -> None:
+        """After a backup that continued a chain, tell the store that older window state
+        (TRAILING_PAGES pools: SWA, Mamba state) on that chain is superseded: only a request
+        ending exactly at an older end still needs it, so it may be evicted before whole
+        pages. A hint only: a wrong guess costs hit rate, never bytes.
+
+        SGLang's controller sends one ``batch_set_v2`` per pool family, each with the chain
+        before its own keys as ``prefix_keys``: the ALL_PAGES call starts where the backed-up
+        node starts (so its prefix ends at the previous end), the trailing call at the new
+        window. Every call names the trailing pools seen so far for the chain pages before
+        the new end's window that it can see: [len(prefix) - window, end - window)."""
+        prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
+        if not transfers or not all(all(ok) for ok in results.values()):
+            return
+        for t in transfers:
+            if t.hit_policy == PoolHitPolicy.TRAILING_PAGES and t.keys:
+                name = str(t.name.value if isinstance(t.name, PoolName) else t.name)
+                self._learn_window(name, len(t.keys))
+        if not prefix or not self._trailing_window:
+            return
+        # The transfers of one call all end at the node's end; the longest names the most.
+        new_keys = max((list(t.keys or []) for t in transfers), key=len)
+        chain = list(prefix) + new_keys
+        for name, window in self._trailing_window.items():
+            plan = self._plans.get(name)
+            if plan is None:
+                continue
+            start = max(0, len(prefix) - window)
+            stop = max(0, len(chain) - window)
+            if stop > start:
+                self._store.demote_pages(self._prefix, chain[start:stop], plan.active_suffixes)
+
     def batch_get_v2(
         self, transfers: List[PoolTransfer], extra_info: Optional[HiCacheStorageExtraInfo] = None
     ) -> Dict[Any, List[bool]]:
@@ -998,7 +1040,12 @@ class KvtierStore(HiCacheStorage):
     def batch_set_v2(
         self, transfers: List[PoolTransfer], extra_info: Optional[HiCacheStorageExtraInfo] = None
     ) -> Dict[Any, List[bool]]:
-        return self._batch_io_v2(transfers, True, extra_info)
+        results = self._batch_io_v2(transfers, True, extra_info)
+        try:
+            self._demote_superseded(transfers, results, extra_info)
+        except Exception:
+            logger.exception("kvtier batch_set_v2: eviction hint failed (the pages are stored)")
+        return results
 
     # ------------------------------------------------------------------ lifecycle
     def clear(self) -> bool:

@@ -721,6 +721,57 @@ impl Client {
             .unwrap_or(batch.pages())
     }
 
+    /// Mark every component of these pages superseded window state, an eviction hint: the
+    /// caller stored a longer restorable chain that continues them, so their SWA / Mamba
+    /// state is needed only by a request that ends exactly there (see `Engine::demote`).
+    /// Returns how many stored objects were marked; keys not stored are skipped. A failure
+    /// to deliver the hint (server or cluster down) is logged and counts 0: nothing is lost.
+    pub fn demote_pages<K: AsRef<[u8]>, S: AsRef<[u8]>>(
+        &self,
+        batch: &PageBatch<'_, K, S>,
+    ) -> usize {
+        if self.ensure_open().is_err() || batch.components() == 0 {
+            return 0;
+        }
+        let guard = match &self.backend {
+            Backend::Embedded(slot) => slot.read(),
+            Backend::Server(remote) => {
+                let keys = kvtier_proto::server::PageKeys {
+                    prefix: batch.prefix.to_vec(),
+                    page_keys: batch
+                        .page_keys
+                        .iter()
+                        .map(|k| k.as_ref().to_vec())
+                        .collect(),
+                    suffixes: batch.suffixes.iter().map(|s| s.as_ref().to_vec()).collect(),
+                };
+                return remote.demote_pages(keys).unwrap_or_else(|e| {
+                    tracing::warn!(error = %e, "kvtier: demote hint not delivered");
+                    0
+                });
+            }
+            Backend::Cluster(cluster) => {
+                let keys = cluster.compose_keys(batch.prefix, batch.page_keys, batch.suffixes);
+                return cluster.demote_full_keys(&keys).unwrap_or_else(|e| {
+                    tracing::warn!(error = %e, "kvtier cluster: demote hint not delivered");
+                    0
+                });
+            }
+        };
+        let Some(engine) = guard.as_ref() else {
+            return 0;
+        };
+        let mut key = Vec::new();
+        let mut marked = 0;
+        for page_key in batch.page_keys {
+            for suffix in batch.suffixes {
+                compose_key(batch.prefix, page_key.as_ref(), suffix.as_ref(), &mut key);
+                marked += usize::from(engine.demote(&key));
+            }
+        }
+        marked
+    }
+
     /// One whole v2 existence query (see `kvtier_proto::query`).
     pub fn exists_v2(&self, query: &ExistsV2Query) -> ExistsV2Answer {
         if self.ensure_open().is_err() {

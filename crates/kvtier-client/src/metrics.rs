@@ -244,6 +244,11 @@ pub fn engine_samples(store: &str, s: &EngineStats, out: &mut Samples) {
         &reason("dram", "removed"),
         s.evictions_removed,
     );
+    out.counter(
+        names::EVICTIONS,
+        &reason("dram", "superseded"),
+        s.evictions_superseded,
+    );
     out.counter(names::EVICTED_BYTES, &dram, s.evicted_bytes);
     out.counter(names::BYTES_IN, &st, s.bytes_in);
     out.counter(names::BYTES_OUT, &st, s.bytes_out);

@@ -887,6 +887,15 @@ impl RemoteStore {
             .ok_or_else(|| remote_err(&self.socket, "prefix count out of range"))
     }
 
+    pub fn demote_pages(&self, keys: PageKeys) -> Result<usize, ClientError> {
+        let most = keys.page_keys.len() * keys.suffixes.len();
+        let reply: Count = self.simple(Opcode::DemotePages, &keys)?;
+        usize::try_from(reply.value)
+            .ok()
+            .filter(|&v| v <= most)
+            .ok_or_else(|| remote_err(&self.socket, "demoted count out of range"))
+    }
+
     pub fn exists_v2(&self, query: &ExistsV2Query) -> Result<ExistsV2Answer, ClientError> {
         let answer: ExistsV2Answer = self.simple(Opcode::ExistsV2, query)?;
         if answer.kv_hit_pages as usize > query.page_keys.len() {

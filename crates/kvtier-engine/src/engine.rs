@@ -331,7 +331,8 @@ impl Engine {
                 idle_pass = false;
                 0
             } else {
-                skip + candidates.len()
+                // Partial victims are extra proposals, not ranks of the cold window.
+                skip + candidates.iter().filter(|v| !v.partial).count()
             };
         }
     }
@@ -367,7 +368,8 @@ impl Engine {
         }
     }
 
-    /// Evict every object of `victim`'s group, or none of them: the write locks of all the
+    /// Evict every object of `victim`'s group (only its superseded members for a partial
+    /// victim), or none of them: the write locks of all the
     /// members' shards are taken (in shard order, the order every multi-shard path uses), the
     /// member list is re-read from the policy under them, and the group goes only if no
     /// member is pinned by a reader. Returns whether it was evicted.
@@ -391,7 +393,11 @@ impl Engine {
                     .iter()
                     .position(|s| *s as *const _ as usize == target)
             };
-            let current = self.policy.members(&victim.group);
+            let current = if victim.partial {
+                self.policy.demoted(&victim.group)
+            } else {
+                self.policy.members(&victim.group)
+            };
             if current.iter().any(|k| guard_of(k).is_none()) {
                 drop(guards);
                 members = current;
@@ -419,13 +425,19 @@ impl Engine {
                 }
                 sub(&self.counters.objects, 1);
                 sub(&self.counters.bytes_used, object.len());
-                add(&self.counters.evictions_capacity, 1);
+                if victim.partial {
+                    add(&self.counters.evictions_superseded, 1);
+                } else {
+                    add(&self.counters.evictions_capacity, 1);
+                }
                 add(&self.counters.evicted_bytes, object.len());
                 freed.push(object);
             }
             drop(guards);
-            self.evicted_groups
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if !victim.partial {
+                self.evicted_groups
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
             // Sole owners: dropping returns the blocks to the allocator now, outside the locks.
             drop(freed);
             return true;
@@ -616,6 +628,16 @@ impl Engine {
                 None
             }
         }
+    }
+
+    /// Mark `key` superseded state: a window-state component (SWA, Mamba state) of a page
+    /// that a longer restorable chain now continues. The `prefix_depth` policy drops such
+    /// objects before whole pages, alone, and from the first hint on treats chains as
+    /// restorable only up to their ends (see `eviction::prefix_depth`); `lru` ignores both.
+    /// False for a key not in DRAM. A later read of the key clears the mark.
+    pub fn demote(&self, key: &[u8]) -> bool {
+        // The policy hears every hint, found or not: it also says the chains' shape.
+        self.policy.on_demote(key) && self.index.contains(key)
     }
 
     /// Stored length of `key`, without stats or recency side effects.

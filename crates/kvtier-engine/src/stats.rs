@@ -30,6 +30,9 @@ pub struct EngineStats {
     pub evictions_capacity: u64,
     /// Objects dropped by `remove` or `clear`.
     pub evictions_removed: u64,
+    /// Superseded window-state objects dropped to make room while their page stayed
+    /// (see `Engine::demote`).
+    pub evictions_superseded: u64,
     /// Logical bytes of the objects evicted to make room.
     pub evicted_bytes: u64,
     /// Bytes copied in by stored puts.
@@ -108,6 +111,7 @@ pub(crate) struct Counters {
     pub put_failures: AtomicU64,
     pub evictions_capacity: AtomicU64,
     pub evictions_removed: AtomicU64,
+    pub evictions_superseded: AtomicU64,
     pub evicted_bytes: AtomicU64,
     pub bytes_in: AtomicU64,
     pub bytes_out: AtomicU64,
@@ -140,6 +144,7 @@ impl Counters {
             put_failures: g(&self.put_failures),
             evictions_capacity: g(&self.evictions_capacity),
             evictions_removed: g(&self.evictions_removed),
+            evictions_superseded: g(&self.evictions_superseded),
             evicted_bytes: g(&self.evicted_bytes),
             bytes_in: g(&self.bytes_in),
             bytes_out: g(&self.bytes_out),

@@ -320,3 +320,105 @@ fn touch_group_keeps_a_cold_page_like_a_read() {
         e.verify_accounting().unwrap();
     }
 }
+
+#[test]
+fn superseded_state_goes_alone_before_any_page() {
+    let e = engine(9, PrefixDepth, 64);
+    put_page(&e, "a", 2);
+    put_page(&e, "b", 0);
+    put_page(&e, "c", 1);
+    // b's window state (its swa component) is superseded; b is neither coldest nor deepest.
+    assert!(e.demote(b"b@fa.swa"));
+    assert!(!e.demote(b"zz@fa.swa"), "a key not stored is not marked");
+    // One block is needed: exactly b's superseded component goes, b's other components stay.
+    let v = value_for(b"d@fa.swa", BS);
+    e.put(b"d@fa.swa", &v, PutMeta { depth: Some(3) }).unwrap();
+    assert!(!e.contains(b"b@fa.swa"));
+    assert!(e.contains(b"b@fb.c4") && e.contains(b"b@fc.c4_indexer"));
+    assert!(page_state(&e, "a") && page_state(&e, "c"));
+    let s = e.stats();
+    assert_eq!((s.evictions_superseded, s.evictions_capacity), (1, 0));
+    e.verify_accounting().unwrap();
+    // b is not broken by it (a broken page would go first): the next eviction follows
+    // depth among the cold window (a and b), taking a.
+    let v = value_for(b"d@fb.c4", BS);
+    e.put(b"d@fb.c4", &v, PutMeta { depth: Some(3) }).unwrap();
+    assert!(!page_state(&e, "a"));
+    assert!(page_state(&e, "c") && e.contains(b"b@fb.c4") && e.contains(b"b@fc.c4_indexer"));
+}
+
+#[test]
+fn lru_ignores_demote_and_reads_clear_it() {
+    let e = engine(6, Lru, 64);
+    put_page(&e, "a", 0);
+    put_page(&e, "b", 0);
+    assert!(e.demote(b"b@fa.swa"));
+    put_page(&e, "c", 0);
+    // Plain LRU: the coldest whole page a went, not b's superseded state.
+    assert!(!page_state(&e, "a") && page_state(&e, "b"));
+    assert_eq!(e.stats().evictions_superseded, 0);
+
+    let e = engine(6, PrefixDepth, 64);
+    put_page(&e, "a", 0);
+    put_page(&e, "b", 0);
+    assert!(e.demote(b"b@fa.swa"));
+    // Reading it (a request restored up to b) clears the mark: b is whole and kept.
+    read_page(&e, "b");
+    put_page(&e, "c", 0);
+    assert!(!page_state(&e, "a") && page_state(&e, "b"));
+    assert_eq!(e.stats().evictions_superseded, 0);
+}
+
+/// Random puts, reads, demotes and removes: a page is only ever whole, or whole but for its
+/// demoted window-state component; the accounting holds after every step.
+fn run_with_demotes(ops: Vec<(u8, u8, u32)>) -> Result<(), TestCaseError> {
+    let e = engine(10, PrefixDepth, 4);
+    let mut demoted: BTreeSet<u8> = BTreeSet::new();
+    for (kind, page, depth) in ops {
+        let name = format!("g{page}");
+        match kind % 4 {
+            0 | 1 => {
+                put_page(&e, &name, depth);
+                demoted.remove(&page);
+            }
+            2 => {
+                if e.demote(format!("{name}@fa.swa").as_bytes()) {
+                    demoted.insert(page);
+                }
+            }
+            _ => {
+                for k in page_keys(&name) {
+                    e.remove(k.as_bytes());
+                }
+                demoted.remove(&page);
+            }
+        }
+        for p in 0..10u8 {
+            let present: Vec<bool> = page_keys(&format!("g{p}"))
+                .iter()
+                .map(|k| e.contains(k.as_bytes()))
+                .collect();
+            let whole = present.iter().all(|&b| b) || present.iter().all(|&b| !b);
+            let lost_state_only = !present[0] && present[1..].iter().all(|&b| b);
+            prop_assert!(
+                whole || (lost_state_only && demoted.contains(&p)),
+                "page g{p} is partial: {present:?}"
+            );
+        }
+        if let Err(msg) = e.verify_accounting() {
+            return Err(TestCaseError::fail(msg));
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    #[test]
+    fn only_superseded_state_leaves_a_page_partial(
+        ops in proptest::collection::vec((0..4u8, 0..10u8, 0..6u32), 1..80)
+    ) {
+        run_with_demotes(ops)?;
+    }
+}

@@ -221,7 +221,7 @@ fn stress(policy: EvictionPolicyKind) {
     let s = e.stats();
     assert_eq!(
         s.objects,
-        s.puts - s.evictions_capacity - s.evictions_removed,
+        s.puts - s.evictions_capacity - s.evictions_removed - s.evictions_superseded,
         "{s:?}"
     );
     assert_eq!(s.hits + s.misses, reads.load(Ordering::Relaxed), "{s:?}");

@@ -69,11 +69,15 @@ pub enum Opcode {
     PeerGet = 21,
     /// Peer data port. Request: [`crate::KeyBatch`]. Response: [`crate::BatchResult`].
     PeerRemove = 22,
+    /// Request: [`crate::server::PageKeys`]. Response: [`crate::server::Count`], the objects
+    /// marked. Marks every component of the pages as superseded window state, an eviction
+    /// hint (`Engine::demote`).
+    DemotePages = 23,
 }
 
 impl Opcode {
     /// Every opcode, in wire-value order.
-    pub const ALL: [Opcode; 22] = [
+    pub const ALL: [Opcode; 23] = [
         Opcode::Handshake,
         Opcode::Ping,
         Opcode::ExistsV2,
@@ -96,6 +100,7 @@ impl Opcode {
         Opcode::PeerPut,
         Opcode::PeerGet,
         Opcode::PeerRemove,
+        Opcode::DemotePages,
     ];
 
     /// The wire value.
@@ -137,6 +142,7 @@ impl TryFrom<u16> for Opcode {
             20 => Opcode::PeerPut,
             21 => Opcode::PeerGet,
             22 => Opcode::PeerRemove,
+            23 => Opcode::DemotePages,
             other => return Err(ProtoError::UnknownOpcode(other)),
         })
     }
@@ -163,7 +169,7 @@ mod tests {
 
     #[test]
     fn unknown_values_are_rejected_by_name() {
-        for value in [0, 23, 0x0100, u16::MAX] {
+        for value in [0, 24, 0x0100, u16::MAX] {
             let err = Opcode::try_from(value).unwrap_err();
             assert!(matches!(err, ProtoError::UnknownOpcode(v) if v == value));
             assert!(err.to_string().contains(&value.to_string()));

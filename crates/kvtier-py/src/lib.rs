@@ -400,6 +400,26 @@ impl Store {
         })
     }
 
+    /// Eviction hint: every component of these pages is superseded window state (a longer
+    /// restorable chain continues them). Returns how many stored objects were marked.
+    fn demote_pages(
+        &self,
+        py: Python<'_>,
+        prefix: &str,
+        page_keys: Vec<String>,
+        suffixes: Vec<String>,
+    ) -> usize {
+        let client = &self.client;
+        py.detach(|| {
+            let batch = PageBatch {
+                prefix: prefix.as_bytes(),
+                page_keys: &page_keys,
+                suffixes: &suffixes,
+            };
+            client.demote_pages(&batch)
+        })
+    }
+
     /// One v2 existence query. `kv_suffixes=None` is a logical anchor. `pools` is a list of
     /// `(name, suffixes, policy, param)` with policy `all_pages`, `trailing_pages` (param =
     /// window) or `block_groups` (param = group pages). Returns

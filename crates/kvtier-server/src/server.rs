@@ -861,6 +861,18 @@ impl<'a> Connection<'a> {
                 let value = session.store.client.exists_pages_prefix(&batch) as u64;
                 encode(&Count { value })
             }
+            Opcode::DemotePages => {
+                let keys = PageKeys::decode(body)?;
+                let session = self.session()?;
+                let prefix = session.ns(&keys.prefix);
+                let batch = PageBatch {
+                    prefix: &prefix,
+                    page_keys: &keys.page_keys,
+                    suffixes: &keys.suffixes,
+                };
+                let value = session.store.client.demote_pages(&batch) as u64;
+                encode(&Count { value })
+            }
             Opcode::ExistsV2 => {
                 let mut query = ExistsV2Query::decode(body)?;
                 let session = self.session()?;

@@ -67,6 +67,10 @@ impl Drop for ShmBuf {
 }
 
 fn start(extra: &[(&str, Value)]) -> (tempfile::TempDir, RunningServer) {
+    start_sized(extra, "64MiB")
+}
+
+fn start_sized(extra: &[(&str, Value)], dram: &str) -> (tempfile::TempDir, RunningServer) {
     let dir = tempfile::tempdir().unwrap();
     let mut flags = Map::new();
     flags.insert(
@@ -77,7 +81,7 @@ fn start(extra: &[(&str, Value)]) -> (tempfile::TempDir, RunningServer) {
         flags.insert((*k).into(), v.clone());
     }
     let mut engine_flags = Map::new();
-    engine_flags.insert("dram_capacity_bytes".into(), json!("64MiB"));
+    engine_flags.insert("dram_capacity_bytes".into(), json!(dram));
     engine_flags.insert("dram_prefault".into(), json!(false));
     let config = ServerConfig::load(ServerSources {
         file: None,
@@ -207,6 +211,44 @@ fn zero_copy_and_staged_round_trips_are_byte_exact() {
     });
     let report = server.shutdown(Duration::from_secs(5));
     assert_eq!(report["server"]["mapped_bytes"], 0);
+}
+
+#[test]
+fn the_demote_hint_crosses_the_socket_and_superseded_state_goes_first() {
+    let (_dir, server) = start_sized(&[], "1MiB");
+    let c = client(&server, json!({}));
+    let pages: Vec<String> = (0..4).map(|i| format!("p{i}")).collect();
+    for p in &pages {
+        c.put_slice(format!("{p}@f.kv").as_bytes(), &[1u8; 64 << 10], Some(0))
+            .unwrap();
+        c.put_slice(format!("{p}@f.swa").as_bytes(), &[2u8; 128 << 10], Some(0))
+            .unwrap();
+    }
+    let swa = [String::from("@f.swa")];
+    let batch = PageBatch {
+        prefix: b"",
+        page_keys: &pages[..2],
+        suffixes: &swa,
+    };
+    assert_eq!(c.demote_pages(&batch), 2);
+    let none = PageBatch {
+        prefix: b"",
+        page_keys: &["absent".to_string()],
+        suffixes: &swa,
+    };
+    assert_eq!(c.demote_pages(&none), 0, "keys not stored are not marked");
+    // 768 KiB used of 1 MiB: a 512 KiB put needs 256 KiB more; the two superseded go.
+    c.put_slice(b"big@f.kv", &[3u8; 512 << 10], Some(0))
+        .unwrap();
+    let stats = c.stats_json();
+    assert_eq!(stats["evictions_superseded"], 2);
+    assert_eq!(stats["evictions_capacity"], 0);
+    assert_eq!(
+        c.exists_keys(&["p0@f.kv", "p0@f.swa", "p1@f.kv", "p1@f.swa", "p2@f.swa", "big@f.kv"]),
+        vec![true, false, true, false, true, true]
+    );
+    c.close();
+    server.shutdown(Duration::from_secs(5));
 }
 
 #[test]

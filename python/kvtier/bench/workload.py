@@ -34,7 +34,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional, Sequence
 
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
@@ -56,6 +56,9 @@ class TraceShape:
 
 QUICK_SHAPE = TraceShape(users=6, turns=3, systems=2, system_pages=2, turn_pages=2)
 DEFAULT_BUDGETS_MIB = (8, 12, 16, 24, 32, 48, 64)
+# One trace has 144 requests: a single request's hit moves the rate by ~0.6 points, so the
+# comparison is made on the mean of several traces.
+DEFAULT_SEEDS = (0, 1, 2)
 QUICK_BUDGETS_MIB = (6,)
 
 
@@ -103,6 +106,7 @@ def make_trace(shape: TraceShape) -> List[Request]:
 class RunResult:
     policy: str
     dram_mib: float
+    seed: int = 0
     requests: int = 0
     prompt_tokens: int = 0
     hit_tokens: int = 0
@@ -138,14 +142,9 @@ def build_pools():
     return build_dsv4_pool_group("page_first", device_full_pages=32, device_swa_pages=8)
 
 
-def run_policy(
-    dsv4, trace: Sequence[Request], policy: str, dram_mib: float, window: Optional[int] = None
-) -> RunResult:
-    """Replay ``trace`` through a fresh kvtier store of ``dram_mib`` MiB with ``policy``
-    (``window``: the engine's ``eviction_candidate_window``, its default when None)."""
-    from sglang.srt.mem_cache.hicache_storage import PoolName
-
-    from kvtier.demo import _fill, _verify
+def open_backend(dsv4, policy: str, dram_mib: float, window: Optional[int] = None):
+    """A fresh kvtier backend (SGLang's dynamic factory) attached to ``dsv4``, and its
+    storage config: ``(backend, cfg)``."""
     from kvtier.harness import flows
     from kvtier.harness.pools import make_storage_config
 
@@ -160,58 +159,83 @@ def run_policy(
     cfg = make_storage_config(is_mla=True, model_name="bench/deepseek-v4", extra_config=extra)
     backend = flows.create_backend("dynamic", cfg, dsv4)
     flows.attach_backend(backend, dsv4)
+    return backend, cfg
+
+
+def serve_request(backend, cfg, dsv4, span: Sequence[str], r: "RunResult", tail_tokens=0) -> int:
+    """One request for the conversation ``span``: ask for its longest restorable prefix,
+    load and verify it, back up the rest (as if SGLang's GPU and host caches had dropped
+    it). Adds to ``r``; returns the pages restored."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    from kvtier.demo import _fill, _verify
+    from kvtier.harness import flows
+
     swa = dsv4.spec(PoolName.SWA).host_pool
     swa_window, ps = dsv4.window_pages, dsv4.page_size
     kv_side = [s for s in dsv4.side_specs if s.indices_from_pool == PoolName.KV]
     swa_side = [
         s for s in dsv4.side_specs if s.name == PoolName.SWA or s.indices_from_pool == PoolName.SWA
     ]
-    r = RunResult(policy, dram_mib)
+    span = list(span)
+    pre = flows.prefetch_span(backend, dsv4, span, prefix_keys=[], storage_config=cfg)
+    hit = pre.hit_pages
+    r.requests += 1
+    r.pages_asked += len(span)
+    r.pages_hit += hit
+    r.prompt_tokens += len(span) * ps + tail_tokens
+    r.hit_tokens += hit * ps
+    if hit:
+        for name, count in pre.counts.items():
+            if name == PoolName.KV or count == 0:
+                continue
+            pool = dsv4.spec(name).host_pool
+            wrong, checked = _verify(pool, pre.host_indices[name], pre.key_ranges[name], count)
+            r.wrong_pages += wrong
+            r.bytes_loaded += checked
+        dsv4.anchor.free(pre.host_indices[PoolName.KV])
+        if pre.host_indices.get(PoolName.SWA) is not None:
+            swa.free(pre.host_indices[PoolName.SWA])
+    new = span[hit:]
+    if not new:
+        return hit
+    kv_idx = dsv4.anchor.alloc(len(new) * ps)
+    n_swa = min(len(new), swa_window)
+    swa_idx = swa.alloc(n_swa * ps)
+    for spec in kv_side:
+        r.bytes_stored += _fill(spec.host_pool, kv_idx, new)
+    for spec in swa_side:
+        r.bytes_stored += _fill(spec.host_pool, swa_idx, new[-n_swa:])
+    flows.backup_span(
+        backend,
+        dsv4,
+        new,
+        {PoolName.KV: kv_idx, PoolName.SWA: swa_idx},
+        prefix_keys=span[:hit],
+        storage_config=cfg,
+    )
+    r.pages_backed_up += len(new)
+    dsv4.anchor.free(kv_idx)
+    swa.free(swa_idx)
+    return hit
+
+
+def run_policy(
+    dsv4,
+    trace: Sequence[Request],
+    policy: str,
+    dram_mib: float,
+    window: Optional[int] = None,
+    seed: int = 0,
+) -> RunResult:
+    """Replay ``trace`` through a fresh kvtier store of ``dram_mib`` MiB with ``policy``
+    (``window``: the engine's ``eviction_candidate_window``, its default when None)."""
+    backend, cfg = open_backend(dsv4, policy, dram_mib, window)
+    r = RunResult(policy, dram_mib, seed)
     started = time.perf_counter()
     try:
         for req in trace:
-            span = req.pages
-            pre = flows.prefetch_span(backend, dsv4, span, prefix_keys=[], storage_config=cfg)
-            hit = pre.hit_pages
-            r.requests += 1
-            r.pages_asked += len(span)
-            r.pages_hit += hit
-            r.prompt_tokens += len(span) * ps + req.tail_tokens
-            r.hit_tokens += hit * ps
-            if hit:
-                for name, count in pre.counts.items():
-                    if name == PoolName.KV or count == 0:
-                        continue
-                    pool = dsv4.spec(name).host_pool
-                    wrong, checked = _verify(
-                        pool, pre.host_indices[name], pre.key_ranges[name], count
-                    )
-                    r.wrong_pages += wrong
-                    r.bytes_loaded += checked
-                dsv4.anchor.free(pre.host_indices[PoolName.KV])
-                if pre.host_indices.get(PoolName.SWA) is not None:
-                    swa.free(pre.host_indices[PoolName.SWA])
-            new = span[hit:]
-            if not new:
-                continue
-            kv_idx = dsv4.anchor.alloc(len(new) * ps)
-            n_swa = min(len(new), swa_window)
-            swa_idx = swa.alloc(n_swa * ps)
-            for spec in kv_side:
-                r.bytes_stored += _fill(spec.host_pool, kv_idx, new)
-            for spec in swa_side:
-                r.bytes_stored += _fill(spec.host_pool, swa_idx, new[-n_swa:])
-            flows.backup_span(
-                backend,
-                dsv4,
-                new,
-                {PoolName.KV: kv_idx, PoolName.SWA: swa_idx},
-                prefix_keys=span[:hit],
-                storage_config=cfg,
-            )
-            r.pages_backed_up += len(new)
-            dsv4.anchor.free(kv_idx)
-            swa.free(swa_idx)
+            serve_request(backend, cfg, dsv4, req.pages, r, req.tail_tokens)
     finally:
         r.seconds = time.perf_counter() - started
         store = backend._store
@@ -257,29 +281,41 @@ def run(
     policies: Sequence[str] = ("prefix_depth", "lru"),
     progress=None,
     window: Optional[int] = None,
+    seeds: Optional[Sequence[int]] = None,
 ) -> dict:
+    """Replay the trace of ``shape`` once per seed (default: ``shape.seed``) through every
+    (budget, policy). Top-level trace figures are the first seed's; ``traces`` has each."""
     import kvtier
 
-    trace = make_trace(shape)
+    seeds = list(seeds) if seeds else [shape.seed]
     dsv4 = build_pools()
-    ws = working_set_bytes(dsv4, trace)
+    traces = {}
     results = []
-    for budget in budgets_mib:
-        for policy in policies:
-            res = run_policy(dsv4, trace, policy, budget, window)
-            results.append(res)
-            if progress:
-                progress(
-                    f"{policy:>12} @ {budget:g} MiB: token hit rate {res.token_hit_rate:.1%}, "
-                    f"{res.seconds:.1f} s"
-                )
+    for seed in seeds:
+        seeded = replace(shape, seed=seed)
+        trace = make_trace(seeded)
+        traces[seed] = {
+            "requests": len(trace),
+            "distinct_pages": len({h for req in trace for h in req.pages}),
+            "prompt_tokens": sum(len(r.pages) * shape.page_size + r.tail_tokens for r in trace),
+            "working_set_bytes": working_set_bytes(dsv4, trace),
+        }
+        for budget in budgets_mib:
+            for policy in policies:
+                res = run_policy(dsv4, trace, policy, budget, window, seed)
+                results.append(res)
+                if progress:
+                    progress(
+                        f"seed {seed} {policy:>12} @ {budget:g} MiB: token hit rate "
+                        f"{res.token_hit_rate:.1%}, {res.seconds:.1f} s"
+                    )
+    first = traces[seeds[0]]
     return {
         "kvtier_version": kvtier.__version__,
-        "shape": asdict(shape),
-        "requests": len(trace),
-        "distinct_pages": len({h for req in trace for h in req.pages}),
-        "prompt_tokens": sum(len(r.pages) * shape.page_size + r.tail_tokens for r in trace),
-        "working_set_bytes": ws,
+        "shape": asdict(replace(shape, seed=seeds[0])),
+        "seeds": seeds,
+        "traces": {str(k): v for k, v in traces.items()},
+        **first,
         "budgets_mib": list(budgets_mib),
         "policies": list(policies),
         "eviction_candidate_window": window,
@@ -287,24 +323,69 @@ def run(
     }
 
 
+def summary(report: dict) -> Dict[tuple, dict]:
+    """Per (budget, policy): the token hit rate of each seed, their mean, and the means of
+    the restorable prefix and of the bytes moved."""
+    out: Dict[tuple, dict] = {}
+    for r in report["results"]:
+        e = out.setdefault(
+            (r["dram_mib"], r["policy"]),
+            {"rates": [], "pages": [], "loaded": [], "stored": []},
+        )
+        e["rates"].append(r["token_hit_rate"])
+        e["pages"].append(r["mean_restorable_pages"])
+        e["loaded"].append(r["bytes_loaded"])
+        e["stored"].append(r["bytes_stored"])
+    for e in out.values():
+        for k in ("rates", "pages", "loaded", "stored"):
+            e["mean_" + k] = sum(e[k]) / len(e[k])
+    return out
+
+
+def verdicts(report: dict) -> List[tuple]:
+    """Per budget, when both policies ran: (budget, prefix_depth mean - lru mean in points,
+    seeds where prefix_depth was ahead, seeds)."""
+    if not {"prefix_depth", "lru"} <= set(report["policies"]):
+        return []
+    s = summary(report)
+    out = []
+    for b in report["budgets_mib"]:
+        pd, lru = s[(b, "prefix_depth")], s[(b, "lru")]
+        ahead = sum(1 for x, y in zip(pd["rates"], lru["rates"]) if x > y)
+        out.append((b, 100 * (pd["mean_rates"] - lru["mean_rates"]), ahead, len(pd["rates"])))
+    return out
+
+
 def table(report: dict) -> str:
-    """A markdown table: one row per budget, the policies side by side."""
-    by = {(r["dram_mib"], r["policy"]): r for r in report["results"]}
+    """A markdown table: one row per budget, the policies side by side (means over the
+    seeds; the per-seed hit rates in parentheses when there are several)."""
+    s = summary(report)
     pols = report["policies"]
+    many = len(report.get("seeds", [0])) > 1
     head = ["DRAM budget", "% of working set"]
     for p in pols:
         head += [f"{p} token hit", f"{p} restorable pages", f"{p} GB loaded / stored"]
+    verdict = {v[0]: v for v in verdicts(report)}
+    if verdict:
+        head += ["prefix_depth - lru", "seeds ahead"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    ws = report["working_set_bytes"]
+    traces = report.get("traces") or {"0": {"working_set_bytes": report["working_set_bytes"]}}
+    ws = sum(t["working_set_bytes"] for t in traces.values()) / len(traces)
     for b in report["budgets_mib"]:
         row = [f"{b:g} MiB", f"{b * MIB / ws:.0%}"]
         for p in pols:
-            r = by[(b, p)]
+            e = s[(b, p)]
+            rate = f"{e['mean_rates']:.1%}"
+            if many:
+                rate += " (" + " / ".join(f"{x:.1%}" for x in e["rates"]) + ")"
             row += [
-                f"{r['token_hit_rate']:.1%}",
-                f"{r['mean_restorable_pages']:.2f}",
-                f"{r['bytes_loaded'] / 1e9:.3f} / {r['bytes_stored'] / 1e9:.3f}",
+                rate,
+                f"{e['mean_pages']:.2f}",
+                f"{e['mean_loaded'] / 1e9:.3f} / {e['mean_stored'] / 1e9:.3f}",
             ]
+        if verdict:
+            _, diff, ahead, n = verdict[b]
+            row += [f"{diff:+.1f} points", f"{ahead}/{n}"]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -318,17 +399,22 @@ def plot(report: dict, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
     ws = report["working_set_bytes"] / MIB
+    stats = summary(report)
     for p in report["policies"]:
-        rows = sorted(
-            (r["dram_mib"], r["token_hit_rate"]) for r in report["results"] if r["policy"] == p
-        )
-        ax.plot([x for x, _ in rows], [y * 100 for _, y in rows], marker="o", label=p)
+        xs = sorted(b for (b, q) in stats if q == p)
+        mean = [stats[(x, p)]["mean_rates"] * 100 for x in xs]
+        (line,) = ax.plot(xs, mean, marker="o", label=p)
+        if len(report.get("seeds", [0])) > 1:
+            lo = [min(stats[(x, p)]["rates"]) * 100 for x in xs]
+            hi = [max(stats[(x, p)]["rates"]) * 100 for x in xs]
+            ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
     ax.set_xlabel(f"kvtier DRAM budget (MiB; working set {ws:.0f} MiB)")
     ax.set_ylabel("token hit rate (%)")
     s = report["shape"]
+    seeds = report.get("seeds", [s["seed"]])
+    what = f"seed {seeds[0]}" if len(seeds) == 1 else f"mean of seeds {seeds}, band = range"
     ax.set_title(
-        f"multi-turn chat, DeepSeek-V4 pool group: {s['users']} users x {s['turns']} turns, "
-        f"seed {s['seed']}",
+        f"multi-turn chat, DeepSeek-V4 pool group: {s['users']} users x {s['turns']} turns, {what}",
         fontsize=9,
     )
     ax.grid(True, alpha=0.3)
@@ -350,7 +436,13 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--turn-pages", type=int, default=None, help=f"max new pages per turn ({d.turn_pages})"
     )
-    p.add_argument("--seed", type=int, default=None, help=f"trace seed ({d.seed})")
+    p.add_argument("--seed", type=int, default=None, help="one trace seed (same as --seeds N)")
+    p.add_argument(
+        "--seeds",
+        default=None,
+        help="comma-separated trace seeds, each replayed through every budget and policy "
+        "(default " + ",".join(map(str, DEFAULT_SEEDS)) + "; --quick: 0)",
+    )
     p.add_argument(
         "--budgets",
         default=None,
@@ -380,7 +472,6 @@ def main(args) -> int:
             systems=args.systems,
             system_pages=args.system_pages,
             turn_pages=args.turn_pages,
-            seed=args.seed,
         ).items()
         if v is not None
     }
@@ -405,17 +496,44 @@ def main(args) -> int:
     if args.window is not None and args.window <= 0:
         print("--window: must be a positive number of page groups", file=sys.stderr)
         return 2
-    report = run(shape, budgets, policies, progress, args.window)
-    ws = report["working_set_bytes"]
+    if args.seed is not None and args.seeds:
+        print("--seed and --seeds: give one of them", file=sys.stderr)
+        return 2
+    if args.seeds:
+        try:
+            seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+        except ValueError:
+            print(f"--seeds: not a list of integers: {args.seeds!r}", file=sys.stderr)
+            return 2
+        if not seeds or len(set(seeds)) != len(seeds):
+            print("--seeds: give distinct seeds", file=sys.stderr)
+            return 2
+    elif args.seed is not None:
+        seeds = [args.seed]
+    else:
+        seeds = [base.seed] if args.quick else list(DEFAULT_SEEDS)
+    report = run(shape, budgets, policies, progress, args.window, seeds)
     print(
         f"kvtier {report['kvtier_version']} workload: {shape.users} users x {shape.turns} turns, "
         f"{shape.systems} system prompts of {shape.system_pages} pages, <= {shape.turn_pages} "
-        f"new pages per turn, page {shape.page_size} tokens, seed {shape.seed}: "
-        f"{report['requests']} requests, {report['distinct_pages']} distinct pages, "
-        f"{report['prompt_tokens']} prompt tokens, working set {ws / MIB:.1f} MiB"
+        f"new pages per turn, page {shape.page_size} tokens"
     )
+    for seed, t in report["traces"].items():
+        print(
+            f"  seed {seed}: {t['requests']} requests, {t['distinct_pages']} distinct pages, "
+            f"{t['prompt_tokens']} prompt tokens, working set {t['working_set_bytes'] / MIB:.1f} MiB"
+        )
     print()
     print(table(report))
+    behind = [v for v in verdicts(report) if v[1] <= 0]
+    if verdicts(report):
+        print()
+        print(
+            "prefix_depth ahead of lru on the mean token hit rate at every budget"
+            if not behind
+            else "prefix_depth NOT ahead of lru (mean) at "
+            + ", ".join(f"{b:g} MiB ({d:+.1f} points)" for b, d, _, _ in behind)
+        )
     wrong = sum(r["wrong_pages"] for r in report["results"])
     print()
     print(f"restored pages that did not match what was written: {wrong}")

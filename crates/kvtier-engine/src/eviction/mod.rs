@@ -35,7 +35,7 @@ pub mod events;
 mod lru;
 mod prefix_depth;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 pub use lru::Lru;
@@ -72,6 +72,9 @@ pub struct Victim {
     /// Member keys when the proposal was made (the engine re-reads them under the locks).
     pub members: Vec<Arc<[u8]>>,
     pub depth: Option<u32>,
+    /// Only the group's superseded members go (see [`EvictionPolicy::on_demote`]); the page
+    /// stays restorable as the inside of a longer prefix.
+    pub partial: bool,
 }
 
 /// A replacement policy for one tier. Implementations synchronize internally.
@@ -84,12 +87,21 @@ pub trait EvictionPolicy: Send + Sync {
     fn on_access(&self, key: &[u8]);
     /// The object left the tier (evicted, removed, cleared).
     fn on_remove(&self, key: &[u8]) -> GroupChange;
+    /// The caller says `key` is superseded state: a component only the last pages of a chain
+    /// need (SGLang's SWA or Mamba state, `TRAILING_PAGES` pools) on a page that a longer,
+    /// restorable chain now continues. A policy may drop such members before whole pages
+    /// without breaking the group. Unknown keys are ignored; returns whether it was marked.
+    /// A later access of the key clears the mark. Any call also tells the policy that the
+    /// caller's chains end in window state (restorable only up to such an end).
+    fn on_demote(&self, key: &[u8]) -> bool;
     /// Append to `out` the groups of the cold window — the groups ranked `skip .. skip +
     /// window` from least recently used — ordered best victim first. An empty result means no
     /// group is ranked at or beyond `skip`.
     fn candidates(&self, skip: usize, window: usize, out: &mut Vec<Victim>);
     /// The current members of `group` (empty when it is not tracked).
     fn members(&self, group: &[u8]) -> Vec<Arc<[u8]>>;
+    /// The current superseded members of `group` (see [`Self::on_demote`]).
+    fn demoted(&self, group: &[u8]) -> Vec<Arc<[u8]>>;
     /// Number of objects tracked.
     fn len(&self) -> usize;
     /// Number of groups tracked.
@@ -119,6 +131,9 @@ pub struct GroupInfo {
     /// page cannot be restored, so the group is proposed before any other in its window.
     pub broken: bool,
     pub members: Vec<Arc<[u8]>>,
+    /// Members marked superseded (a subset of `members`); removing one does not break the
+    /// group.
+    pub demoted: Vec<Arc<[u8]>>,
 }
 
 impl GroupInfo {
@@ -127,18 +142,41 @@ impl GroupInfo {
             group: Arc::clone(group),
             members: self.members.clone(),
             depth: self.depth,
+            partial: false,
         }
+    }
+
+    /// The superseded members alone, when some but not all members are superseded.
+    fn partial_victim(&self, group: &Arc<[u8]>) -> Option<Victim> {
+        (!self.demoted.is_empty() && self.demoted.len() < self.members.len()).then(|| Victim {
+            group: Arc::clone(group),
+            members: self.demoted.clone(),
+            depth: self.depth,
+            partial: true,
+        })
+    }
+
+    /// Every member is superseded state: nothing of the page is worth keeping.
+    fn all_demoted(&self) -> bool {
+        !self.members.is_empty() && self.demoted.len() == self.members.len()
     }
 }
 
 /// Groups ordered by recency: O(log n) touch, coldest-first iteration.
 ///
 /// Invariant: `by_tick` and `groups` hold the same groups, `groups[g].tick` is the key of `g`
-/// in `by_tick`, and `objects` is the total number of members.
+/// in `by_tick`, and `objects` is the total number of members. Every group with a
+/// superseded member is in `superseded` (which may also hold stale entries, skipped when
+/// read and dropped by [`GroupList::compact_superseded`]).
 #[derive(Debug, Default)]
 pub struct GroupList {
     groups: HashMap<Arc<[u8]>, GroupInfo, foldhash::fast::RandomState>,
     by_tick: BTreeMap<u64, Arc<[u8]>>,
+    /// Groups with superseded members, oldest demotion first.
+    superseded: VecDeque<Arc<[u8]>>,
+    /// A demote hint arrived: the caller's chains carry window state at their ends, so a
+    /// chain is restorable only up to an end (see the `prefix_depth` module).
+    end_restorable: bool,
     objects: usize,
     clock: u64,
 }
@@ -184,22 +222,71 @@ impl GroupList {
                 depth,
                 broken: false,
                 members: vec![Arc::from(key)],
+                demoted: Vec::new(),
             },
         );
         self.objects += 1;
         GroupChange::Created
     }
 
-    /// Mark the group of `key` most recent; no-op for unknown keys.
+    /// Mark the group of `key` most recent and `key` no longer superseded (it was read, so
+    /// a request restored up to its page); no-op for unknown keys.
     pub fn touch(&mut self, key: &[u8]) {
         let group = group_of(key);
-        if self
-            .groups
-            .get(group)
-            .is_some_and(|g| g.members.iter().any(|m| &**m == key))
-        {
-            self.refresh(group);
+        let Some(info) = self.groups.get_mut(group) else {
+            return;
+        };
+        if !info.members.iter().any(|m| &**m == key) {
+            return;
         }
+        info.demoted.retain(|m| &**m != key);
+        self.refresh(group);
+    }
+
+    /// Mark `key` superseded state (see [`EvictionPolicy::on_demote`]); false for unknown keys.
+    /// Any call, even for an unknown key, marks the list `end_restorable`.
+    pub fn demote(&mut self, key: &[u8]) -> bool {
+        self.end_restorable = true;
+        let Some(info) = self.groups.get_mut(group_of(key)) else {
+            return false;
+        };
+        let Some(member) = info.members.iter().find(|m| &***m == key) else {
+            return false;
+        };
+        if !info.demoted.iter().any(|m| &**m == key) {
+            info.demoted.push(Arc::clone(member));
+            if info.demoted.len() == 1 {
+                self.superseded.push_back(Arc::from(group_of(key)));
+                if self.superseded.len() > 2 * self.groups.len() + 64 {
+                    self.compact_superseded();
+                }
+            }
+        }
+        true
+    }
+
+    /// Drop stale and repeated entries of the superseded queue, keeping the order.
+    fn compact_superseded(&mut self) {
+        let mut seen = HashSet::new();
+        let groups = &self.groups;
+        self.superseded.retain(|g| {
+            groups.get(g).is_some_and(|i| !i.demoted.is_empty()) && seen.insert(Arc::clone(g))
+        });
+    }
+
+    /// Up to `limit` groups whose superseded members can go alone, oldest demotion first.
+    pub fn superseded(&self, limit: usize) -> impl Iterator<Item = Victim> + '_ {
+        let mut seen = HashSet::new();
+        self.superseded
+            .iter()
+            .filter_map(move |g| {
+                let (g, info) = self.groups.get_key_value(g)?;
+                if !seen.insert(Arc::clone(g)) {
+                    return None;
+                }
+                info.partial_victim(g)
+            })
+            .take(limit)
     }
 
     /// Stop tracking `key`.
@@ -213,8 +300,16 @@ impl GroupList {
         };
         info.members.swap_remove(pos);
         self.objects -= 1;
+        let superseded = match info.demoted.iter().position(|m| &**m == key) {
+            Some(d) => {
+                info.demoted.swap_remove(d);
+                true
+            }
+            None => false,
+        };
         if !info.members.is_empty() {
-            info.broken = true;
+            // Dropping superseded state leaves the page whole for longer prefixes.
+            info.broken |= !superseded;
             return GroupChange::Unchanged;
         }
         let tick = info.tick;
@@ -231,6 +326,14 @@ impl GroupList {
             .unwrap_or_default()
     }
 
+    /// Superseded members of `group` now.
+    pub fn demoted(&self, group: &[u8]) -> Vec<Arc<[u8]>> {
+        self.groups
+            .get(group)
+            .map(|g| g.demoted.clone())
+            .unwrap_or_default()
+    }
+
     /// Objects tracked.
     pub fn len(&self) -> usize {
         self.objects
@@ -238,6 +341,11 @@ impl GroupList {
 
     pub fn is_empty(&self) -> bool {
         self.objects == 0
+    }
+
+    /// Whether a demote hint ever arrived (see the field).
+    pub fn end_restorable(&self) -> bool {
+        self.end_restorable
     }
 
     /// Groups tracked.
@@ -280,12 +388,20 @@ impl<P: GroupPolicy> EvictionPolicy for P {
         self.list().lock().remove(key)
     }
 
+    fn on_demote(&self, key: &[u8]) -> bool {
+        self.list().lock().demote(key)
+    }
+
     fn candidates(&self, skip: usize, window: usize, out: &mut Vec<Victim>) {
         P::order(&self.list().lock(), skip, window, out);
     }
 
     fn members(&self, group: &[u8]) -> Vec<Arc<[u8]>> {
         self.list().lock().members(group)
+    }
+
+    fn demoted(&self, group: &[u8]) -> Vec<Arc<[u8]>> {
+        self.list().lock().demoted(group)
     }
 
     fn len(&self) -> usize {
@@ -373,6 +489,97 @@ mod tests {
         // Touching p3 makes it more recent than q3, so the depth-3 tie now goes to q3.
         p.on_access(b"p3");
         assert_eq!(keys(&p, 0, 10), ["q3", "p3", "p2", "p1", "p0", "u"]);
+    }
+
+    #[test]
+    fn the_cold_window_is_a_small_share_of_the_groups() {
+        let p = PrefixDepth::default();
+        for d in 0..10u32 {
+            p.on_insert(format!("c{d}").as_bytes(), 1, Some(d));
+        }
+        // Chains restorable at every page (no window state): the whole window competes.
+        assert_eq!(keys(&p, 0, 64).len(), 10);
+        // Once a demote hint says chains end in window state, few groups: even a window of
+        // 64 looks at the 2 coldest only, so the newest (and deepest) pages of the chain
+        // being written are not proposed.
+        assert!(!p.on_demote(b"unknown"));
+        assert_eq!(keys(&p, 0, 64), ["c1", "c0"]);
+        assert_eq!(keys(&p, 2, 64), ["c3", "c2"]);
+        // Plain LRU has no cap: its window is the one asked for.
+        let l = Lru::default();
+        for d in 0..10u32 {
+            l.on_insert(format!("c{d}").as_bytes(), 1, Some(d));
+        }
+        assert_eq!(keys(&l, 0, 64).len(), 10);
+    }
+
+    #[test]
+    fn superseded_state_goes_first_and_alone() {
+        let p = PrefixDepth::default();
+        // Page a: KV-side component + window state; page b (hot) the same.
+        p.on_insert(b"a@f.kv", 1, Some(0));
+        p.on_insert(b"a@f.swa", 8, Some(0));
+        p.on_insert(b"b@f.kv", 1, Some(0));
+        p.on_insert(b"b@f.swa", 8, Some(0));
+        assert!(p.on_demote(b"b@f.swa"));
+        assert!(!p.on_demote(b"nope@f.swa"), "unknown keys are not marked");
+        let mut out = Vec::new();
+        p.candidates(0, 64, &mut out);
+        // b's superseded state is proposed first although b is the hottest page.
+        assert!(out[0].partial);
+        assert_eq!(&*out[0].group, b"b@");
+        assert_eq!(out[0].members.len(), 1);
+        assert_eq!(&*out[0].members[0], b"b@f.swa");
+        assert!(out[1..].iter().all(|v| !v.partial));
+        // Dropping it leaves b whole (a broken b would go first): the colder a leads.
+        assert_eq!(p.on_remove(b"b@f.swa"), GroupChange::Unchanged);
+        let mut out = Vec::new();
+        p.candidates(0, 64, &mut out);
+        assert_eq!(&*out[0].group, b"a@");
+        assert!(!out[0].partial);
+        assert!(p.demoted(b"b@").is_empty());
+        // A read of demoted state clears the mark; an unmarked group has no partial victim.
+        assert!(p.on_demote(b"a@f.swa"));
+        p.on_access(b"a@f.swa");
+        let mut out = Vec::new();
+        p.candidates(0, 64, &mut out);
+        assert!(out.iter().all(|v| !v.partial));
+        // A page whose every member is superseded goes whole, ahead of the others.
+        assert!(p.on_demote(b"b@f.kv"));
+        let mut out = Vec::new();
+        p.candidates(0, 64, &mut out);
+        assert_eq!(&*out[0].group, b"b@");
+        assert!(!out[0].partial);
+    }
+
+    #[test]
+    fn lru_ignores_the_demote_hint() {
+        let l = Lru::default();
+        l.on_insert(b"a@f.kv", 1, None);
+        l.on_insert(b"b@f.kv", 1, None);
+        l.on_insert(b"b@f.swa", 1, None);
+        assert!(l.on_demote(b"b@f.swa"));
+        let mut out = Vec::new();
+        l.candidates(0, 64, &mut out);
+        assert!(out.iter().all(|v| !v.partial));
+        assert_eq!(&*out[0].group, b"a@");
+    }
+
+    #[test]
+    fn the_superseded_queue_stays_bounded() {
+        let p = PrefixDepth::default();
+        p.on_insert(b"a@f.kv", 1, None);
+        p.on_insert(b"a@f.swa", 1, None);
+        // Demote, read (clears), demote again, many times: stale entries are compacted.
+        for _ in 0..10_000 {
+            assert!(p.on_demote(b"a@f.swa"));
+            p.on_access(b"a@f.swa");
+        }
+        assert!(p.list().lock().superseded.len() <= 2 + 64);
+        assert!(p.on_demote(b"a@f.swa"));
+        let mut out = Vec::new();
+        p.candidates(0, 64, &mut out);
+        assert_eq!(out.iter().filter(|v| v.partial).count(), 1);
     }
 
     #[test]
