@@ -683,15 +683,7 @@ impl Client {
         let guard = match &self.backend {
             Backend::Embedded(slot) => slot.read(),
             Backend::Server(remote) => {
-                let keys = kvtier_proto::server::PageKeys {
-                    prefix: batch.prefix.to_vec(),
-                    page_keys: batch
-                        .page_keys
-                        .iter()
-                        .map(|k| k.as_ref().to_vec())
-                        .collect(),
-                    suffixes: batch.suffixes.iter().map(|s| s.as_ref().to_vec()).collect(),
-                };
+                let keys = page_keys_message(batch);
                 return remote.exists_pages_prefix(keys).unwrap_or(0);
             }
             Backend::Cluster(cluster) => {
@@ -725,7 +717,8 @@ impl Client {
     /// caller stored a longer restorable chain that continues them, so their SWA / Mamba
     /// state is needed only by a request that ends exactly there (see `Engine::demote`).
     /// Returns how many stored objects were marked; keys not stored are skipped. A failure
-    /// to deliver the hint (server or cluster down) is logged and counts 0: nothing is lost.
+    /// to deliver the hint (server down) is logged and counts 0: nothing is lost. Cluster
+    /// mode does not forward the hint yet (0).
     pub fn demote_pages<K: AsRef<[u8]>, S: AsRef<[u8]>>(
         &self,
         batch: &PageBatch<'_, K, S>,
@@ -736,27 +729,14 @@ impl Client {
         let guard = match &self.backend {
             Backend::Embedded(slot) => slot.read(),
             Backend::Server(remote) => {
-                let keys = kvtier_proto::server::PageKeys {
-                    prefix: batch.prefix.to_vec(),
-                    page_keys: batch
-                        .page_keys
-                        .iter()
-                        .map(|k| k.as_ref().to_vec())
-                        .collect(),
-                    suffixes: batch.suffixes.iter().map(|s| s.as_ref().to_vec()).collect(),
-                };
+                let keys = page_keys_message(batch);
                 return remote.demote_pages(keys).unwrap_or_else(|e| {
                     tracing::warn!(error = %e, "kvtier: demote hint not delivered");
                     0
                 });
             }
-            Backend::Cluster(cluster) => {
-                let keys = cluster.compose_keys(batch.prefix, batch.page_keys, batch.suffixes);
-                return cluster.demote_full_keys(&keys).unwrap_or_else(|e| {
-                    tracing::warn!(error = %e, "kvtier cluster: demote hint not delivered");
-                    0
-                });
-            }
+            // Not forwarded to the nodes yet: cluster nodes evict without the hint.
+            Backend::Cluster(_) => return 0,
         };
         let Some(engine) = guard.as_ref() else {
             return 0;
@@ -941,5 +921,20 @@ impl Client {
             registered_regions: regions.len() as u64,
             registered_bytes: regions.iter().map(|r| r.len as u64).sum(),
         }
+    }
+}
+
+/// A page batch as the server protocol's [`kvtier_proto::server::PageKeys`].
+fn page_keys_message<K: AsRef<[u8]>, S: AsRef<[u8]>>(
+    batch: &PageBatch<'_, K, S>,
+) -> kvtier_proto::server::PageKeys {
+    kvtier_proto::server::PageKeys {
+        prefix: batch.prefix.to_vec(),
+        page_keys: batch
+            .page_keys
+            .iter()
+            .map(|k| k.as_ref().to_vec())
+            .collect(),
+        suffixes: batch.suffixes.iter().map(|s| s.as_ref().to_vec()).collect(),
     }
 }

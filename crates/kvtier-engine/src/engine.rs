@@ -636,8 +636,9 @@ impl Engine {
     /// restorable only up to their ends (see `eviction::prefix_depth`); `lru` ignores both.
     /// False for a key not in DRAM. A later read of the key clears the mark.
     pub fn demote(&self, key: &[u8]) -> bool {
-        // The policy hears every hint, found or not: it also says the chains' shape.
-        self.policy.on_demote(key) && self.index.contains(key)
+        // The policy tracks exactly the DRAM keys; it hears every hint, found or not, since
+        // the hint also says the chains' shape.
+        self.policy.on_demote(key)
     }
 
     /// Stored length of `key`, without stats or recency side effects.

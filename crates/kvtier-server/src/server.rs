@@ -849,7 +849,7 @@ impl<'a> Connection<'a> {
                 let result = page_io(session, &io, opcode == Opcode::PutPages);
                 encode(&wire_result(result))
             }
-            Opcode::ExistsPagesPrefix => {
+            Opcode::ExistsPagesPrefix | Opcode::DemotePages => {
                 let keys = PageKeys::decode(body)?;
                 let session = self.session()?;
                 let prefix = session.ns(&keys.prefix);
@@ -858,19 +858,12 @@ impl<'a> Connection<'a> {
                     page_keys: &keys.page_keys,
                     suffixes: &keys.suffixes,
                 };
-                let value = session.store.client.exists_pages_prefix(&batch) as u64;
-                encode(&Count { value })
-            }
-            Opcode::DemotePages => {
-                let keys = PageKeys::decode(body)?;
-                let session = self.session()?;
-                let prefix = session.ns(&keys.prefix);
-                let batch = PageBatch {
-                    prefix: &prefix,
-                    page_keys: &keys.page_keys,
-                    suffixes: &keys.suffixes,
-                };
-                let value = session.store.client.demote_pages(&batch) as u64;
+                let client = &session.store.client;
+                let value = if opcode == Opcode::DemotePages {
+                    client.demote_pages(&batch)
+                } else {
+                    client.exists_pages_prefix(&batch)
+                } as u64;
                 encode(&Count { value })
             }
             Opcode::ExistsV2 => {

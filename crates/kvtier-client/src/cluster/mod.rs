@@ -665,13 +665,6 @@ impl ClusterStore {
         ExistsV2Answer::decode(&reply.answer).map_err(|e| ClusterError::BadReply(e.to_string()))
     }
 
-    /// Deliver the demote hint for whole (namespaced) keys to the nodes holding them; how
-    /// many objects the nodes marked.
-    pub fn demote_full_keys(&self, keys: &[Vec<u8>]) -> Result<usize, ClusterError> {
-        let _ = keys;
-        Ok(0)
-    }
-
     /// Remove keys from the directory and from the nodes holding them; how many were held.
     pub fn remove_keys(&self, keys: &[Vec<u8>]) -> Result<usize, ClusterError> {
         let full: Vec<Vec<u8>> = keys.iter().map(|k| self.full_key(&[], k, &[])).collect();
