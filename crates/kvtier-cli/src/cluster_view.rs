@@ -49,12 +49,21 @@ fn node_json(n: &NodeInfo) -> Value {
 }
 
 fn cluster_json(leader: Option<String>, reply: &ClusterReply) -> Value {
+    let r = reply.rereplication.unwrap_or_default();
     json!({
         "leader_address": reply.leader_address,
         "answered_by": leader,
         "is_leader": reply.is_leader,
         "objects": reply.objects,
         "nodes": reply.nodes.iter().map(node_json).collect::<Vec<_>>(),
+        "rereplication": {
+            "issued": r.issued,
+            "done": r.done,
+            "failed": r.failed,
+            "dropped": r.dropped,
+            "in_flight": r.in_flight,
+            "no_target": r.no_target,
+        },
     })
 }
 
@@ -89,6 +98,12 @@ pub fn stat(masters: &str, args: &StatArgs) -> i32 {
         doc["objects"],
         nodes.len(),
         alive
+    );
+    let r = &doc["rereplication"];
+    println!(
+        "re-replication: {} copy tasks in flight, {} issued, {} done, {} failed, {} dropped, \
+         {} objects without a target",
+        r["in_flight"], r["issued"], r["done"], r["failed"], r["dropped"], r["no_target"]
     );
     println!(
         "{:<20} {:>5} {:<24} {:>6} {:>10} {:>10}  tags",

@@ -2,8 +2,9 @@
 //!
 //! At scrape time a collector asks this master, over its own RPC port, for its node table and
 //! directory size (the `Cluster` RPC, answered by followers too), so a scrape shows exactly
-//! what the master holds at that moment; the master's RPC handlers record their latency with
-//! the `metrics` macros into the same registry. A follower publishes `kvtier_master_is_leader
+//! what the master holds at that moment (re-replication totals included: the reply carries the
+//! directory's counters); the master's RPC handlers record their latency with the `metrics`
+//! macros into the same registry. A follower publishes `kvtier_master_is_leader
 //! 0` and no nodes: the leader's table is the cluster's.
 
 use std::sync::Arc;
@@ -58,6 +59,30 @@ impl Collector for MasterCollector {
             &[("state", "down")],
             (reply.nodes.len() - alive) as f64,
         );
+        if let Some(r) = &reply.rereplication {
+            for (outcome, v) in [
+                ("issued", r.issued),
+                ("done", r.done),
+                ("failed", r.failed),
+                ("dropped", r.dropped),
+            ] {
+                out.counter(
+                    names::MASTER_REREPLICATION_TASKS,
+                    &[("outcome", outcome)],
+                    v,
+                );
+            }
+            out.gauge(
+                names::MASTER_REREPLICATION_IN_FLIGHT,
+                &[],
+                r.in_flight as f64,
+            );
+            out.gauge(
+                names::MASTER_REREPLICATION_NO_TARGET,
+                &[],
+                r.no_target as f64,
+            );
+        }
         for n in &reply.nodes {
             let node = [("node", n.node_id.as_str())];
             out.gauge(

@@ -115,6 +115,22 @@ pub mod names {
     pub const MASTER_NODE_FREE_BYTES: &str = "kvtier_master_node_free_bytes";
     /// Histogram `{rpc}`: latency of one master RPC as its handler saw it.
     pub const MASTER_RPC_DURATION: &str = "kvtier_master_rpc_duration_seconds";
+    /// Counter `{outcome}`: re-replication copy tasks (one object each) of this master:
+    /// `issued` (handed to a holder), `done` (the target committed as a replica), `failed`
+    /// (timed out, or its holder or target was dropped; planned again while a holder is
+    /// left), `dropped` (no live holder left, or the key was forgotten).
+    pub const MASTER_REREPLICATION_TASKS: &str = "kvtier_master_rereplication_tasks_total";
+    /// Gauge: re-replication tasks planned or handed out and not finished.
+    pub const MASTER_REREPLICATION_IN_FLIGHT: &str = "kvtier_master_rereplication_in_flight";
+    /// Gauge: under-replicated objects the last planning pass found no target node for.
+    pub const MASTER_REREPLICATION_NO_TARGET: &str = "kvtier_master_rereplication_no_target";
+    /// Counter `{outcome}`: re-replication copy tasks (one object each) a node got from the
+    /// master: `received`, `done` (pushed to the target and committed), `failed`.
+    pub const NODE_REREPLICATION_TASKS: &str = "kvtier_node_rereplication_tasks_total";
+    /// Counter `{reason}`: a node's failed copy tasks: `not_held` (evicted since, or not in
+    /// its store), `push` (the target refused or was unreachable), `commit` (the master did
+    /// not commit it), `busy` (the worker was still on earlier tasks).
+    pub const NODE_REREPLICATION_FAILURES: &str = "kvtier_node_rereplication_failures_total";
 }
 
 /// Upper bounds of the `_seconds` histograms: 10 us to 10 s.

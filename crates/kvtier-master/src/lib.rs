@@ -1,9 +1,9 @@
 //! `kvtier master`: the control plane of cluster mode.
 //!
 //! It owns the node registry (leases renewed by heartbeats), the key directory (which node
-//! holds which object) and placement ([`directory`]), serves them as tonic RPCs ([`service`],
-//! schema in `proto/kvtier_master.proto`), and, with etcd configured, elects one leader among
-//! several masters ([`election`]). Page bytes never pass through the master.
+//! holds which object), placement and re-replication planning ([`directory`]), serves them
+//! as tonic RPCs ([`service`], schema in `proto/kvtier_master.proto`), and, with etcd
+//! configured, elects one leader among several masters ([`election`]). Page bytes never pass through the master.
 //!
 //! # Why the directory is rebuilt from the nodes, not kept in etcd
 //!
@@ -42,7 +42,8 @@
 //!   follower leads 2.3-2.6 s after the leader's SIGKILL and puts and gets succeed again
 //!   50-150 ms later. Meanwhile calls retry for `cluster_master_retry_ms`, then fail.
 //! - Replication of puts placed while only some nodes have re-registered: placement picks
-//!   among the nodes registered then, so such a put can get fewer replicas than asked.
+//!   among the nodes registered then, so such a put can get fewer replicas than asked, until
+//!   re-replication copies it after its start-up grace (see [`directory`]).
 //! - Pending claims and free-space estimates (rebuilt from the next heartbeats).
 
 pub mod directory;

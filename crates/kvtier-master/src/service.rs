@@ -12,7 +12,10 @@ use std::time::{Duration, Instant};
 use kvtier_proto::{Decode, Encode, ExistsV2Query};
 use tonic::{Request, Response, Status};
 
-use crate::directory::{Claim, Directory, NodeSpec, NodeState, PlaceRequest};
+use crate::directory::{
+    Claim, Directory, NodeSpec, NodeState, PlaceRequest, ReplicationPolicy,
+    MAX_REPAIR_TASKS_PER_HEARTBEAT,
+};
 use crate::election::{campaign, ElectionConfig, Leadership};
 use crate::rpc::master_server::{Master, MasterServer};
 use crate::rpc::*;
@@ -225,9 +228,22 @@ impl Master for MasterService {
         let _timer = RpcTimer::start("heartbeat");
         self.lead()?;
         let r = request.into_inner();
-        Ok(Response::new(HeartbeatReply {
-            known: self.directory.heartbeat(&r.node_id, r.free_bytes),
-        }))
+        let known = self.directory.heartbeat(&r.node_id, r.free_bytes);
+        let copy_tasks = if known {
+            self.directory
+                .take_repair_tasks(&r.node_id, MAX_REPAIR_TASKS_PER_HEARTBEAT, Instant::now())
+                .into_iter()
+                .map(|b| CopyTask {
+                    target: u32::from(b.target),
+                    target_node_id: b.target_node_id,
+                    target_address: b.target_address,
+                    key_hashes: b.hashes.iter().map(|h| h.to_bytes().to_vec()).collect(),
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        Ok(Response::new(HeartbeatReply { known, copy_tasks }))
     }
 
     async fn place_puts(
@@ -376,6 +392,7 @@ impl Master for MasterService {
             } else {
                 0
             },
+            rereplication: Some(rereplication_stats(&self.directory)),
         }))
     }
 
@@ -400,6 +417,18 @@ impl Master for MasterService {
     }
 }
 
+fn rereplication_stats(directory: &Directory) -> RereplicationStats {
+    let s = directory.repair_stats();
+    RereplicationStats {
+        issued: s.issued,
+        done: s.done,
+        failed: s.failed,
+        dropped: s.dropped,
+        in_flight: s.in_flight,
+        no_target: s.no_target,
+    }
+}
+
 /// Run a master until `shutdown` resolves: the RPC server, the lease sweeper, and (with etcd
 /// endpoints) the leader campaign.
 pub async fn run(
@@ -410,7 +439,14 @@ pub async fn run(
         .advertise
         .clone()
         .unwrap_or_else(|| config.listen.to_string());
-    let directory = Arc::new(Directory::new(config.lease, config.claim_timeout));
+    let directory = Arc::new(Directory::with_replication(
+        config.lease,
+        config.claim_timeout,
+        ReplicationPolicy {
+            default: config.default_replication,
+            namespaces: config.replication.clone(),
+        },
+    ));
     let leadership = Arc::new(if config.etcd_endpoints.is_empty() {
         Leadership::single(&advertise)
     } else {
@@ -424,12 +460,41 @@ pub async fn run(
         })?;
     let sweeper = {
         let directory = Arc::clone(&directory);
+        let leadership = Arc::clone(&leadership);
         let every = (config.lease / 4).max(Duration::from_millis(50));
         tokio::spawn(async move {
+            let mut reported_no_target = 0;
             loop {
                 tokio::time::sleep(every).await;
                 for node in directory.expire_nodes(Instant::now()) {
                     eprintln!("kvtier master: node {node:?} dropped (lease expired)");
+                }
+                if !leadership.is_leader() {
+                    continue;
+                }
+                // The scan can take milliseconds on a large directory: off the async workers.
+                let planner = Arc::clone(&directory);
+                let planned =
+                    tokio::task::spawn_blocking(move || planner.plan_repairs(Instant::now()))
+                        .await
+                        .unwrap_or(0);
+                let stats = directory.repair_stats();
+                if planned > 0 {
+                    eprintln!(
+                        "kvtier master: re-replication: {planned} copy tasks planned \
+                         ({} in flight)",
+                        stats.in_flight
+                    );
+                }
+                if stats.no_target != reported_no_target {
+                    reported_no_target = stats.no_target;
+                    if stats.no_target > 0 {
+                        eprintln!(
+                            "kvtier master: re-replication: {} under-replicated objects have \
+                             no target node (live, not a holder, room, the holders' tags)",
+                            stats.no_target
+                        );
+                    }
                 }
             }
         })

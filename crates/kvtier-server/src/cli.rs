@@ -514,7 +514,7 @@ pub fn start_cluster_node(
         .clone()
         .unwrap_or_default()
         .into_bytes();
-    let port = crate::peer::DataPort::start(addr, std::sync::Arc::clone(&store), token)
+    let port = crate::peer::DataPort::start(addr, std::sync::Arc::clone(&store), token.clone())
         .map_err(|e| format!("cannot bind the data port {data}: {e}"))?;
     let data_address = port.local_addr().to_string();
     let node_id = settings
@@ -531,6 +531,7 @@ pub fn start_cluster_node(
             data_address,
             tags: settings.node_tag_list(),
             request_timeout: Duration::from_millis(settings.cluster_request_timeout_ms),
+            token,
         },
         store,
         port.held(),

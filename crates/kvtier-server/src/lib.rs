@@ -4,6 +4,8 @@
 //! - [`server`]: listener, sessions, dispatch of the wire protocol (`kvtier_proto`).
 //! - [`shm`]: client memfds mapped into the server — the crate's only `unsafe`.
 //! - [`cli`]: `serve`, `stat` and `bench server`, called by the `kvtier` binary.
+//! - [`node`], [`peer`], [`rereplicate`]: a cluster node's agent, data port, and the copy
+//!   tasks of re-replication.
 //!
 //! The engine behind it is reached through an embedded [`kvtier_client::Client`] per tenant
 //! store, so server mode has exactly the put/get/rollback/fold semantics of embedded mode.
@@ -16,6 +18,7 @@ pub mod cli;
 pub mod config;
 pub mod node;
 pub mod peer;
+pub mod rereplicate;
 pub mod server;
 pub mod shm;
 

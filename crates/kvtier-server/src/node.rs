@@ -16,6 +16,9 @@
 //!   keys a peer stored (and a writer committed) between the snapshot and the master's
 //!   handling of the registration would drop out; the agent checks after every registration
 //!   and registers again while such keys appeared.
+//! - A heartbeat reply may carry re-replication copy tasks (objects this node holds that lost
+//!   a replica elsewhere); they go to the [`Rereplicator`] worker, so copying never delays a
+//!   heartbeat.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -28,6 +31,7 @@ use kvtier_client::Client;
 use kvtier_master::rpc::{HeartbeatRequest, RegisterNodeRequest, ReportDroppedRequest};
 
 use crate::peer::HeldKeys;
+use crate::rereplicate::{Rereplicator, RereplicatorConfig};
 
 /// What the agent registers.
 #[derive(Clone, Debug)]
@@ -37,6 +41,8 @@ pub struct NodeAgentConfig {
     pub data_address: String,
     pub tags: Vec<String>,
     pub request_timeout: Duration,
+    /// The cluster token, presented to other nodes' data ports when copying to them.
+    pub token: Vec<u8>,
 }
 
 /// A running agent; stops when dropped.
@@ -56,9 +62,23 @@ impl NodeAgent {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
+        let copier = Rereplicator::start(
+            RereplicatorConfig {
+                masters: config.masters.clone(),
+                node_id: config.node_id.clone(),
+                token: config.token.clone(),
+                request_timeout: config.request_timeout,
+            },
+            Arc::clone(&store),
+            Arc::clone(&held),
+        )?;
         let handle = std::thread::Builder::new()
             .name("kvtier-node-agent".into())
-            .spawn(move || runtime.block_on(agent_loop(config, store, held, flag)))?;
+            .spawn(move || {
+                runtime.block_on(agent_loop(config, store, held, &copier, flag));
+                // The copy worker stops (and is joined) here, after the agent.
+                drop(copier);
+            })?;
         Ok(NodeAgent {
             stop,
             handle: Some(handle),
@@ -103,7 +123,7 @@ const MAX_REGISTERED_KEYS: usize = 16 << 20;
 const MAX_REREGISTER_ROUNDS: usize = 4;
 
 /// Every key the store holds now, in any tier (embedded stores only; empty otherwise).
-fn keys_in_store(store: &Client) -> HashSet<Vec<u8>> {
+pub(crate) fn keys_in_store(store: &Client) -> HashSet<Vec<u8>> {
     store
         .with_engine(|engine| {
             engine
@@ -160,6 +180,7 @@ async fn agent_loop(
     config: NodeAgentConfig,
     store: Arc<Client>,
     held: Arc<HeldKeys>,
+    copier: &Rereplicator,
     stop: Arc<AtomicBool>,
 ) {
     // One attempt per call: the loop below does the retrying.
@@ -250,7 +271,7 @@ async fn agent_loop(
                 })
                 .await
             {
-                Ok(r) if r.known => {}
+                Ok(r) if r.known => copier.submit(r.copy_tasks),
                 Ok(_) => break, // register again
                 Err(e) => {
                     eprintln!("kvtier serve: heartbeat failed: {e}");

@@ -1,0 +1,365 @@
+//! The node side of re-replication: copy tasks from the master's heartbeat replies are carried
+//! out here, off the agent's heartbeat loop (a slow or dead target must never delay the
+//! heartbeats that keep this node's lease).
+//!
+//! One worker thread per node takes a task (key hashes and a target node), maps the hashes to
+//! the keys this node holds, reads each object from the store, pushes it to the target's data
+//! port with the cluster token (the ordinary [`TcpTransport`] put, put-if-absent there), and
+//! commits what arrived as extra replicas (`CommitPuts`, claim 0, `stored = [target]`). Copies
+//! the master did not commit (the key was forgotten meanwhile) are removed from the target, so
+//! its next registration does not bring them back.
+//!
+//! Failures are logged and counted, never fatal: a hash this node no longer holds (evicted
+//! since), a target that refused or is unreachable, a commit that failed. The master plans
+//! the task again after its timeout. Counters: [`names::NODE_REREPLICATION_TASKS`]
+//! `{outcome="received"|"done"|"failed"}` per object and
+//! [`names::NODE_REREPLICATION_FAILURES`]`{reason}`.
+//!
+//! Bounds: the master hands a node at most 256 objects per heartbeat and 512 in flight; the
+//! worker queues at most [`QUEUED_REPLIES`] replies' tasks (more are refused as `busy`), reads
+//! and pushes at most [`PUSH_BYTES`] of objects at a time, and keeps the hash-to-key index of
+//! the store only while tasks keep coming (about 100 bytes per held object, rebuilt at most
+//! every [`INDEX_REFRESH`] when a hash is not in it, freed after [`INDEX_IDLE`] without tasks).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kvtier_client::cluster::master::MasterLink;
+use kvtier_client::metrics::names;
+use kvtier_client::transport::tcp::{TcpTransport, TcpTransportConfig};
+use kvtier_client::transport::{PutItem, Transport};
+use kvtier_client::Client;
+use kvtier_master::directory::{key_hash, KeyHash};
+use kvtier_master::rpc::{CommitPutsRequest, CopyTask, NodeList};
+
+use crate::peer::HeldKeys;
+
+/// Heartbeat replies' tasks waiting for the worker (the master keeps at most two replies'
+/// worth in flight per node).
+pub const QUEUED_REPLIES: usize = 2;
+/// Most object bytes read and pushed in one transport call.
+pub const PUSH_BYTES: usize = 32 << 20;
+/// The hash-to-key index is rebuilt, when a hash is not in it, at most this often.
+pub const INDEX_REFRESH: Duration = Duration::from_secs(5);
+/// The index is freed after this long without tasks.
+pub const INDEX_IDLE: Duration = Duration::from_secs(30);
+
+/// How the worker reaches the others.
+#[derive(Clone, Debug)]
+pub struct RereplicatorConfig {
+    pub masters: Vec<String>,
+    pub node_id: String,
+    pub token: Vec<u8>,
+    pub request_timeout: Duration,
+}
+
+/// The running worker; stops when dropped.
+pub struct Rereplicator {
+    tx: Option<SyncSender<Vec<CopyTask>>>,
+    stop: Arc<AtomicBool>,
+    handle: Option<JoinHandle<()>>,
+}
+
+fn count_tasks(outcome: &'static str, n: usize) {
+    if n > 0 {
+        metrics::counter!(names::NODE_REREPLICATION_TASKS, "outcome" => outcome)
+            .increment(n as u64);
+    }
+}
+
+fn count_failures(reason: &'static str, n: usize) {
+    if n > 0 {
+        count_tasks("failed", n);
+        metrics::counter!(names::NODE_REREPLICATION_FAILURES, "reason" => reason)
+            .increment(n as u64);
+    }
+}
+
+impl Rereplicator {
+    pub fn start(
+        config: RereplicatorConfig,
+        store: Arc<Client>,
+        held: Arc<HeldKeys>,
+    ) -> std::io::Result<Rereplicator> {
+        let (tx, rx) = mpsc::sync_channel(QUEUED_REPLIES);
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&stop);
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let handle = std::thread::Builder::new()
+            .name("kvtier-rereplicate".into())
+            .spawn(move || {
+                let mut worker = Worker::new(config, store, held, runtime, flag);
+                worker.run(rx);
+            })?;
+        Ok(Rereplicator {
+            tx: Some(tx),
+            stop,
+            handle: Some(handle),
+        })
+    }
+
+    /// Queue one heartbeat reply's tasks; refused (counted `busy`) while the worker is behind.
+    pub fn submit(&self, tasks: Vec<CopyTask>) {
+        let objects: usize = tasks.iter().map(|t| t.key_hashes.len()).sum();
+        if objects == 0 {
+            return;
+        }
+        count_tasks("received", objects);
+        let Some(tx) = &self.tx else { return };
+        match tx.try_send(tasks) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_)) => {
+                count_failures("busy", objects);
+                eprintln!(
+                    "kvtier serve: re-replication: {objects} copy tasks refused, the worker is \
+                     still busy (the master plans them again)"
+                );
+            }
+            Err(TrySendError::Disconnected(_)) => count_failures("busy", objects),
+        }
+    }
+}
+
+impl Drop for Rereplicator {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.tx.take();
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+struct Worker {
+    store: Arc<Client>,
+    held: Arc<HeldKeys>,
+    runtime: tokio::runtime::Runtime,
+    link: MasterLink,
+    transport: TcpTransport,
+    stop: Arc<AtomicBool>,
+    index: HashMap<KeyHash, Vec<u8>>,
+    index_built: Option<Instant>,
+}
+
+impl Worker {
+    fn new(
+        config: RereplicatorConfig,
+        store: Arc<Client>,
+        held: Arc<HeldKeys>,
+        runtime: tokio::runtime::Runtime,
+        stop: Arc<AtomicBool>,
+    ) -> Worker {
+        let link = MasterLink::new(
+            config.masters.clone(),
+            config.request_timeout,
+            // A commit may span a master failover: look for the leader a while.
+            config.request_timeout * 2,
+        );
+        let transport = TcpTransport::new(TcpTransportConfig {
+            token: config.token.clone(),
+            name: format!("kvtier node {} re-replication", config.node_id),
+            connections_per_peer: 2,
+            request_timeout: config.request_timeout,
+            down_backoff: config.request_timeout,
+        });
+        Worker {
+            store,
+            held,
+            runtime,
+            link,
+            transport,
+            stop,
+            index: HashMap::new(),
+            index_built: None,
+        }
+    }
+
+    fn run(&mut self, rx: Receiver<Vec<CopyTask>>) {
+        let mut last_task = Instant::now();
+        loop {
+            if self.stop.load(Ordering::SeqCst) {
+                return;
+            }
+            match rx.recv_timeout(Duration::from_millis(500)) {
+                Ok(tasks) => {
+                    last_task = Instant::now();
+                    for task in tasks {
+                        if self.stop.load(Ordering::SeqCst) {
+                            return;
+                        }
+                        self.copy(&task);
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    if !self.index.is_empty() && last_task.elapsed() > INDEX_IDLE {
+                        self.index = HashMap::new();
+                        self.index_built = None;
+                    }
+                }
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+        }
+    }
+
+    /// Every key this node holds, by hash.
+    fn rebuild_index(&mut self) {
+        let mut index = HashMap::new();
+        let listed = crate::node::keys_in_store(&self.store);
+        let held = self.held.snapshot(&self.store);
+        for key in listed.into_iter().chain(held) {
+            index.entry(key_hash(&key)).or_insert(key);
+        }
+        self.index = index;
+        self.index_built = Some(Instant::now());
+    }
+
+    fn resolve(&mut self, hashes: &[KeyHash]) -> Vec<Option<Vec<u8>>> {
+        let stale = self
+            .index_built
+            .is_none_or(|t| t.elapsed() >= INDEX_REFRESH);
+        if stale && hashes.iter().any(|h| !self.index.contains_key(h)) {
+            self.rebuild_index();
+        }
+        hashes.iter().map(|h| self.index.get(h).cloned()).collect()
+    }
+
+    /// Carry out one task: read, push, commit. Never panics on a peer's or the store's fault.
+    fn copy(&mut self, task: &CopyTask) {
+        let hashes: Vec<KeyHash> = task
+            .key_hashes
+            .iter()
+            .filter_map(|h| KeyHash::from_bytes(h))
+            .collect();
+        let malformed = task.key_hashes.len() - hashes.len();
+        let keys: Vec<Vec<u8>> = self.resolve(&hashes).into_iter().flatten().collect();
+        let mut not_held = malformed + (hashes.len() - keys.len());
+        let mut push_failed = 0usize;
+        let mut push_error: Option<String> = None;
+        let mut pushed: Vec<Vec<u8>> = Vec::with_capacity(keys.len());
+        let address = task.target_address.as_str();
+        // Read up to PUSH_BYTES of objects, push them, repeat.
+        let mut at = 0;
+        while at < keys.len() {
+            if self.stop.load(Ordering::SeqCst) {
+                return;
+            }
+            let mut values: Vec<(usize, Vec<u8>)> = Vec::new();
+            let mut bytes = 0usize;
+            while at < keys.len() && (values.is_empty() || bytes < PUSH_BYTES) {
+                let key = &keys[at];
+                match self.read(key) {
+                    Some(value) => {
+                        bytes += value.len();
+                        values.push((at, value));
+                    }
+                    None => not_held += 1,
+                }
+                at += 1;
+            }
+            let items: Vec<PutItem<'_>> = values
+                .iter()
+                .map(|(i, v)| PutItem {
+                    key: &keys[*i],
+                    value: v,
+                    depth: None,
+                })
+                .collect();
+            let results = self.transport.put(address, &items);
+            for ((i, _), result) in values.iter().zip(results) {
+                match result {
+                    Ok(()) => pushed.push(keys[*i].clone()),
+                    Err(e) => {
+                        push_failed += 1;
+                        push_error.get_or_insert_with(|| e.to_string());
+                    }
+                }
+            }
+        }
+        let (committed, commit_failed, commit_error) = self.commit(task, &pushed);
+        count_tasks("done", committed);
+        count_failures("not_held", not_held);
+        count_failures("push", push_failed);
+        count_failures("commit", commit_failed);
+        let failed = not_held + push_failed + commit_failed;
+        let mut line = format!(
+            "kvtier serve: re-replication: {committed} of {} objects copied to {} ({})",
+            task.key_hashes.len(),
+            task.target_node_id,
+            task.target_address
+        );
+        if failed > 0 {
+            line.push_str(&format!(
+                "; failed: {not_held} no longer held here, {} not stored there{}, {commit_failed} \
+                 not committed{}",
+                push_failed,
+                push_error.map(|e| format!(" ({e})")).unwrap_or_default(),
+                commit_error.map(|e| format!(" ({e})")).unwrap_or_default()
+            ));
+        }
+        eprintln!("{line}");
+    }
+
+    /// One object's bytes, or `None` when the store no longer has it.
+    fn read(&self, key: &[u8]) -> Option<Vec<u8>> {
+        let len = usize::try_from(self.store.object_len(key)?).ok()?;
+        let mut value = vec![0u8; len];
+        // Evicted (or replaced by a different size) between the two calls: not held.
+        self.store.get_into_slice(key, &mut value).ok()?;
+        Some(value)
+    }
+
+    /// Commit `keys` as replicas on the task's target; (committed, not committed, why).
+    fn commit(&self, task: &CopyTask, keys: &[Vec<u8>]) -> (usize, usize, Option<String>) {
+        if keys.is_empty() {
+            return (0, 0, None);
+        }
+        let request = CommitPutsRequest {
+            claim: 0,
+            keys: keys.to_vec(),
+            stored: keys
+                .iter()
+                .map(|_| NodeList {
+                    nodes: vec![task.target],
+                })
+                .collect(),
+        };
+        let reply = self.runtime.block_on(self.link.call(|mut c| {
+            let request = request.clone();
+            async move { c.commit_puts(request).await }
+        }));
+        match reply {
+            Ok(r) if r.committed.len() == keys.len() => {
+                let orphans: Vec<&[u8]> = keys
+                    .iter()
+                    .zip(&r.committed)
+                    .filter(|(_, ok)| !**ok)
+                    .map(|(k, _)| k.as_slice())
+                    .collect();
+                if !orphans.is_empty() {
+                    // Forgotten meanwhile: do not leave a copy the target would register.
+                    let _ = self.transport.remove(&task.target_address, &orphans);
+                }
+                let failed = orphans.len();
+                (
+                    keys.len() - failed,
+                    failed,
+                    (failed > 0).then(|| "no longer in the directory".to_string()),
+                )
+            }
+            Ok(_) => (
+                0,
+                keys.len(),
+                Some("the master answered a different number of commits".into()),
+            ),
+            // The copies stay on the target; the master plans the task again, and the
+            // target's next registration lists them.
+            Err(e) => (0, keys.len(), Some(e.to_string())),
+        }
+    }
+}
