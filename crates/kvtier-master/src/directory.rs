@@ -1206,41 +1206,54 @@ fn first_claim() -> u64 {
 }
 
 /// Choose `replication` distinct live nodes for an object of `size` bytes: the writer's own
-/// node first when it is live, matches the tags and has room; then the others with the most
-/// estimated free space. Fewer than asked when fewer fit.
+/// node first when it is live, matches the tags and has free room; then the others with the
+/// most estimated free space. When fewer than asked have free room, nodes whose capacity holds
+/// the object fill up the rest, the writer's node first, then the largest: every node is a
+/// cache that evicts its coldest objects to take a put (and reports the drops), so a full
+/// cluster keeps accepting writes. Fewer than asked only when fewer nodes match at all.
 fn place(
     nodes: &[NodeState],
     request: &PlaceRequest<'_>,
     replication: usize,
     size: u64,
 ) -> Vec<u16> {
-    let fits = |n: &NodeState| {
+    let eligible = |n: &NodeState| {
         n.alive
-            && n.estimated_free() >= size
+            && n.spec.capacity_bytes >= size
             && request
                 .required_tags
                 .iter()
                 .all(|t| n.spec.tags.contains(t))
     };
-    let mut chosen = Vec::with_capacity(replication);
-    if let Some(local) = nodes
+    let has_room = |n: &NodeState| eligible(n) && n.estimated_free() >= size;
+    let local = nodes
         .iter()
-        .find(|n| !request.client_node_id.is_empty() && n.spec.node_id == request.client_node_id)
-    {
-        if fits(local) {
+        .find(|n| !request.client_node_id.is_empty() && n.spec.node_id == request.client_node_id);
+    let mut chosen = Vec::with_capacity(replication);
+    if let Some(local) = local.filter(|n| has_room(n)) {
+        chosen.push(local.index);
+    }
+    let mut free: Vec<&NodeState> = nodes
+        .iter()
+        .filter(|n| has_room(n) && !chosen.contains(&n.index))
+        .collect();
+    free.sort_by_key(|n| std::cmp::Reverse(n.estimated_free()));
+    chosen.extend(
+        free.iter()
+            .map(|n| n.index)
+            .take(replication.saturating_sub(chosen.len())),
+    );
+    if chosen.len() < replication {
+        // Not enough free room: nodes that evict to take it.
+        if let Some(local) = local.filter(|n| eligible(n) && !chosen.contains(&n.index)) {
             chosen.push(local.index);
         }
-    }
-    let mut others: Vec<&NodeState> = nodes
-        .iter()
-        .filter(|n| fits(n) && !chosen.contains(&n.index))
-        .collect();
-    others.sort_by_key(|n| std::cmp::Reverse(n.estimated_free()));
-    for n in others {
-        if chosen.len() >= replication {
-            break;
-        }
-        chosen.push(n.index);
+        let mut full: Vec<&NodeState> = nodes
+            .iter()
+            .filter(|n| eligible(n) && !chosen.contains(&n.index))
+            .collect();
+        full.sort_by_key(|n| std::cmp::Reverse(n.spec.capacity_bytes));
+        chosen.extend(full.iter().map(|n| n.index));
     }
     chosen.truncate(replication);
     chosen
@@ -1294,6 +1307,37 @@ mod tests {
         };
         assert_eq!(put(&d, &req, b"k3", 10), Claim::Write(vec![a]));
         assert_eq!(put(&d, &req, b"k4", 1000), Claim::NoSpace);
+    }
+
+    #[test]
+    fn full_nodes_evict_to_take_puts_local_first() {
+        let d = dir();
+        let full = |id: &str, capacity: u64, free: u64| NodeSpec {
+            capacity_bytes: capacity,
+            ..spec(id, free, &[])
+        };
+        let a = d.register(full("a", 1000, 0), &[]).unwrap();
+        let b = d.register(full("b", 4000, 0), &[]).unwrap();
+        let c = d.register(full("c", 2000, 300), &[]).unwrap();
+        let req = |client, replication| PlaceRequest {
+            client_node_id: client,
+            replication,
+            required_tags: &[],
+        };
+        // Free room first, wherever it is.
+        assert_eq!(put(&d, &req("a", 1), b"k1", 200), Claim::Write(vec![c]));
+        // c's room is spoken for: the writer's own node evicts to take it.
+        assert_eq!(put(&d, &req("a", 1), b"k2", 200), Claim::Write(vec![a]));
+        // No local node: the largest.
+        assert_eq!(put(&d, &req("", 1), b"k3", 200), Claim::Write(vec![b]));
+        assert_eq!(
+            put(&d, &req("a", 3), b"k4", 10),
+            Claim::Write(vec![c, a, b])
+        );
+        // Larger than every node's capacity: nowhere.
+        assert_eq!(put(&d, &req("a", 1), b"k5", 5000), Claim::NoSpace);
+        // Too large for a, not for b.
+        assert_eq!(put(&d, &req("a", 1), b"k6", 3000), Claim::Write(vec![b]));
     }
 
     #[test]
