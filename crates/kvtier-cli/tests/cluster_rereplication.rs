@@ -11,12 +11,11 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{free_port, spawn_master, wait_for, NodeOpts, TOKEN};
+use common::{free_port, metric_sum, spawn_master, wait_for, NodeOpts, TOKEN};
 use kvtier_client::{Client, KvtierConfig};
 
 const OBJECTS: usize = 48;
@@ -26,29 +25,6 @@ const LEASE_MS: u64 = 1000;
 /// From the kill until every object has two live copies again: the lease (1 s), a planning
 /// tick (lease / 4), a heartbeat (lease / 3), the copies; generous for a loaded machine.
 const REPAIR_BOUND: Duration = Duration::from_secs(20);
-
-fn metrics_text(addr: &str) -> Option<String> {
-    let mut s = TcpStream::connect(addr).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
-    write!(
-        s,
-        "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .ok()?;
-    let mut text = String::new();
-    s.read_to_string(&mut text).ok()?;
-    let (head, body) = text.split_once("\r\n\r\n")?;
-    head.starts_with("HTTP/1.1 200").then(|| body.to_string())
-}
-
-/// The value of the sample `series` (name with labels, as rendered); 0 when absent.
-fn sample(addr: &str, series: &str) -> f64 {
-    metrics_text(addr)
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
-        .unwrap_or(0.0)
-}
 
 fn client(master: &str, node_id: Option<&str>) -> Client {
     Client::open(KvtierConfig {
@@ -201,24 +177,33 @@ fn objects_that_lost_a_replica_get_it_back_and_survive_a_second_failure() {
     wait_for(
         Duration::from_secs(5),
         "the master's tasks all done",
-        || sample(&master_metrics, "kvtier_master_rereplication_in_flight") == 0.0,
+        || {
+            metric_sum(
+                &master_metrics,
+                "kvtier_master_rereplication_in_flight",
+                &[],
+            ) == 0.0
+        },
     );
-    let issued = sample(
+    let issued = metric_sum(
         &master_metrics,
-        "kvtier_master_rereplication_tasks_total{outcome=\"issued\"}",
+        "kvtier_master_rereplication_tasks_total",
+        &[("outcome", "issued")],
     );
-    let done = sample(
+    let done = metric_sum(
         &master_metrics,
-        "kvtier_master_rereplication_tasks_total{outcome=\"done\"}",
+        "kvtier_master_rereplication_tasks_total",
+        &[("outcome", "done")],
     );
     assert_eq!(done, OBJECTS as f64, "master done");
     assert!(issued >= done, "issued {issued} < done {done}");
     let node_done: f64 = opts[1..]
         .iter()
         .map(|o| {
-            sample(
+            metric_sum(
                 o.metrics_addr.as_ref().unwrap(),
-                "kvtier_node_rereplication_tasks_total{outcome=\"done\"}",
+                "kvtier_node_rereplication_tasks_total",
+                &[("outcome", "done")],
             )
         })
         .sum();

@@ -6,26 +6,14 @@
 
 mod common;
 
-use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use common::{free_port, spawn_master, wait_for, NodeOpts, TOKEN};
+use common::{free_port, metrics_text, spawn_master, wait_for, NodeOpts, TOKEN};
 use kvtier_client::{Client, KvtierConfig};
 
 const NAME: &str = "kvtier_peer_transfer_bytes_total";
 const LIMIT: Duration = Duration::from_secs(20);
-
-/// The body of `GET /metrics` at `addr`, or None while nothing answers there.
-fn metrics_text(addr: &str) -> Option<String> {
-    let mut s = TcpStream::connect(addr).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
-    write!(s, "GET /metrics HTTP/1.1\r\nHost: {addr}\r\n\r\n").ok()?;
-    let mut text = String::new();
-    s.read_to_string(&mut text).ok()?;
-    let (head, body) = text.split_once("\r\n\r\n")?;
-    head.starts_with("HTTP/1.1 200").then(|| body.to_string())
-}
 
 /// The counter's value for `peer` and `direction` (0 when not published yet).
 fn transfer(addr: &str, peer: &str, direction: &str) -> u64 {

@@ -717,8 +717,8 @@ impl Client {
     /// caller stored a longer restorable chain that continues them, so their SWA / Mamba
     /// state is needed only by a request that ends exactly there (see `Engine::demote`).
     /// Returns how many stored objects were marked; keys not stored are skipped. A failure
-    /// to deliver the hint (server down) is logged and counts 0: nothing is lost. Cluster
-    /// mode does not forward the hint yet (0).
+    /// to deliver the hint (server or node down) is logged and counts 0: nothing is lost. In
+    /// cluster mode the hint goes to every live node the directory names for each object.
     pub fn demote_pages<K: AsRef<[u8]>, S: AsRef<[u8]>>(
         &self,
         batch: &PageBatch<'_, K, S>,
@@ -735,8 +735,13 @@ impl Client {
                     0
                 });
             }
-            // Not forwarded to the nodes yet: cluster nodes evict without the hint.
-            Backend::Cluster(_) => return 0,
+            Backend::Cluster(cluster) => {
+                let keys = cluster.compose_keys(batch.prefix, batch.page_keys, batch.suffixes);
+                return cluster.demote_keys(&keys).unwrap_or_else(|e| {
+                    tracing::warn!(error = %e, "kvtier: demote hint not delivered");
+                    0
+                });
+            }
         };
         let Some(engine) = guard.as_ref() else {
             return 0;

@@ -73,11 +73,15 @@ pub enum Opcode {
     /// marked. Marks every component of the pages as superseded window state, an eviction
     /// hint (`Engine::demote`).
     DemotePages = 23,
+    /// Peer data port. Request: [`crate::KeyBatch`] of whole keys. Response:
+    /// [`crate::BatchResult`], whether each key was stored there and is now marked superseded
+    /// window state (the cluster form of `DemotePages`).
+    PeerDemote = 24,
 }
 
 impl Opcode {
     /// Every opcode, in wire-value order.
-    pub const ALL: [Opcode; 23] = [
+    pub const ALL: [Opcode; 24] = [
         Opcode::Handshake,
         Opcode::Ping,
         Opcode::ExistsV2,
@@ -101,6 +105,7 @@ impl Opcode {
         Opcode::PeerGet,
         Opcode::PeerRemove,
         Opcode::DemotePages,
+        Opcode::PeerDemote,
     ];
 
     /// The wire value.
@@ -143,6 +148,7 @@ impl TryFrom<u16> for Opcode {
             21 => Opcode::PeerGet,
             22 => Opcode::PeerRemove,
             23 => Opcode::DemotePages,
+            24 => Opcode::PeerDemote,
             other => return Err(ProtoError::UnknownOpcode(other)),
         })
     }
@@ -169,7 +175,7 @@ mod tests {
 
     #[test]
     fn unknown_values_are_rejected_by_name() {
-        for value in [0, 24, 0x0100, u16::MAX] {
+        for value in [0, 25, 0x0100, u16::MAX] {
             let err = Opcode::try_from(value).unwrap_err();
             assert!(matches!(err, ProtoError::UnknownOpcode(v) if v == value));
             assert!(err.to_string().contains(&value.to_string()));

@@ -478,19 +478,29 @@ fn serve_requests(
                 },
                 Err(e) => replies.error(header.opcode, id, error_code::MALFORMED, e.to_string())?,
             },
-            Ok(Opcode::PeerRemove) => match KeyBatch::decode(body) {
+            Ok(op @ (Opcode::PeerRemove | Opcode::PeerDemote)) => match KeyBatch::decode(body) {
                 Ok(batch) => {
-                    let ok: Vec<bool> = batch
-                        .keys
-                        .iter()
-                        .map(|k| {
-                            shared.held.remove(k);
-                            shared.store.remove_keys(&[k]) == 1
-                        })
-                        .collect();
+                    let ok: Vec<bool> = if op == Opcode::PeerRemove {
+                        batch
+                            .keys
+                            .iter()
+                            .map(|k| {
+                                shared.held.remove(k);
+                                shared.store.remove_keys(&[k]) == 1
+                            })
+                            .collect()
+                    } else {
+                        // A node's store is embedded; the hint marks its engine's objects.
+                        shared
+                            .store
+                            .with_engine(|engine| {
+                                batch.keys.iter().map(|k| engine.demote(k)).collect()
+                            })
+                            .unwrap_or_else(|| vec![false; batch.keys.len()])
+                    };
                     let reply = WireResult { ok, errors: vec![] };
                     let mut frame = Vec::new();
-                    encode_frame(&mut frame, Opcode::PeerRemove, id, FLAG_RESPONSE, &reply)
+                    encode_frame(&mut frame, op, id, FLAG_RESPONSE, &reply)
                         .map_err(io::Error::other)?;
                     replies.queue(Reply::Frame(frame))?;
                 }

@@ -910,12 +910,14 @@ impl<'a> Connection<'a> {
                 session.store.client.clear();
                 Ok(Vec::new())
             }
-            Opcode::PeerHello | Opcode::PeerPut | Opcode::PeerGet | Opcode::PeerRemove => {
-                Err(Refusal::new(
-                    error_code::UNSUPPORTED,
-                    "peer opcodes are served on the cluster data port, not the local socket",
-                ))
-            }
+            Opcode::PeerHello
+            | Opcode::PeerPut
+            | Opcode::PeerGet
+            | Opcode::PeerRemove
+            | Opcode::PeerDemote => Err(Refusal::new(
+                error_code::UNSUPPORTED,
+                "peer opcodes are served on the cluster data port, not the local socket",
+            )),
             Opcode::Flush => {
                 empty(body, "flush")?;
                 let session = self.session()?;

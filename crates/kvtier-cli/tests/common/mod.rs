@@ -1,7 +1,9 @@
 //! Helpers shared by the cluster tests: child processes killed on drop, free ports, waiting,
-//! host memory standing in for a pool, a `kvtier serve --master` node, a real etcd.
+//! host memory standing in for a pool, a `kvtier serve --master` node, a real etcd, scraping
+//! a `/metrics` endpoint.
 #![allow(dead_code)]
 
+use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -270,4 +272,31 @@ impl Etcd {
         );
         etcd
     }
+}
+
+/// The body of `GET /metrics` at `addr`, or None while nothing answers there.
+pub fn metrics_text(addr: &str) -> Option<String> {
+    let mut s = TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    write!(
+        s,
+        "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    let (head, body) = text.split_once("\r\n\r\n")?;
+    head.starts_with("HTTP/1.1 200").then(|| body.to_string())
+}
+
+/// The sum of the samples of metric `name` at `addr` whose labels include every `labels`
+/// pair (0 when none is published yet).
+pub fn metric_sum(addr: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let text = metrics_text(addr).expect("scrape /metrics");
+    let wanted: Vec<String> = labels.iter().map(|(k, v)| format!("{k}=\"{v}\"")).collect();
+    text.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter(|l| wanted.iter().all(|w| l.contains(w.as_str())))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }

@@ -694,6 +694,46 @@ impl ClusterStore {
         Ok(held)
     }
 
+    /// Mark namespaced keys superseded window state on every live node holding them (the
+    /// eviction hint of [`Client::demote_pages`](crate::Client::demote_pages)): one directory
+    /// lookup, then one request per holder. Returns how many copies were marked; a node that
+    /// cannot be reached is logged and skipped (a hint, nothing is lost).
+    pub fn demote_keys(&self, keys: &[Vec<u8>]) -> Result<usize, ClusterError> {
+        if keys.is_empty() {
+            return Ok(0);
+        }
+        let lookup = LookupRequest {
+            keys: keys.to_vec(),
+        };
+        let reply = self.runtime.block_on(self.master.call(|mut c| {
+            let lookup = lookup.clone();
+            async move { c.lookup(lookup).await }
+        }))?;
+        if reply.locations.len() != keys.len() {
+            return Err(ClusterError::BadReply("location count".into()));
+        }
+        self.learn_nodes(&reply.nodes);
+        let mut per_node: HashMap<u32, Vec<&[u8]>> = HashMap::new();
+        for (key, holders) in keys.iter().zip(&reply.locations) {
+            for &n in &holders.nodes {
+                per_node.entry(n).or_default().push(key);
+            }
+        }
+        let mut marked = 0;
+        for (node, keys) in per_node {
+            let Some(address) = self.node_address_of(node) else {
+                continue;
+            };
+            match self.transport.demote(&address, &keys) {
+                Ok(ok) => marked += ok.iter().filter(|&&m| m).count(),
+                Err(e) => {
+                    tracing::warn!(error = %e, "kvtier cluster: demote hint to a node failed")
+                }
+            }
+        }
+        Ok(marked)
+    }
+
     /// The ids of the live nodes holding `key` (a whole key, namespaced here).
     pub fn where_is(&self, key: &[u8]) -> Result<Vec<String>, ClusterError> {
         let lookup = LookupRequest {

@@ -98,4 +98,7 @@ pub trait Transport: Send + Sync + std::fmt::Debug {
     fn get(&self, peer: &str, items: &mut [GetItem<'_>]) -> Vec<Result<(), TransportError>>;
     /// Remove keys on `peer`; whether each was present.
     fn remove(&self, peer: &str, keys: &[&[u8]]) -> Result<Vec<bool>, TransportError>;
+    /// Mark keys on `peer` superseded window state (an eviction hint); whether each was
+    /// stored there and marked.
+    fn demote(&self, peer: &str, keys: &[&[u8]]) -> Result<Vec<bool>, TransportError>;
 }

@@ -595,13 +595,29 @@ impl Transport for TcpTransport {
     }
 
     fn remove(&self, peer: &str, keys: &[&[u8]]) -> Result<Vec<bool>, TransportError> {
+        self.key_batch(peer, Opcode::PeerRemove, keys)
+    }
+
+    fn demote(&self, peer: &str, keys: &[&[u8]]) -> Result<Vec<bool>, TransportError> {
+        self.key_batch(peer, Opcode::PeerDemote, keys)
+    }
+}
+
+impl TcpTransport {
+    /// One request of a whole-key batch (`PeerRemove`, `PeerDemote`): whether each key was
+    /// acted on.
+    fn key_batch(
+        &self,
+        peer: &str,
+        opcode: Opcode,
+        keys: &[&[u8]],
+    ) -> Result<Vec<bool>, TransportError> {
         let mut stream = self.checkout(peer)?;
         let batch = KeyBatch {
             keys: keys.iter().map(|k| k.to_vec()).collect(),
         };
         let mut frame = Vec::new();
-        encode_frame(&mut frame, Opcode::PeerRemove, 1, 0, &batch)
-            .map_err(|e| Self::proto_error(peer, e))?;
+        encode_frame(&mut frame, opcode, 1, 0, &batch).map_err(|e| Self::proto_error(peer, e))?;
         stream
             .write_all(&frame)
             .map_err(|e| Self::io_error(peer, e))?;
