@@ -21,58 +21,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use common::{spawn_master, wait_for, Etcd, NodeOpts, Proc, TOKEN};
+use common::{
+    all_registered, cluster_of, leaders, spawn_master, wait_for, Etcd, NodeOpts, Proc, TOKEN,
+};
 use kvtier_client::{Client, KvtierConfig};
-use kvtier_master::rpc::master_client::MasterClient;
-use kvtier_master::rpc::{ClusterReply, ClusterRequest};
 
 /// The namespace the clients write in (`--replication ha=2`).
 const NAMESPACE: &str = "ha";
-
-/// Ask one master directly for its `Cluster` view (`None`: it does not answer).
-fn cluster_of(address: &str) -> Option<ClusterReply> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    runtime.block_on(async {
-        let call = async {
-            let mut client = MasterClient::connect(format!("http://{address}"))
-                .await
-                .ok()?;
-            client
-                .cluster(ClusterRequest {})
-                .await
-                .ok()
-                .map(|r| r.into_inner())
-        };
-        tokio::time::timeout(Duration::from_millis(500), call)
-            .await
-            .ok()
-            .flatten()
-    })
-}
-
-/// The masters that answer as leader.
-fn leaders(masters: &[String]) -> Vec<usize> {
-    (0..masters.len())
-        .filter(|&i| cluster_of(&masters[i]).is_some_and(|r| r.is_leader))
-        .collect()
-}
-
-/// Every node of `expected` (id, data address) is alive at `master` under that address.
-fn all_registered(master: &str, expected: &[(String, String)]) -> bool {
-    let Some(reply) = cluster_of(master) else {
-        return false;
-    };
-    reply.is_leader
-        && expected.iter().all(|(id, data)| {
-            reply
-                .nodes
-                .iter()
-                .any(|n| &n.node_id == id && n.alive && &n.data_address == data)
-        })
-}
 
 fn client(masters: &str, node_id: Option<&str>) -> Client {
     Client::open(KvtierConfig {

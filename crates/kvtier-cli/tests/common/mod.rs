@@ -1,6 +1,6 @@
 //! Helpers shared by the cluster tests: child processes killed on drop, free ports, waiting,
 //! host memory standing in for a pool, a `kvtier serve --master` node, a real etcd, scraping
-//! a `/metrics` endpoint.
+//! a `/metrics` endpoint, a master's own view, a TCP proxy that can cut a link.
 #![allow(dead_code)]
 
 use std::io::{Read, Write};
@@ -9,7 +9,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
 use kvtier_client::{Client, MemRef};
+use kvtier_master::rpc::master_client::MasterClient;
+use kvtier_master::rpc::{ClusterReply, ClusterRequest};
 
 pub const TOKEN: &str = "test-cluster-secret";
 
@@ -299,4 +304,139 @@ pub fn metric_sum(addr: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
         .filter(|l| wanted.iter().all(|w| l.contains(w.as_str())))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
+}
+
+/// Ask one master directly for its `Cluster` view (`None`: it does not answer).
+pub fn cluster_of(address: &str) -> Option<ClusterReply> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let call = async {
+            let mut client = MasterClient::connect(format!("http://{address}"))
+                .await
+                .ok()?;
+            client
+                .cluster(ClusterRequest {})
+                .await
+                .ok()
+                .map(|r| r.into_inner())
+        };
+        tokio::time::timeout(Duration::from_millis(500), call)
+            .await
+            .ok()
+            .flatten()
+    })
+}
+
+/// The masters that answer as leader.
+pub fn leaders(masters: &[String]) -> Vec<usize> {
+    (0..masters.len())
+        .filter(|&i| cluster_of(&masters[i]).is_some_and(|r| r.is_leader))
+        .collect()
+}
+
+/// Every node of `expected` (id, data address) is alive at `master` under that address.
+pub fn all_registered(master: &str, expected: &[(String, String)]) -> bool {
+    let Some(reply) = cluster_of(master) else {
+        return false;
+    };
+    reply.is_leader
+        && expected.iter().all(|(id, data)| {
+            reply
+                .nodes
+                .iter()
+                .any(|n| &n.node_id == id && n.alive && &n.data_address == data)
+        })
+}
+
+/// A TCP proxy in front of `target` whose link the test can cut: while cut, no byte moves in
+/// either direction and new connections wait (a partition, not a refusal: the other side
+/// sees silence, as when a switch drops packets). Stops when dropped.
+pub struct Proxy {
+    pub addr: String,
+    cut: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Proxy {
+    pub fn start(target: &str) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let cut = Arc::new(AtomicBool::new(false));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (c, s, target) = (Arc::clone(&cut), Arc::clone(&stop), target.to_string());
+        std::thread::spawn(move || {
+            while !s.load(Ordering::SeqCst) {
+                let Ok((client, _)) = listener.accept() else {
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                };
+                let (c, s, target) = (Arc::clone(&c), Arc::clone(&s), target.clone());
+                std::thread::spawn(move || {
+                    while c.load(Ordering::SeqCst) && !s.load(Ordering::SeqCst) {
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                    let Ok(server) = TcpStream::connect(&target) else {
+                        return;
+                    };
+                    let _ = client.set_nonblocking(false);
+                    let (Ok(client2), Ok(server2)) = (client.try_clone(), server.try_clone())
+                    else {
+                        return;
+                    };
+                    let (c2, s2) = (Arc::clone(&c), Arc::clone(&s));
+                    std::thread::spawn(move || pump(client2, server2, &c2, &s2));
+                    pump(server, client, &c, &s);
+                });
+            }
+        });
+        Proxy { addr, cut, stop }
+    }
+
+    /// Stop every byte on the link (both directions).
+    pub fn cut(&self) {
+        self.cut.store(true, Ordering::SeqCst);
+    }
+
+    /// Let bytes flow again.
+    pub fn heal(&self) {
+        self.cut.store(false, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Copy `from` to `to` while the proxy runs; while it is cut, read nothing (bytes wait in
+/// the kernel's buffers, as they would behind a partition).
+fn pump(mut from: TcpStream, mut to: TcpStream, cut: &AtomicBool, stop: &AtomicBool) {
+    let _ = from.set_read_timeout(Some(Duration::from_millis(20)));
+    let mut buf = vec![0u8; 64 << 10];
+    while !stop.load(Ordering::SeqCst) {
+        if cut.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(10));
+            continue;
+        }
+        match from.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => {
+                if to.write_all(&buf[..n]).is_err() {
+                    break;
+                }
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => break,
+        }
+    }
+    let _ = to.shutdown(std::net::Shutdown::Both);
 }
