@@ -609,11 +609,24 @@ impl Directory {
     /// node ids that were dropped. Entries left with fewer copies than wanted are marked for
     /// re-replication, and copy tasks from or to a dropped node fail (they are planned again).
     pub fn expire_nodes(&self, now: Instant) -> Vec<String> {
+        self.drop_nodes(|n| now.duration_since(n.last_heartbeat) > self.lease)
+    }
+
+    /// The live node `node_id` leaves (it is shutting down): it is dropped at once, exactly as
+    /// if its lease had lapsed, so its objects are misses (or come from a replica) without
+    /// waiting out the lease. Whether such a node was registered.
+    pub fn leave(&self, node_id: &str) -> bool {
+        !self.drop_nodes(|n| n.spec.node_id == node_id).is_empty()
+    }
+
+    /// Drop the live nodes `pick` selects: mark them dead, remove them from every entry, mark
+    /// entries left short for re-replication and fail their copy tasks. Their ids.
+    fn drop_nodes(&self, pick: impl Fn(&NodeState) -> bool) -> Vec<String> {
         let expired: Vec<(u16, String)> = {
             let mut nodes = self.nodes.write();
             nodes
                 .iter_mut()
-                .filter(|n| n.alive && now.duration_since(n.last_heartbeat) > self.lease)
+                .filter(|n| n.alive && pick(n))
                 .map(|n| {
                     n.alive = false;
                     (n.index, n.spec.node_id.clone())
@@ -1307,6 +1320,25 @@ mod tests {
         };
         assert_eq!(put(&d, &req, b"k3", 10), Claim::Write(vec![a]));
         assert_eq!(put(&d, &req, b"k4", 1000), Claim::NoSpace);
+    }
+
+    #[test]
+    fn a_node_that_leaves_is_dropped_at_once() {
+        let d = dir();
+        let a = d.register(spec("a", GIB, &[]), &[]).unwrap();
+        let b = d.register(spec("b", GIB, &[]), &[]).unwrap();
+        let req = PlaceRequest {
+            client_node_id: "a",
+            replication: 2,
+            required_tags: &[],
+        };
+        assert!(matches!(put(&d, &req, b"both", 10), Claim::Write(n) if n == vec![a, b]));
+        assert!(d.leave("a"));
+        assert!(!d.leave("a"), "already gone");
+        assert!(!d.leave("no-such-node"));
+        assert_eq!(d.locate(b"both"), vec![b]);
+        assert!(!d.heartbeat("a", GIB), "it must register again");
+        assert_eq!(d.under_replicated(), 1);
     }
 
     #[test]

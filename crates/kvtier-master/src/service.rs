@@ -373,6 +373,20 @@ impl Master for MasterService {
         }))
     }
 
+    async fn leave_node(
+        &self,
+        request: Request<LeaveNodeRequest>,
+    ) -> Result<Response<LeaveNodeReply>, Status> {
+        let _timer = RpcTimer::start("leave_node");
+        self.lead()?;
+        let r = request.into_inner();
+        let known = self.directory.leave(&r.node_id);
+        if known {
+            eprintln!("kvtier master: node {:?} left", r.node_id);
+        }
+        Ok(Response::new(LeaveNodeReply { known }))
+    }
+
     async fn cluster(
         &self,
         _request: Request<ClusterRequest>,

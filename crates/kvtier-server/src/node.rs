@@ -19,6 +19,8 @@
 //! - A heartbeat reply may carry re-replication copy tasks (objects this node holds that lost
 //!   a replica elsewhere); they go to the [`Rereplicator`] worker, so copying never delays a
 //!   heartbeat.
+//! - When the agent stops (SIGTERM / SIGINT of `kvtier serve`) the node leaves: the master
+//!   drops it at once, as on a lapsed lease, instead of listing its objects until then.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -28,7 +30,9 @@ use std::time::Duration;
 
 use kvtier_client::cluster::master::MasterLink;
 use kvtier_client::Client;
-use kvtier_master::rpc::{HeartbeatRequest, RegisterNodeRequest, ReportDroppedRequest};
+use kvtier_master::rpc::{
+    HeartbeatRequest, LeaveNodeRequest, RegisterNodeRequest, ReportDroppedRequest,
+};
 
 use crate::peer::HeldKeys;
 use crate::rereplicate::{Rereplicator, RereplicatorConfig};
@@ -101,6 +105,28 @@ fn free_bytes(store: &Client) -> (u64, u64) {
         stats.capacity_bytes,
         stats.capacity_bytes.saturating_sub(stats.bytes_allocated),
     )
+}
+
+/// Tell the master this node is going (one attempt per master, each bounded by the request
+/// timeout): its objects become misses at once instead of after the lease, and the master
+/// stops placing puts here. A failure only means the lease does it later.
+async fn leave(link: &MasterLink, node_id: &str) {
+    let request = LeaveNodeRequest {
+        node_id: node_id.to_string(),
+    };
+    match link
+        .call(|mut c| {
+            let request = request.clone();
+            async move { c.leave_node(request).await }
+        })
+        .await
+    {
+        Ok(_) => eprintln!("kvtier serve: node {node_id:?} left the cluster"),
+        Err(e) => eprintln!(
+            "kvtier serve: could not leave the cluster ({e}); the master drops this node when \
+             its lease lapses"
+        ),
+    }
 }
 
 async fn sleep_unless_stopped(total: Duration, stop: &AtomicBool) -> bool {
@@ -257,6 +283,7 @@ async fn agent_loop(
         let every = Duration::from_millis((reply.lease_ms / 3).max(50));
         loop {
             if !sleep_unless_stopped(every, &stop).await {
+                leave(&link, &config.node_id).await;
                 return;
             }
             let (_, free) = free_bytes(&store);
