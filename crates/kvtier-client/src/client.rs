@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use parking_lot::RwLock;
 
-use kvtier_engine::{Engine, EngineError, EngineStats, PutMeta, PutOutcome};
+use kvtier_engine::{Engine, EngineError, EngineStats, PinnedObject, PutMeta, PutOutcome};
 use kvtier_proto::query::compose_key;
 use kvtier_proto::{ExistsV2Answer, ExistsV2Query};
 use serde::Serialize;
@@ -613,6 +613,27 @@ impl Client {
             );
         }
         result
+    }
+
+    /// Embedded mode: pin `key` for reading its bytes in place ([`PinnedObject::slices`]),
+    /// e.g. to send them to a socket without a copy. Counted like a get (latency, pool
+    /// lookup, engine hit or miss); `None` when absent, closed, or in server or cluster mode
+    /// (their objects are not in this process).
+    pub fn pin(&self, key: &[u8]) -> Option<PinnedObject> {
+        self.ensure_open().ok()?;
+        let pinned = self.timed(Op::Get, || match &self.backend {
+            Backend::Embedded(slot) => slot.read().as_ref().and_then(|e| e.pin(key)),
+            Backend::Server(_) | Backend::Cluster(_) => None,
+        });
+        if self.metrics.is_some() {
+            self.count_pool(
+                metrics::pool_of(key),
+                Lookup::Get,
+                usize::from(pinned.is_some()),
+                1,
+            );
+        }
+        pinned
     }
 
     pub fn object_len(&self, key: &[u8]) -> Option<u64> {
