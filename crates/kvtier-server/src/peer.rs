@@ -291,6 +291,10 @@ fn serve_connection(shared: &PortShared, mut stream: TcpStream, peer: &str) -> i
         .peer_addr()
         .map(|a| a.ip().to_string())
         .unwrap_or_else(|_| "?".into());
+    // A client that stops reading must not keep the pinned objects of its queued replies
+    // (memory eviction cannot free) for ever: a write that makes no progress this long fails
+    // the connection, which drops them. Reads wait without limit (pooled connections idle).
+    stream.set_write_timeout(Some(WRITE_STALL_LIMIT))?;
     let writer_stream = stream.try_clone()?;
     let (tx, rx) = mpsc::sync_channel::<Vec<Reply>>(REPLIES_IN_FLIGHT);
     let moved_out =
@@ -315,6 +319,9 @@ fn serve_connection(shared: &PortShared, mut stream: TcpStream, peer: &str) -> i
     served.and(written)
 }
 
+/// How long a reply write may make no progress before the connection is dropped (clients
+/// read replies as they come; their own request timeout is a few seconds).
+const WRITE_STALL_LIMIT: Duration = Duration::from_secs(30);
 /// Replies queued per connection: the reader looks up and pins the next objects while the
 /// writer thread still sends the previous one.
 const REPLIES_IN_FLIGHT: usize = 2;
@@ -539,6 +546,15 @@ fn serve_requests(
                         peer_error_code::SIZE_MISMATCH,
                         format!("stored {len} bytes, buffer has {}", get.expected_len),
                     )?,
+                    // Stored through another way in (the local socket) and larger than one
+                    // frame: a truncated length in the header would desync the stream.
+                    Some(len) if len > u64::from(kvtier_proto::frame::MAX_FRAME_BODY) => replies
+                        .error(
+                            header.opcode,
+                            id,
+                            peer_error_code::SIZE_MISMATCH,
+                            format!("stored {len} bytes, more than one frame carries"),
+                        )?,
                     Some(len) => {
                         match shared.store.pin(&get.key).filter(|pin| pin.len() == len) {
                             Some(pin) => {
