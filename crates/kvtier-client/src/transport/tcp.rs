@@ -43,6 +43,16 @@ use crate::metrics::names;
 pub const PIPELINE_WINDOW: usize = 32;
 /// A batch is spread over several connections only when each gets at least this many bytes.
 const MIN_BYTES_PER_CONNECTION: usize = 4 << 20;
+/// How many connections a batch of `items` objects and `bytes` page bytes is spread over:
+/// at most `connections_per_peer` and one per object, each with at least
+/// `MIN_BYTES_PER_CONNECTION` (public so `kvtier bench cluster` sizes its raw baseline alike).
+pub fn connections_for(connections_per_peer: usize, items: usize, bytes: usize) -> usize {
+    connections_per_peer
+        .min(items)
+        .min((bytes / MIN_BYTES_PER_CONNECTION).max(1))
+        .max(1)
+}
+
 /// Largest error body read.
 const MAX_ERROR_BODY: u32 = 64 << 10;
 
@@ -334,13 +344,13 @@ impl TcpTransport {
         }
     }
 
-    /// The header of reply `i` of a pipelined batch: out of order is a connection failure; an
-    /// error reply is read whole and returned as `Err` (an item failure the caller names).
+    /// The header of reply `id` of a pipelined batch: out of order is a connection failure; an
+    /// error reply is read whole and fails the item (the stream stays in sync).
     fn reply_header(
         stream: &mut TcpStream,
         peer: &str,
         id: u64,
-    ) -> Result<Result<FrameHeader, ErrorReply>, ItemFailure> {
+    ) -> Result<FrameHeader, ItemFailure> {
         let header =
             read_header(stream).map_err(|e| ItemFailure::Connection(Self::proto_error(peer, e)))?;
         if header.request_id != id {
@@ -351,11 +361,23 @@ impl TcpTransport {
             }));
         }
         if header.is_error() {
-            return read_error(stream, &header)
-                .map(Err)
-                .map_err(|e| ItemFailure::Connection(Self::proto_error(peer, e)));
+            let reply = read_error(stream, &header)
+                .map_err(|e| ItemFailure::Connection(Self::proto_error(peer, e)))?;
+            let peer = peer.to_string();
+            return Err(ItemFailure::Item(match reply.code {
+                peer_error_code::NOT_FOUND => TransportError::NotFound { peer },
+                peer_error_code::SIZE_MISMATCH => TransportError::SizeMismatch {
+                    peer,
+                    message: reply.message,
+                },
+                code => TransportError::Refused {
+                    peer,
+                    code,
+                    message: reply.message,
+                },
+            }));
         }
-        Ok(Ok(header))
+        Ok(header)
     }
 
     /// One `PeerRemove` exchange of an encoded `frame` on `stream`.
@@ -421,6 +443,8 @@ impl TcpTransport {
                         if sent.is_err() {
                             break;
                         }
+                        // Also those whose first send failed part way (counted once).
+                        end.written.push(*i);
                     }
                 }
                 while sent.is_ok()
@@ -513,12 +537,7 @@ impl TcpTransport {
         bytes: usize,
     ) -> (Vec<Result<(), TransportError>>, Vec<usize>) {
         let n = items.len();
-        let conns = self
-            .config
-            .connections_per_peer
-            .min(n)
-            .min((bytes / MIN_BYTES_PER_CONNECTION).max(1))
-            .max(1);
+        let conns = connections_for(self.config.connections_per_peer, n, bytes);
         let queue = Mutex::new(items.into_iter().enumerate());
         let ends: Vec<WorkerEnd> = if conns == 1 {
             vec![self.work(peer, x, &queue)]
@@ -650,16 +669,7 @@ impl<'a> Exchange<&'a PutItem<'a>> for PutExchange<'_> {
         _item: &mut &'a PutItem<'a>,
     ) -> Result<(), ItemFailure> {
         let peer = self.peer;
-        let header = match TcpTransport::reply_header(stream, peer, id)? {
-            Ok(header) => header,
-            Err(reply) => {
-                return Err(ItemFailure::Item(TransportError::Refused {
-                    peer: peer.to_string(),
-                    code: reply.code,
-                    message: reply.message,
-                }))
-            }
-        };
+        let header = TcpTransport::reply_header(stream, peer, id)?;
         drain(stream, u64::from(header.body_len))
             .map_err(|e| ItemFailure::Connection(TcpTransport::io_error(peer, e)))
     }
@@ -703,24 +713,7 @@ impl<'a, 'b> Exchange<&'a mut GetItem<'b>> for GetExchange<'_> {
         item: &mut &'a mut GetItem<'b>,
     ) -> Result<(), ItemFailure> {
         let peer = self.peer;
-        let header = match TcpTransport::reply_header(stream, peer, id)? {
-            Ok(header) => header,
-            Err(reply) => {
-                let peer = peer.to_string();
-                return Err(ItemFailure::Item(match reply.code {
-                    peer_error_code::NOT_FOUND => TransportError::NotFound { peer },
-                    peer_error_code::SIZE_MISMATCH => TransportError::SizeMismatch {
-                        peer,
-                        message: reply.message,
-                    },
-                    code => TransportError::Refused {
-                        peer,
-                        code,
-                        message: reply.message,
-                    },
-                }));
-            }
-        };
+        let header = TcpTransport::reply_header(stream, peer, id)?;
         let dst = &mut *item.dst;
         if header.body_len as usize != dst.len() {
             drain(stream, u64::from(header.body_len))
