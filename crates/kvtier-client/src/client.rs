@@ -170,6 +170,13 @@ impl Client {
     }
 
     /// Count pool lookups when metrics are on.
+    /// A single-key get (`get_into_slice`, `pin`) in its pool's lookup counters.
+    fn count_one_get(&self, key: &[u8], hit: bool) {
+        if self.metrics.is_some() {
+            self.count_pool(metrics::pool_of(key), Lookup::Get, usize::from(hit), 1);
+        }
+    }
+
     fn count_pool(&self, pool: &str, lookup: Lookup, hits: usize, asked: usize) {
         if let Some(m) = &self.metrics {
             m.handles
@@ -604,14 +611,7 @@ impl Client {
                 false => Err(ClientError::Engine(EngineError::NotFound)),
             },
         });
-        if self.metrics.is_some() {
-            self.count_pool(
-                metrics::pool_of(key),
-                Lookup::Get,
-                usize::from(result.is_ok()),
-                1,
-            );
-        }
+        self.count_one_get(key, result.is_ok());
         result
     }
 
@@ -625,14 +625,7 @@ impl Client {
             Backend::Embedded(slot) => slot.read().as_ref().and_then(|e| e.pin(key)),
             Backend::Server(_) | Backend::Cluster(_) => None,
         });
-        if self.metrics.is_some() {
-            self.count_pool(
-                metrics::pool_of(key),
-                Lookup::Get,
-                usize::from(pinned.is_some()),
-                1,
-            );
-        }
+        self.count_one_get(key, pinned.is_some());
         pinned
     }
 
