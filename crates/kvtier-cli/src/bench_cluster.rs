@@ -1,6 +1,7 @@
 //! `kvtier bench cluster`: remote set/get throughput of a cluster node over loopback TCP,
-//! against the same run's raw single-stream TCP throughput and, with `--mooncake`, against
-//! Mooncake Store over its TCP protocol (scripts/bench_mooncake_store_tcp.sh) in the same run.
+//! against the same run's raw TCP throughput (one stream, and as many streams as kvtier uses)
+//! and, with `--mooncake`, against Mooncake Store over its TCP protocol
+//! (scripts/bench_mooncake_store_tcp.sh) in the same run.
 //!
 //! - Topology: this process starts `kvtier master` and one `kvtier serve --master` node (its own
 //!   executable, free loopback ports, a temp dir, a fresh token; both killed at the end, also on
@@ -10,25 +11,31 @@
 //!   puts a batch of fresh keys from one half and gets it back into the other half, then
 //!   removes the keys. A set and a get each include their master round trips (place + commit,
 //!   lookup): they are what a remote set or get costs.
-//! - Raw baseline: a plain `std::net::TcpStream` pair in this process; the sender writes the
+//! - Raw baselines: plain `std::net::TcpStream` pairs in this process; the sender writes the
 //!   same batch object by object, a receiver thread reads it into a preallocated buffer and
-//!   acknowledges with one byte. It runs in every round, right before that round's set and
-//!   get, so the machine's noise hits both. Figures are medians over the rounds.
+//!   acknowledges with one byte. Single stream (the target's reference), and N streams in
+//!   parallel with N = the connections kvtier spreads that batch over (`connections_for`: at
+//!   most cluster_connections_per_peer; one sender thread per stream, each taking the next
+//!   object as it goes, as kvtier's connections do): the loopback's ceiling for that
+//!   parallelism on this machine. Both run in every round, right before that round's set and
+//!   get, so the machine's noise hits all. Figures are medians over the rounds.
 //! - Every get is compared byte for byte with what was put, outside the timed part; each
 //!   round's bytes differ, so a stale or misplaced object would show.
 
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::{self, Read, Write};
+use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
 use kvtier_client::config::strict::parse_unsigned;
 use kvtier_client::config::ConfigSources;
 use kvtier_client::memory::StagingMap;
+use kvtier_client::transport::tcp::{connections_for, write_all_vectored};
 use kvtier_client::{BatchResult, Client, KvtierConfig, MemRef};
 use serde_json::{json, Map};
 
@@ -59,8 +66,8 @@ pub(crate) struct BenchClusterArgs {
     #[arg(long, default_value_t = 20)]
     rounds: usize,
     /// The client's cluster_connections_per_peer (a batch of at least 4 MiB per connection is
-    /// spread over them).
-    #[arg(long, default_value_t = 2)]
+    /// spread over them; the config default is 4).
+    #[arg(long, default_value_t = 4)]
     connections: u64,
     /// Also run Mooncake Store over TCP (scripts/bench_mooncake_store_tcp.sh) in this run and
     /// print kvtier/Mooncake ratios, if mooncake imports in --mooncake-venv.
@@ -248,6 +255,20 @@ struct RawTcp {
     rx: Option<JoinHandle<io::Result<()>>>,
 }
 
+/// A raw message: `[total, object, flags]` (little-endian u64s), then `total` bytes, which the
+/// receiver reads in `object`-sized reads at its running offset; with [`RAW_ACK`] it answers
+/// one byte and starts again at offset 0.
+const RAW_HEAD: usize = 24;
+const RAW_ACK: u64 = 1;
+
+fn raw_head(total: usize, object: usize, flags: u64) -> [u8; RAW_HEAD] {
+    let mut head = [0u8; RAW_HEAD];
+    head[..8].copy_from_slice(&(total as u64).to_le_bytes());
+    head[8..16].copy_from_slice(&(object as u64).to_le_bytes());
+    head[16..].copy_from_slice(&flags.to_le_bytes());
+    head
+}
+
 impl RawTcp {
     fn start(capacity: usize) -> io::Result<RawTcp> {
         let listener = TcpListener::bind("127.0.0.1:0")?;
@@ -259,23 +280,29 @@ impl RawTcp {
             .name("kvtier-bench-raw-rx".into())
             .spawn(move || -> io::Result<()> {
                 let mut buf = vec![1u8; capacity];
+                let mut pos = 0usize;
                 loop {
-                    let mut head = [0u8; 16];
+                    let mut head = [0u8; RAW_HEAD];
                     match rx.read_exact(&mut head) {
                         Ok(()) => {}
                         Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
                         Err(e) => return Err(e),
                     }
-                    let (total, object) = head.split_at(8);
-                    let total = u64::from_le_bytes(total.try_into().unwrap_or_default()) as usize;
-                    let object = u64::from_le_bytes(object.try_into().unwrap_or_default()) as usize;
+                    let field = |i: usize| {
+                        u64::from_le_bytes(head[i * 8..(i + 1) * 8].try_into().unwrap_or_default())
+                    };
+                    let (total, object, flags) = (field(0) as usize, field(1) as usize, field(2));
                     let dst = buf
-                        .get_mut(..total)
+                        .get_mut(pos..pos + total)
                         .ok_or_else(|| io::Error::other("raw batch larger than the buffer"))?;
                     for chunk in dst.chunks_mut(object.max(1)) {
                         rx.read_exact(chunk)?;
                     }
-                    rx.write_all(&[1])?;
+                    pos += total;
+                    if flags & RAW_ACK != 0 {
+                        rx.write_all(&[1])?;
+                        pos = 0;
+                    }
                 }
             })?;
         Ok(RawTcp {
@@ -286,18 +313,87 @@ impl RawTcp {
 
     /// Move `data` (objects of `object` bytes) to the receiver; the time until its ack.
     fn send(&mut self, data: &[u8], object: usize) -> io::Result<Duration> {
-        let mut head = [0u8; 16];
-        head[..8].copy_from_slice(&(data.len() as u64).to_le_bytes());
-        head[8..].copy_from_slice(&(object as u64).to_le_bytes());
         let t = Instant::now();
-        self.tx.write_all(&head)?;
+        self.tx.write_all(&raw_head(data.len(), object, RAW_ACK))?;
         for chunk in data.chunks(object.max(1)) {
             self.tx.write_all(chunk)?;
         }
-        let mut ack = [0u8; 1];
-        self.tx.read_exact(&mut ack)?;
+        self.wait_ack()?;
         Ok(t.elapsed())
     }
+
+    /// Send one object as its own message (no ack).
+    fn send_object(&mut self, object: &[u8]) -> io::Result<()> {
+        let head = raw_head(object.len(), object.len(), 0);
+        write_all_vectored(
+            &mut self.tx,
+            &mut [IoSlice::new(&head), IoSlice::new(object)],
+        )
+    }
+
+    /// Ask for the ack of everything sent and wait for it.
+    fn finish(&mut self) -> io::Result<()> {
+        self.tx.write_all(&raw_head(0, 0, RAW_ACK))?;
+        self.wait_ack()
+    }
+
+    fn wait_ack(&mut self) -> io::Result<()> {
+        let mut ack = [0u8; 1];
+        self.tx.read_exact(&mut ack)
+    }
+}
+
+/// The raw baseline over several streams in parallel.
+struct RawStreams {
+    streams: Vec<RawTcp>,
+}
+
+impl RawStreams {
+    fn start(n: usize, capacity: usize) -> io::Result<RawStreams> {
+        let streams = (0..n.max(1))
+            .map(|_| RawTcp::start(capacity))
+            .collect::<io::Result<_>>()?;
+        Ok(RawStreams { streams })
+    }
+
+    /// Move `data` (objects of `object` bytes) over the first `n` streams, one sender thread
+    /// each taking the next object as it goes (as kvtier's connections do, so a thread that
+    /// starts late sends less); the time until every stream's ack.
+    fn send(&mut self, data: &[u8], object: usize, n: usize) -> io::Result<Duration> {
+        let n = n.clamp(1, self.streams.len());
+        let objects: Vec<&[u8]> = data.chunks(object.max(1)).collect();
+        let next = AtomicUsize::new(0);
+        let run = |stream: &mut RawTcp| -> io::Result<()> {
+            while let Some(o) = objects.get(next.fetch_add(1, Ordering::Relaxed)) {
+                stream.send_object(o)?;
+            }
+            stream.finish()
+        };
+        let t = Instant::now();
+        std::thread::scope(|scope| {
+            let mut streams = self.streams.iter_mut().take(n);
+            let first = streams.next();
+            let handles: Vec<_> = streams.map(|s| scope.spawn(|| run(s))).collect();
+            let mut result = first.map_or(Ok(()), run);
+            for h in handles {
+                let joined = h
+                    .join()
+                    .unwrap_or_else(|_| Err(io::Error::other("raw sender thread panicked")));
+                result = result.and(joined);
+            }
+            result
+        })?;
+        Ok(t.elapsed())
+    }
+}
+
+/// How many connections the client spreads a batch of `bytes` over (the transport's own rule).
+fn connections_used(connections: u64, batch: usize, bytes: usize) -> usize {
+    connections_for(
+        usize::try_from(connections).unwrap_or(usize::MAX),
+        batch,
+        bytes,
+    )
 }
 
 impl Drop for RawTcp {
@@ -339,6 +435,11 @@ struct Row {
     /// Median of the per-round ratios to the same round's raw TCP send.
     set_vs_raw: f64,
     get_vs_raw: f64,
+    /// Streams of the N-stream raw baseline (= connections kvtier used for the batch).
+    raw_streams: usize,
+    raw_n_gbps: f64,
+    set_vs_raw_n: f64,
+    get_vs_raw_n: f64,
     /// Whether the >= 0.80-of-raw target applies (objects of 512 KiB and more) and is met.
     raw_target: Option<bool>,
     mooncake_put_gbps: Option<f64>,
@@ -350,6 +451,7 @@ struct Row {
     rounds_set_gbps: Vec<f64>,
     rounds_get_gbps: Vec<f64>,
     rounds_raw_gbps: Vec<f64>,
+    rounds_raw_n_gbps: Vec<f64>,
 }
 
 #[derive(serde::Serialize)]
@@ -506,6 +608,8 @@ fn measure_size(
     client: &Client,
     pool: &mut StagingMap,
     raw: &mut RawTcp,
+    raw_n: &mut RawStreams,
+    connections: u64,
     size: usize,
     batch: usize,
     rounds: usize,
@@ -513,6 +617,7 @@ fn measure_size(
     json: bool,
 ) -> Result<Row, String> {
     let bytes = size * batch;
+    let streams = connections_used(connections, batch, bytes);
     let mut src = vec![0u8; bytes];
     let mut check = vec![0u8; bytes];
     let bufs = |base: usize| -> Vec<MemRef> {
@@ -528,15 +633,16 @@ fn measure_size(
     note(
         json,
         &format!(
-            "{}: {total} rounds of {batch} objects (raw TCP, set, get) ...",
+            "{}: {total} rounds of {batch} objects (raw TCP x1 and x{streams}, set, get) ...",
             label(size)
         ),
     );
     let pb = bar(
-        (total * bytes * 3) as u64,
+        (total * bytes * 4) as u64,
         &format!("cluster {}", label(size)),
     );
-    let (mut raw_t, mut set_t, mut get_t) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut raw_t, mut raw_n_t, mut set_t, mut get_t) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for round in 0..total {
         pattern(&mut src, ((round as u64) << 32) ^ size as u64);
         pool.write(0, &src).map_err(|e| e.to_string())?;
@@ -548,6 +654,10 @@ fn measure_size(
         let r = raw
             .send(&src, size)
             .map_err(|e| format!("raw TCP baseline: {e}"))?;
+        pb.inc(bytes as u64);
+        let rn = raw_n
+            .send(&src, size, streams)
+            .map_err(|e| format!("raw TCP x{streams} baseline: {e}"))?;
         pb.inc(bytes as u64);
         let t = Instant::now();
         let put = client.put_keys(&keys, &put_bufs, None);
@@ -572,6 +682,7 @@ fn measure_size(
         client.remove_keys(&keys);
         if round >= WARMUP_ROUNDS {
             raw_t.push(r);
+            raw_n_t.push(rn);
             set_t.push(s);
             get_t.push(g);
         }
@@ -587,6 +698,10 @@ fn measure_size(
     // Ratios: the median of each round's ratio to the raw send of the same round (adjacent
     // in time), which drifting load disturbs less than a ratio of two medians.
     let (set_vs_raw, get_vs_raw) = (median_ratio(&raw_t, &set_t), median_ratio(&raw_t, &get_t));
+    let (set_vs_raw_n, get_vs_raw_n) = (
+        median_ratio(&raw_n_t, &set_t),
+        median_ratio(&raw_n_t, &get_t),
+    );
     Ok(Row {
         size_bytes: size,
         size: label(size),
@@ -595,6 +710,10 @@ fn measure_size(
         raw_tcp_gbps: raw,
         set_vs_raw,
         get_vs_raw,
+        raw_streams: streams,
+        raw_n_gbps: median_gbps(bytes, &raw_n_t),
+        set_vs_raw_n,
+        get_vs_raw_n,
         raw_target: (size >= TARGET_MIN_SIZE)
             .then_some(set_vs_raw >= RAW_TARGET && get_vs_raw >= RAW_TARGET),
         mooncake_put_gbps: None,
@@ -605,6 +724,7 @@ fn measure_size(
         rounds_set_gbps: per_round(&set_t),
         rounds_get_gbps: per_round(&get_t),
         rounds_raw_gbps: per_round(&raw_t),
+        rounds_raw_n_gbps: per_round(&raw_n_t),
     })
 }
 
@@ -652,19 +772,40 @@ pub(crate) fn run(args: BenchClusterArgs) -> Result<ExitCode, String> {
     let region = kvtier_server::shm::register_own_memfd(&client, &pool, "bench pool")
         .map_err(|e| e.to_string())?;
     let mut raw = RawTcp::start(half).map_err(|e| format!("raw TCP baseline: {e}"))?;
+    let max_streams = sizes
+        .iter()
+        .map(|&size| connections_used(args.connections, batch, size * batch))
+        .max()
+        .unwrap_or(1);
+    let mut raw_n = RawStreams::start(max_streams, half)
+        .map_err(|e| format!("raw TCP x{max_streams} baseline: {e}"))?;
 
     let mut rows = Vec::new();
     for &size in &sizes {
         let row = measure_size(
-            &client, &mut pool, &mut raw, size, batch, rounds, half, args.json,
+            &client,
+            &mut pool,
+            &mut raw,
+            &mut raw_n,
+            args.connections,
+            size,
+            batch,
+            rounds,
+            half,
+            args.json,
         );
         match row {
             Ok(row) => {
                 note(
                     args.json,
                     &format!(
-                        "{}: set {:.2} GB/s, get {:.2} GB/s, raw TCP {:.2} GB/s",
-                        row.size, row.set_gbps, row.get_gbps, row.raw_tcp_gbps
+                        "{}: set {:.2} GB/s, get {:.2} GB/s, raw TCP {:.2} GB/s (x{}: {:.2} GB/s)",
+                        row.size,
+                        row.set_gbps,
+                        row.get_gbps,
+                        row.raw_tcp_gbps,
+                        row.raw_streams,
+                        row.raw_n_gbps
                     ),
                 );
                 rows.push(row);
@@ -683,6 +824,7 @@ pub(crate) fn run(args: BenchClusterArgs) -> Result<ExitCode, String> {
         }
     }
     drop(raw);
+    drop(raw_n);
     client.unregister_region(region);
     drop(client);
     drop(cluster);
@@ -707,7 +849,8 @@ pub(crate) fn run(args: BenchClusterArgs) -> Result<ExitCode, String> {
                     }
                 }
                 format!(
-                    "ran {} ({} venv), same machine, after the kvtier rounds",
+                    "ran {} ({} venv), same machine, after the kvtier rounds; set/mc and get/mc are \
+                     ratios of medians (not of the same rounds)",
                     MOONCAKE_SCRIPT,
                     args.mooncake_venv.display()
                 )
@@ -737,17 +880,29 @@ pub(crate) fn run(args: BenchClusterArgs) -> Result<ExitCode, String> {
     }
     println!(
         "kvtier bench cluster: {}; batch {}, median of {} rounds, {} connections per peer; \
-         raw = one std TcpStream in this process, same bytes, same rounds; ratios = median \
-         of per-round ratios",
+         raw = one std TcpStream in this process, rawN = N streams in parallel (N = the \
+         connections kvtier used), same bytes, same rounds; ratios = median of per-round \
+         ratios; target on the single stream",
         report.topology, report.batch, report.rounds, report.connections_per_peer
     );
     println!(
-        "{:<8} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>5}",
-        "size", "set GB/s", "get GB/s", "raw GB/s", "set/raw", "get/raw", "target", ""
+        "{:<8} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>5} {:>3} {:>10} {:>9} {:>9}",
+        "size",
+        "set GB/s",
+        "get GB/s",
+        "raw GB/s",
+        "set/raw",
+        "get/raw",
+        "target",
+        "",
+        "N",
+        "rawN GB/s",
+        "set/rawN",
+        "get/rawN"
     );
     for r in &report.rows {
         println!(
-            "{:<8} {:>9.2} {:>9.2} {:>9.2} {:>8.2} {:>8.2} {:>8} {:>5}",
+            "{:<8} {:>9.2} {:>9.2} {:>9.2} {:>8.2} {:>8.2} {:>8} {:>5} {:>3} {:>10.2} {:>9.2} {:>9.2}",
             r.size,
             r.set_gbps,
             r.get_gbps,
@@ -759,7 +914,11 @@ pub(crate) fn run(args: BenchClusterArgs) -> Result<ExitCode, String> {
             } else {
                 "-"
             },
-            verdict(r.raw_target)
+            verdict(r.raw_target),
+            r.raw_streams,
+            r.raw_n_gbps,
+            r.set_vs_raw_n,
+            r.get_vs_raw_n
         );
     }
     println!("mooncake: {}", report.mooncake);

@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use parking_lot::RwLock;
 
-use kvtier_engine::{Engine, EngineError, EngineStats, PutMeta, PutOutcome};
+use kvtier_engine::{Engine, EngineError, EngineStats, PinnedObject, PutMeta, PutOutcome};
 use kvtier_proto::query::compose_key;
 use kvtier_proto::{ExistsV2Answer, ExistsV2Query};
 use serde::Serialize;
@@ -170,6 +170,13 @@ impl Client {
     }
 
     /// Count pool lookups when metrics are on.
+    /// A single-key get (`get_into_slice`, `pin`) in its pool's lookup counters.
+    fn count_one_get(&self, key: &[u8], hit: bool) {
+        if self.metrics.is_some() {
+            self.count_pool(metrics::pool_of(key), Lookup::Get, usize::from(hit), 1);
+        }
+    }
+
     fn count_pool(&self, pool: &str, lookup: Lookup, hits: usize, asked: usize) {
         if let Some(m) = &self.metrics {
             m.handles
@@ -604,15 +611,22 @@ impl Client {
                 false => Err(ClientError::Engine(EngineError::NotFound)),
             },
         });
-        if self.metrics.is_some() {
-            self.count_pool(
-                metrics::pool_of(key),
-                Lookup::Get,
-                usize::from(result.is_ok()),
-                1,
-            );
-        }
+        self.count_one_get(key, result.is_ok());
         result
+    }
+
+    /// Embedded mode: pin `key` for reading its bytes in place ([`PinnedObject::slices`]),
+    /// e.g. to send them to a socket without a copy. Counted like a get (latency, pool
+    /// lookup, engine hit or miss); `None` when absent, closed, or in server or cluster mode
+    /// (their objects are not in this process).
+    pub fn pin(&self, key: &[u8]) -> Option<PinnedObject> {
+        self.ensure_open().ok()?;
+        let pinned = self.timed(Op::Get, || match &self.backend {
+            Backend::Embedded(slot) => slot.read().as_ref().and_then(|e| e.pin(key)),
+            Backend::Server(_) | Backend::Cluster(_) => None,
+        });
+        self.count_one_get(key, pinned.is_some());
+        pinned
     }
 
     pub fn object_len(&self, key: &[u8]) -> Option<u64> {

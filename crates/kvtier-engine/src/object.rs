@@ -96,6 +96,20 @@ impl PinnedObject {
         add(&self.counters.bytes_out, stored);
         Ok(())
     }
+
+    /// The object's bytes in place, read only: its DRAM extents in order (none for an empty
+    /// object), for a caller that sends them without a copy (e.g. a vectored socket write).
+    /// The slices borrow the pin, so they cannot outlive it. Counts nothing; a caller that
+    /// hands the bytes out calls [`Self::count_read`] once.
+    pub fn slices(&self) -> impl Iterator<Item = &[u8]> + '_ {
+        self.object.slices()
+    }
+
+    /// Count the object as read out (`bytes_out`), as [`Self::read_into`] does, for a
+    /// caller that used [`Self::slices`] instead.
+    pub fn count_read(&self) {
+        add(&self.counters.bytes_out, self.len());
+    }
 }
 
 impl std::fmt::Debug for PinnedObject {

@@ -6,8 +6,13 @@
 //!   and the connection is closed; nothing is served before.
 //! - Two threads per connection (clients keep a few pooled connections per node): a reader
 //!   that serves requests in order and a writer that sends the replies in the same order, so
-//!   clients may pipeline and a get's copy out of the store overlaps the send of the previous
-//!   object (up to `REPLIES_IN_FLIGHT` replies queued).
+//!   clients may pipeline. The reader reads through a small buffer and hands the writer the
+//!   replies of every request already received as one batch (before it would block on the
+//!   socket), so a pipelined run of gets costs a few syscalls and thread wake-ups, not a few
+//!   per object (up to `REPLIES_IN_FLIGHT` batches queued).
+//! - A get is sent without a copy: the reader pins the object ([`Client::pin`]) and the writer
+//!   sends the header and the pinned DRAM extents with vectored writes straight from the
+//!   store, then drops the pin (so the memory cannot be evicted or reused while it is sent).
 //! - Puts are put-if-absent in the node's store. Every key stored through this port is
 //!   remembered in [`HeldKeys`], which the node agent reports to the master when it
 //!   (re-)registers and checks against the store to report evictions.
@@ -17,7 +22,7 @@
 //!   `"out"` for gets sent), besides the port-wide [`DataPortCounters`].
 
 use std::collections::HashSet;
-use std::io::{self, IoSlice, Write};
+use std::io::{self, BufReader, IoSlice, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
@@ -27,6 +32,7 @@ use std::time::Duration;
 use kvtier_client::metrics::names;
 use kvtier_client::transport::tcp::write_all_vectored;
 use kvtier_client::Client;
+use kvtier_engine::PinnedObject;
 use kvtier_proto::frame::{FLAG_ERROR, FLAG_RESPONSE, HEADER_LEN};
 use kvtier_proto::peer::{peer_error_code, PeerGet, PeerHello, PeerPutMeta};
 use kvtier_proto::server::error_code;
@@ -285,21 +291,26 @@ fn serve_connection(shared: &PortShared, mut stream: TcpStream, peer: &str) -> i
         .peer_addr()
         .map(|a| a.ip().to_string())
         .unwrap_or_else(|_| "?".into());
+    // A client that stops reading must not keep the pinned objects of its queued replies
+    // (memory eviction cannot free) for ever: a write that makes no progress this long fails
+    // the connection, which drops them. Reads wait without limit (pooled connections idle).
+    stream.set_write_timeout(Some(WRITE_STALL_LIMIT))?;
     let writer_stream = stream.try_clone()?;
-    let (tx, rx) = mpsc::sync_channel::<Reply>(REPLIES_IN_FLIGHT);
-    let (spare_tx, spare_rx) = mpsc::sync_channel::<Vec<u8>>(REPLIES_IN_FLIGHT + 2);
+    let (tx, rx) = mpsc::sync_channel::<Vec<Reply>>(REPLIES_IN_FLIGHT);
     let moved_out =
         metrics::counter!(names::PEER_TRANSFER_BYTES, "peer" => host.clone(), "direction" => "out");
     let writer = std::thread::Builder::new()
         .name("kvtier-data-tx".into())
-        .spawn(move || write_replies(writer_stream, rx, spare_tx, moved_out))?;
-    let replies = Replies {
+        .spawn(move || write_replies(writer_stream, rx, moved_out))?;
+    let mut replies = Replies {
         tx,
-        spare: spare_rx,
+        pending: Vec::new(),
+        pending_bytes: 0,
     };
     let moved_in =
         metrics::counter!(names::PEER_TRANSFER_BYTES, "peer" => host, "direction" => "in");
-    let served = serve_requests(shared, &mut stream, &mut body, &replies, &moved_in);
+    let mut reader = BufReader::with_capacity(READ_BUFFER, stream);
+    let served = serve_requests(shared, &mut reader, &mut body, &mut replies, &moved_in);
     // The writer ends once every queued reply is written (or the socket failed).
     drop(replies);
     let written = writer
@@ -308,80 +319,155 @@ fn serve_connection(shared: &PortShared, mut stream: TcpStream, peer: &str) -> i
     served.and(written)
 }
 
-/// Replies queued per connection: the reader copies the next object out of the store while
-/// the writer thread still sends the previous one.
+/// How long a reply write may make no progress before the connection is dropped (clients
+/// read replies as they come; their own request timeout is a few seconds).
+const WRITE_STALL_LIMIT: Duration = Duration::from_secs(30);
+/// Replies queued per connection: the reader looks up and pins the next objects while the
+/// writer thread still sends the previous one.
 const REPLIES_IN_FLIGHT: usize = 2;
-/// Reply buffers larger than this are freed rather than kept for the next get.
+/// Request bodies larger than this are freed rather than kept for the next request.
 const MAX_KEPT_BUFFER: usize = 8 << 20;
+/// Slices per `writev` (well under the kernel's `IOV_MAX` of 1024; a fragmented object or a
+/// batch of many is sent in several calls).
+const MAX_IOVECS: usize = 256;
+/// The reader's buffer: room for many pipelined get requests, small enough that a put's
+/// payload is read almost whole straight into its body (reads larger than the buffer bypass
+/// it).
+const READ_BUFFER: usize = 8 << 10;
+/// A batch of replies is handed to the writer at this many replies or object bytes pinned,
+/// even if more requests are buffered.
+const MAX_BATCH_REPLIES: usize = 64;
+const MAX_BATCH_BYTES: u64 = 4 << 20;
 
 /// One response frame for a connection's writer thread.
 enum Reply {
     /// A whole encoded frame (small replies, errors).
     Frame(Vec<u8>),
-    /// A get's header and the object bytes (the buffer goes back to the reader afterwards).
+    /// A get's header and the pinned object, sent from the store's memory; the pin is dropped
+    /// once the bytes are written.
     Object {
         header: [u8; HEADER_LEN],
-        body: Vec<u8>,
+        pin: PinnedObject,
     },
 }
 
-/// The reader's side of a connection's writer thread.
+/// The reader's side of a connection's writer thread: replies are collected and handed over
+/// as one batch by [`Replies::flush`].
 struct Replies {
-    tx: mpsc::SyncSender<Reply>,
-    spare: mpsc::Receiver<Vec<u8>>,
+    tx: mpsc::SyncSender<Vec<Reply>>,
+    pending: Vec<Reply>,
+    /// Object bytes pinned by `pending`.
+    pending_bytes: u64,
 }
 
 impl Replies {
-    fn queue(&self, reply: Reply) -> io::Result<()> {
+    fn queue(&mut self, reply: Reply) -> io::Result<()> {
+        if let Reply::Object { pin, .. } = &reply {
+            self.pending_bytes += pin.len();
+        }
+        self.pending.push(reply);
+        if self.pending.len() >= MAX_BATCH_REPLIES || self.pending_bytes >= MAX_BATCH_BYTES {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Hand the collected replies to the writer (blocks while `REPLIES_IN_FLIGHT` batches
+    /// are queued).
+    fn flush(&mut self) -> io::Result<()> {
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        self.pending_bytes = 0;
         self.tx
-            .send(reply)
+            .send(std::mem::take(&mut self.pending))
             .map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "data port writer stopped"))
     }
 
-    fn ok(&self, opcode: Opcode, request_id: u64) -> io::Result<()> {
+    fn ok(&mut self, opcode: Opcode, request_id: u64) -> io::Result<()> {
         let header = FrameHeader::new(opcode, request_id, FLAG_RESPONSE, 0).encode();
         self.queue(Reply::Frame(header.to_vec()))
     }
 
-    fn error(&self, opcode: u16, request_id: u64, code: u16, message: String) -> io::Result<()> {
+    fn error(
+        &mut self,
+        opcode: u16,
+        request_id: u64,
+        code: u16,
+        message: String,
+    ) -> io::Result<()> {
         self.queue(Reply::Frame(error_frame(
             opcode, request_id, code, message,
         )?))
     }
+}
 
-    /// A buffer of exactly `len` bytes for an object (a returned one when there is).
-    fn buffer(&self, len: usize) -> Vec<u8> {
-        let mut buf = self.spare.try_recv().unwrap_or_default();
-        // Only a change of size touches the bytes; a same-size buffer is overwritten whole.
-        buf.resize(len, 0);
-        buf
+/// Write a batch of replies in order, vectored (`MAX_IOVECS` slices per call): frames as they
+/// are, objects as their header and then the pinned extents, straight from the store. An
+/// object's bytes are counted in `moved_out` once the call that wrote its last slice
+/// succeeded.
+fn write_batch(
+    stream: &mut TcpStream,
+    batch: &[Reply],
+    moved_out: &metrics::Counter,
+) -> io::Result<()> {
+    let mut out = Gather {
+        stream,
+        moved_out,
+        iov: Vec::with_capacity(MAX_IOVECS),
+        ending: 0,
+    };
+    for reply in batch {
+        match reply {
+            Reply::Frame(frame) => out.push(frame)?,
+            Reply::Object { header, pin } => {
+                out.push(header)?;
+                for slice in pin.slices() {
+                    out.push(slice)?;
+                }
+                out.ending += pin.len();
+            }
+        }
+    }
+    out.write()
+}
+
+/// Slices gathered for `writev`.
+struct Gather<'a, 's> {
+    stream: &'s mut TcpStream,
+    moved_out: &'s metrics::Counter,
+    iov: Vec<IoSlice<'a>>,
+    /// Object bytes whose last slice is in `iov`.
+    ending: u64,
+}
+
+impl<'a> Gather<'a, '_> {
+    fn push(&mut self, slice: &'a [u8]) -> io::Result<()> {
+        if self.iov.len() == MAX_IOVECS {
+            self.write()?;
+        }
+        self.iov.push(IoSlice::new(slice));
+        Ok(())
+    }
+
+    fn write(&mut self) -> io::Result<()> {
+        if !self.iov.is_empty() {
+            write_all_vectored(self.stream, &mut self.iov)?;
+            self.iov.clear();
+        }
+        self.moved_out.increment(std::mem::take(&mut self.ending));
+        Ok(())
     }
 }
 
 fn write_replies(
     mut stream: TcpStream,
-    rx: mpsc::Receiver<Reply>,
-    spare: mpsc::SyncSender<Vec<u8>>,
+    rx: mpsc::Receiver<Vec<Reply>>,
     moved_out: metrics::Counter,
 ) -> io::Result<()> {
-    let mut send = |reply: Reply| -> io::Result<()> {
-        match reply {
-            Reply::Frame(frame) => stream.write_all(&frame),
-            Reply::Object { header, body } => {
-                write_all_vectored(
-                    &mut stream,
-                    &mut [IoSlice::new(&header), IoSlice::new(&body)],
-                )?;
-                moved_out.increment(body.len() as u64);
-                if body.capacity() <= MAX_KEPT_BUFFER {
-                    let _ = spare.try_send(body);
-                }
-                Ok(())
-            }
-        }
-    };
-    for reply in rx {
-        if let Err(e) = send(reply) {
+    for batch in rx {
+        // The pins drop with the batch, once written.
+        if let Err(e) = write_batch(&mut stream, &batch, &moved_out) {
             // Wake the reader too: this connection is done.
             let _ = stream.shutdown(Shutdown::Both);
             return Err(e);
@@ -390,14 +476,26 @@ fn write_replies(
     Ok(())
 }
 
+/// Whether `reader` holds a whole next frame already (reading it will not block).
+fn frame_buffered(reader: &BufReader<TcpStream>) -> bool {
+    let buffered = reader.buffer();
+    buffered.len() >= HEADER_LEN
+        && FrameHeader::decode(&buffered[..HEADER_LEN])
+            .is_ok_and(|h| buffered.len() - HEADER_LEN >= h.body_len as usize)
+}
+
 fn serve_requests(
     shared: &PortShared,
-    stream: &mut TcpStream,
+    stream: &mut BufReader<TcpStream>,
     body: &mut Vec<u8>,
-    replies: &Replies,
+    replies: &mut Replies,
     moved_in: &metrics::Counter,
 ) -> io::Result<()> {
     loop {
+        // Before a read that may wait for the client, let the writer send what is answered.
+        if !frame_buffered(stream) {
+            replies.flush()?;
+        }
         let header = match read_frame_limited(stream, body, kvtier_proto::frame::MAX_FRAME_BODY) {
             Ok(h) => h,
             Err(ProtoError::ConnectionClosed) => return Ok(()),
@@ -448,10 +546,19 @@ fn serve_requests(
                         peer_error_code::SIZE_MISMATCH,
                         format!("stored {len} bytes, buffer has {}", get.expected_len),
                     )?,
+                    // Stored through another way in (the local socket) and larger than one
+                    // frame: a truncated length in the header would desync the stream.
+                    Some(len) if len > u64::from(kvtier_proto::frame::MAX_FRAME_BODY) => replies
+                        .error(
+                            header.opcode,
+                            id,
+                            peer_error_code::SIZE_MISMATCH,
+                            format!("stored {len} bytes, more than one frame carries"),
+                        )?,
                     Some(len) => {
-                        let mut out = replies.buffer(len as usize);
-                        match shared.store.get_into_slice(&get.key, &mut out) {
-                            Ok(()) => {
+                        match shared.store.pin(&get.key).filter(|pin| pin.len() == len) {
+                            Some(pin) => {
+                                pin.count_read();
                                 shared.counters.gets.fetch_add(1, Ordering::Relaxed);
                                 shared.counters.bytes_out.fetch_add(len, Ordering::Relaxed);
                                 let header = FrameHeader::new(
@@ -461,10 +568,10 @@ fn serve_requests(
                                     len as u32,
                                 )
                                 .encode();
-                                replies.queue(Reply::Object { header, body: out })?;
+                                replies.queue(Reply::Object { header, pin })?;
                             }
-                            // Evicted between the length check and the copy.
-                            Err(_) => {
+                            // Evicted (or replaced) between the length check and the pin.
+                            None => {
                                 shared.counters.misses.fetch_add(1, Ordering::Relaxed);
                                 replies.error(
                                     header.opcode,

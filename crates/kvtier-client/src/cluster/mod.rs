@@ -94,7 +94,7 @@ impl ClusterStore {
                 .unwrap_or_default()
                 .into_bytes(),
             name: format!("kvtier-client pid {}", std::process::id()),
-            connections_per_peer: usize::try_from(config.cluster_connections_per_peer).unwrap_or(2),
+            connections_per_peer: usize::try_from(config.cluster_connections_per_peer).unwrap_or(4),
             request_timeout: timeout,
             down_backoff: timeout,
         });

@@ -2,20 +2,28 @@
 //!
 //! - Every connection opens with `PeerHello` carrying the cluster token; a refusal is an
 //!   [`TransportError::Unauthorized`] and the connection is dropped.
-//! - Up to `connections_per_peer` idle connections are kept per peer. A large batch is split
-//!   into contiguous runs, one per connection, sent in parallel; on each connection requests
-//!   are pipelined (up to [`PIPELINE_WINDOW`] in flight), so a batch costs about one round
-//!   trip plus the bytes.
+//! - Up to `connections_per_peer` idle connections are kept per peer. A large batch is spread
+//!   over several connections in parallel (each gets at least `MIN_BYTES_PER_CONNECTION`),
+//!   all taking the next object from one queue as they go, so a connection whose thread
+//!   starts late or runs slow takes fewer and they finish together. Each connection keeps a
+//!   few requests ahead of the reply it reads (`MIN_IN_FLIGHT`, more for small objects, up to
+//!   [`PIPELINE_WINDOW`]); get requests of a window go out in one write. A batch costs about
+//!   one round trip plus the bytes.
+//! - A pooled connection that fails the way one to a restarted node does (reset, EOF, broken
+//!   pipe) before any reply is replaced once by a fresh connection and its unanswered
+//!   requests are sent again (puts are put-if-absent, gets and removes idempotent); a
+//!   timeout is never retried, so a dead or partitioned peer still fails within
+//!   `request_timeout`.
 //! - Get responses are read header first; only a body whose length equals the destination's
 //!   is read, straight into the destination. Anything else fails that item closed (the body
 //!   is drained so the stream stays in sync).
 //! - Page bytes moved are counted per peer in [`names::PEER_TRANSFER_BYTES`] (`peer` = the
-//!   node's data address; `direction="out"` for puts, `"in"` for gets), once per run.
+//!   node's data address; `direction="out"` for puts, `"in"` for gets), once per batch.
 //! - Every socket has read/write timeouts (`request_timeout`); a peer that fails to connect or
 //!   times out is marked down for `down_backoff`, during which calls to it fail at once, so a
 //!   dead peer costs a caller one timeout, not one per call.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
@@ -35,6 +43,16 @@ use crate::metrics::names;
 pub const PIPELINE_WINDOW: usize = 32;
 /// A batch is spread over several connections only when each gets at least this many bytes.
 const MIN_BYTES_PER_CONNECTION: usize = 4 << 20;
+/// How many connections a batch of `items` objects and `bytes` page bytes is spread over:
+/// at most `connections_per_peer` and one per object, each with at least
+/// `MIN_BYTES_PER_CONNECTION` (public so `kvtier bench cluster` sizes its raw baseline alike).
+pub fn connections_for(connections_per_peer: usize, items: usize, bytes: usize) -> usize {
+    connections_per_peer
+        .min(items)
+        .min((bytes / MIN_BYTES_PER_CONNECTION).max(1))
+        .max(1)
+}
+
 /// Largest error body read.
 const MAX_ERROR_BODY: u32 = 64 << 10;
 
@@ -54,7 +72,7 @@ impl Default for TcpTransportConfig {
         TcpTransportConfig {
             token: Vec::new(),
             name: "kvtier-client".into(),
-            connections_per_peer: 2,
+            connections_per_peer: 4,
             request_timeout: Duration::from_secs(2),
             down_backoff: Duration::from_secs(1),
         }
@@ -156,6 +174,20 @@ fn read_error(stream: &mut TcpStream, header: &FrameHeader) -> Result<ErrorReply
 enum ItemFailure {
     Item(TransportError),
     Connection(TransportError),
+}
+
+/// Whether `e` is how a connection whose peer process closed it fails (reset, EOF, broken
+/// pipe) — what a pooled connection to a node that restarted since shows on first use. Not a
+/// timeout: a dead or partitioned peer must fail within the request timeout, not twice it.
+fn is_stale(e: &TransportError) -> bool {
+    matches!(e, TransportError::Io { source, .. } if matches!(
+        source.kind(),
+        io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::BrokenPipe
+            | io::ErrorKind::UnexpectedEof
+            | io::ErrorKind::NotConnected
+    ))
 }
 
 impl TcpTransport {
@@ -274,20 +306,34 @@ impl TcpTransport {
         Ok(stream)
     }
 
-    fn checkout(&self, peer: &str) -> Result<TcpStream, TransportError> {
+    /// A connection to `peer`: an idle pooled one (`true`) or a new one (`false`).
+    fn checkout(&self, peer: &str) -> Result<(TcpStream, bool), TransportError> {
         self.check_down(peer)?;
         if let Some(stream) = self.idle.lock().get_mut(peer).and_then(Vec::pop) {
-            return Ok(stream);
+            return Ok((stream, true));
         }
-        match self.connect(peer) {
-            Ok(stream) => Ok(stream),
-            Err(e) => {
-                if e.is_unreachable() {
-                    self.mark_down(peer);
-                }
-                Err(e)
+        self.connect_or_mark_down(peer).map(|s| (s, false))
+    }
+
+    fn connect_or_mark_down(&self, peer: &str) -> Result<TcpStream, TransportError> {
+        self.connect(peer).inspect_err(|e| {
+            if e.is_unreachable() {
+                self.mark_down(peer);
             }
-        }
+        })
+    }
+
+    /// A pooled connection failed as one whose peer process went away since it was pooled
+    /// (`stale`): drop the other idle connections to `peer` (from the same past) and open a
+    /// fresh one for one retry.
+    fn reconnect_stale(&self, peer: &str, reason: &str) -> Result<TcpStream, TransportError> {
+        tracing::debug!(
+            peer,
+            reason,
+            "kvtier: pooled peer connection was stale; retrying"
+        );
+        self.idle.lock().remove(peer);
+        self.connect_or_mark_down(peer)
     }
 
     fn checkin(&self, peer: &str, stream: TcpStream) {
@@ -298,221 +344,397 @@ impl TcpTransport {
         }
     }
 
-    /// Split `n` items of `sizes` into contiguous runs, one per connection to use.
-    fn runs(&self, sizes: impl Iterator<Item = usize>, n: usize) -> Vec<std::ops::Range<usize>> {
-        let sizes: Vec<usize> = sizes.collect();
-        let total: usize = sizes.iter().sum();
-        let conns = self
-            .config
-            .connections_per_peer
-            .min(n)
-            .min((total / MIN_BYTES_PER_CONNECTION).max(1))
-            .max(1);
-        if conns == 1 {
-            return std::iter::once(0..n).collect();
-        }
-        let target = total.div_ceil(conns);
-        let mut runs = Vec::with_capacity(conns);
-        let (mut start, mut acc) = (0, 0);
-        for (i, size) in sizes.iter().enumerate() {
-            acc += size;
-            if acc >= target && runs.len() + 1 < conns {
-                runs.push(start..i + 1);
-                start = i + 1;
-                acc = 0;
-            }
-        }
-        if start < n {
-            runs.push(start..n);
-        }
-        runs
-    }
-
-    /// Run `items` over one connection with a pipelined window. `send(stream, i)` writes
-    /// request `i`; `receive(stream, i)` reads its response.
-    /// The header of reply `i` of a pipelined batch: out of order is a connection failure; an
-    /// error reply is read whole and returned as `Err` (an item failure the caller names).
+    /// The header of reply `id` of a pipelined batch: out of order is a connection failure; an
+    /// error reply is read whole and fails the item (the stream stays in sync).
     fn reply_header(
         stream: &mut TcpStream,
         peer: &str,
-        i: usize,
-    ) -> Result<Result<FrameHeader, ErrorReply>, ItemFailure> {
+        id: u64,
+    ) -> Result<FrameHeader, ItemFailure> {
         let header =
             read_header(stream).map_err(|e| ItemFailure::Connection(Self::proto_error(peer, e)))?;
-        if header.request_id != i as u64 {
+        if header.request_id != id {
             return Err(ItemFailure::Connection(TransportError::OutOfOrder {
                 peer: peer.to_string(),
-                expected: i as u64,
+                expected: id,
                 found: header.request_id,
             }));
         }
         if header.is_error() {
-            return read_error(stream, &header)
-                .map(Err)
-                .map_err(|e| ItemFailure::Connection(Self::proto_error(peer, e)));
+            let reply = read_error(stream, &header)
+                .map_err(|e| ItemFailure::Connection(Self::proto_error(peer, e)))?;
+            let peer = peer.to_string();
+            return Err(ItemFailure::Item(match reply.code {
+                peer_error_code::NOT_FOUND => TransportError::NotFound { peer },
+                peer_error_code::SIZE_MISMATCH => TransportError::SizeMismatch {
+                    peer,
+                    message: reply.message,
+                },
+                code => TransportError::Refused {
+                    peer,
+                    code,
+                    message: reply.message,
+                },
+            }));
         }
-        Ok(Ok(header))
+        Ok(header)
     }
 
-    fn pipeline(
+    /// One whole-key batch exchange (`PeerRemove`, `PeerDemote`) of an encoded `frame` on
+    /// `stream`: whether each key was acted on.
+    fn key_batch_on(
+        stream: &mut TcpStream,
+        peer: &str,
+        frame: &[u8],
+    ) -> Result<Vec<bool>, TransportError> {
+        stream
+            .write_all(frame)
+            .map_err(|e| Self::io_error(peer, e))?;
+        let mut body = Vec::new();
+        let header = read_frame_limited(stream, &mut body, 16 << 20)
+            .map_err(|e| Self::proto_error(peer, e))?;
+        if header.flags & FLAG_ERROR != 0 {
+            let reply = ErrorReply::decode(&body).map_err(|e| Self::proto_error(peer, e))?;
+            return Err(TransportError::Refused {
+                peer: peer.to_string(),
+                code: reply.code,
+                message: reply.message,
+            });
+        }
+        let result = WireResult::decode(&body).map_err(|e| Self::proto_error(peer, e))?;
+        Ok(result.ok)
+    }
+
+    /// One connection's share of a batch: items are taken from `queue` one at a time, so a
+    /// connection that starts late or runs slow takes fewer. Up to [`MIN_IN_FLIGHT`] items
+    /// (more while under [`WINDOW_BYTES`], at most [`PIPELINE_WINDOW`]) are requested ahead
+    /// of the reply being read. A pooled connection that fails as a stale one ([`is_stale`])
+    /// before any reply is replaced once by a fresh connection and its unanswered requests
+    /// are sent again; any other connection failure marks the peer down and fails the
+    /// requests in flight (this connection takes no more).
+    fn work<T, X: Exchange<T>>(
         &self,
         peer: &str,
-        count: usize,
-        mut send: impl FnMut(&mut TcpStream, usize) -> Result<(), TransportError>,
-        mut receive: impl FnMut(&mut TcpStream, usize) -> Result<(), ItemFailure>,
-    ) -> Vec<Result<(), TransportError>> {
-        let mut results: Vec<Result<(), TransportError>> = Vec::with_capacity(count);
-        let mut stream = match self.checkout(peer) {
+        x: &X,
+        queue: &Mutex<impl Iterator<Item = (usize, T)>>,
+    ) -> WorkerEnd {
+        let mut end = WorkerEnd {
+            results: Vec::new(),
+            written: Vec::new(),
+            stopped: None,
+        };
+        let (mut stream, mut pooled) = match self.checkout(peer) {
             Ok(s) => s,
             Err(e) => {
-                let message = e.to_string();
-                results.push(Err(e));
-                for _ in 1..count {
-                    results.push(Err(TransportError::BatchAborted {
-                        reason: message.clone(),
-                    }));
-                }
-                return results;
+                end.stopped = Some(e);
+                return end;
             }
         };
-        let mut sent = 0;
-        let mut broken: Option<String> = None;
-        while results.len() < count {
-            while broken.is_none() && sent < count && sent - results.len() < PIPELINE_WINDOW {
-                if let Err(e) = send(&mut stream, sent) {
-                    broken = Some(e.to_string());
-                    break;
+        let mut in_flight: VecDeque<(usize, T)> = VecDeque::new();
+        let mut in_flight_bytes = 0usize;
+        let mut replied = false;
+        let mut resend = false;
+        let mut queued = Vec::new();
+        loop {
+            let failure: Option<TransportError> = 'step: {
+                let mut sent = Ok(());
+                if std::mem::take(&mut resend) {
+                    for (i, item) in &in_flight {
+                        sent = x.send(&mut stream, &mut queued, *i as u64, item);
+                        if sent.is_err() {
+                            break;
+                        }
+                        // Also those whose first send failed part way (counted once).
+                        end.written.push(*i);
+                    }
                 }
-                sent += 1;
-            }
-            if broken.is_some() {
-                break;
-            }
-            let i = results.len();
-            match receive(&mut stream, i) {
-                Ok(()) => results.push(Ok(())),
-                Err(ItemFailure::Item(e)) => results.push(Err(e)),
-                Err(ItemFailure::Connection(e)) => {
-                    broken = Some(e.to_string());
-                    results.push(Err(e));
-                    break;
+                while sent.is_ok()
+                    && in_flight.len() < PIPELINE_WINDOW
+                    && (in_flight.len() < MIN_IN_FLIGHT || in_flight_bytes < WINDOW_BYTES)
+                {
+                    let Some((i, item)) = queue.lock().next() else {
+                        break;
+                    };
+                    in_flight_bytes += x.bytes(&item);
+                    sent = x.send(&mut stream, &mut queued, i as u64, &item);
+                    if sent.is_ok() {
+                        end.written.push(i);
+                    }
+                    in_flight.push_back((i, item));
                 }
-            }
-        }
-        match broken {
-            None => self.checkin(peer, stream),
-            Some(reason) => {
-                tracing::warn!(peer, reason = %reason, "kvtier: peer connection failed");
+                if let Err(e) = sent {
+                    break 'step Some(e);
+                }
+                if !queued.is_empty() {
+                    let written = stream.write_all(&queued);
+                    queued.clear();
+                    if let Err(e) = written {
+                        break 'step Some(Self::io_error(peer, e));
+                    }
+                }
+                let Some((i, mut item)) = in_flight.pop_front() else {
+                    // The batch is done.
+                    self.checkin(peer, stream);
+                    return end;
+                };
+                match x.receive(&mut stream, i as u64, &mut item) {
+                    Ok(()) => {
+                        in_flight_bytes -= x.bytes(&item);
+                        replied = true;
+                        end.results.push((i, Ok(())));
+                        None
+                    }
+                    Err(ItemFailure::Item(e)) => {
+                        in_flight_bytes -= x.bytes(&item);
+                        replied = true;
+                        end.results.push((i, Err(e)));
+                        None
+                    }
+                    Err(ItemFailure::Connection(e)) => {
+                        in_flight.push_front((i, item));
+                        Some(e)
+                    }
+                }
+            };
+            let Some(e) = failure else { continue };
+            let e = if pooled && !replied && is_stale(&e) {
+                match self.reconnect_stale(peer, &e.to_string()) {
+                    Ok(fresh) => {
+                        (stream, pooled, resend) = (fresh, false, true);
+                        queued.clear();
+                        continue;
+                    }
+                    Err(e) => e,
+                }
+            } else {
+                tracing::warn!(peer, reason = %e, "kvtier: peer connection failed");
                 self.mark_down(peer);
-                while results.len() < count {
-                    results.push(Err(TransportError::BatchAborted {
+                e
+            };
+            let reason = e.to_string();
+            let mut first = Some(e);
+            for (i, _) in in_flight.drain(..) {
+                let error = first
+                    .take()
+                    .unwrap_or_else(|| TransportError::BatchAborted {
                         reason: reason.clone(),
+                    });
+                end.results.push((i, Err(error)));
+            }
+            end.stopped = Some(first.unwrap_or(TransportError::BatchAborted { reason }));
+            return end;
+        }
+    }
+
+    /// Run a batch over up to `connections_per_peer` connections to `peer` in parallel (only
+    /// as many as give each at least [`MIN_BYTES_PER_CONNECTION`] of the batch's `bytes`), all
+    /// taking items from one queue ([`Self::work`]). One result per item, in order; and the
+    /// items whose request was written whole.
+    fn spread<T: Send, X: Exchange<T>>(
+        &self,
+        peer: &str,
+        x: &X,
+        items: Vec<T>,
+        bytes: usize,
+    ) -> (Vec<Result<(), TransportError>>, Vec<usize>) {
+        let n = items.len();
+        let conns = connections_for(self.config.connections_per_peer, n, bytes);
+        let queue = Mutex::new(items.into_iter().enumerate());
+        let ends: Vec<WorkerEnd> = if conns == 1 {
+            vec![self.work(peer, x, &queue)]
+        } else {
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = (1..conns)
+                    .map(|_| scope.spawn(|| self.work(peer, x, &queue)))
+                    .collect();
+                let mut ends = vec![self.work(peer, x, &queue)];
+                for handle in handles {
+                    ends.push(handle.join().unwrap_or_else(|_| WorkerEnd {
+                        results: Vec::new(),
+                        written: Vec::new(),
+                        stopped: Some(Self::io_error(
+                            peer,
+                            io::Error::other("transfer thread panicked"),
+                        )),
                     }));
                 }
+                ends
+            })
+        };
+        let mut results: Vec<Option<Result<(), TransportError>>> = (0..n).map(|_| None).collect();
+        let mut written = Vec::new();
+        let mut stopped = Vec::new();
+        for end in ends {
+            for (i, r) in end.results {
+                results[i] = Some(r);
             }
+            written.extend(end.written);
+            stopped.extend(end.stopped);
         }
-        results
-    }
-
-    fn put_run(&self, peer: &str, items: &[PutItem<'_>]) -> Vec<Result<(), TransportError>> {
-        let mut meta = Vec::new();
-        let mut sent = 0u64;
-        let results = self.pipeline(
-            peer,
-            items.len(),
-            |stream, i| {
-                meta.clear();
-                PeerPutMeta {
-                    key: items[i].key.to_vec(),
-                    depth: items[i].depth,
-                }
-                .encode(&mut meta)
-                .map_err(|e| Self::proto_error(peer, e))?;
-                write_request(stream, Opcode::PeerPut, i as u64, &meta, items[i].value)
-                    .map_err(|e| Self::proto_error(peer, e))?;
-                sent += items[i].value.len() as u64;
-                Ok(())
-            },
-            |stream, i| {
-                let header = match Self::reply_header(stream, peer, i)? {
-                    Ok(header) => header,
-                    Err(reply) => {
-                        return Err(ItemFailure::Item(TransportError::Refused {
-                            peer: peer.to_string(),
-                            code: reply.code,
-                            message: reply.message,
-                        }))
-                    }
-                };
-                drain(stream, u64::from(header.body_len))
-                    .map_err(|e| ItemFailure::Connection(Self::io_error(peer, e)))
-            },
+        // Items no connection answered (every connection failed): the first failure for the
+        // first of them, the rest aborted with its reason.
+        let mut stopped = stopped.into_iter();
+        let mut first = stopped.next();
+        let reason = first.as_ref().map_or_else(
+            || "no connection took the item".to_string(),
+            |e| e.to_string(),
         );
-        count_transfer(peer, "out", sent);
-        results
-    }
-
-    fn get_run(&self, peer: &str, items: &mut [GetItem<'_>]) -> Vec<Result<(), TransportError>> {
-        let requests: Vec<Vec<u8>> = items
-            .iter()
-            .map(|item| {
-                PeerGet {
-                    key: item.key.to_vec(),
-                    expected_len: item.dst.len() as u64,
-                }
-                .encode_to_vec()
-                .unwrap_or_default()
+        let results = results
+            .into_iter()
+            .map(|r| {
+                r.unwrap_or_else(|| {
+                    Err(first
+                        .take()
+                        .unwrap_or_else(|| TransportError::BatchAborted {
+                            reason: reason.clone(),
+                        }))
+                })
             })
             .collect();
-        let mut received = 0u64;
-        let results = self.pipeline(
-            peer,
-            items.len(),
-            |stream, i| {
-                write_request(stream, Opcode::PeerGet, i as u64, &requests[i], &[])
-                    .map_err(|e| Self::proto_error(peer, e))
-            },
-            |stream, i| {
-                let header = match Self::reply_header(stream, peer, i)? {
-                    Ok(header) => header,
-                    Err(reply) => {
-                        let peer = peer.to_string();
-                        return Err(ItemFailure::Item(match reply.code {
-                            peer_error_code::NOT_FOUND => TransportError::NotFound { peer },
-                            peer_error_code::SIZE_MISMATCH => TransportError::SizeMismatch {
-                                peer,
-                                message: reply.message,
-                            },
-                            code => TransportError::Refused {
-                                peer,
-                                code,
-                                message: reply.message,
-                            },
-                        }));
-                    }
-                };
-                let dst = &mut *items[i].dst;
-                if header.body_len as usize != dst.len() {
-                    drain(stream, u64::from(header.body_len))
-                        .map_err(|e| ItemFailure::Connection(Self::io_error(peer, e)))?;
-                    return Err(ItemFailure::Item(TransportError::SizeMismatch {
-                        peer: peer.to_string(),
-                        message: format!(
-                            "{} bytes sent for a {}-byte buffer",
-                            header.body_len,
-                            dst.len()
-                        ),
-                    }));
-                }
-                stream
-                    .read_exact(dst)
-                    .map_err(|e| ItemFailure::Connection(Self::io_error(peer, e)))?;
-                received += dst.len() as u64;
-                Ok(())
-            },
-        );
-        count_transfer(peer, "in", received);
-        results
+        (results, written)
+    }
+}
+
+/// How many items a connection keeps requested ahead of the reply it reads: at least this
+/// many, so the node always has the next object to send while the previous one drains, ...
+const MIN_IN_FLIGHT: usize = 2;
+/// ... and more while their bytes stay under this (small objects), up to [`PIPELINE_WINDOW`].
+/// A small window keeps the batch in the shared queue, so connections finish together.
+const WINDOW_BYTES: usize = 1 << 20;
+
+/// What one connection of [`TcpTransport::spread`] did.
+struct WorkerEnd {
+    results: Vec<(usize, Result<(), TransportError>)>,
+    /// Items whose request was written whole (at least once).
+    written: Vec<usize>,
+    /// Why it stopped before the batch was done (it took no further items).
+    stopped: Option<TransportError>,
+}
+
+/// One kind of pipelined request, for [`TcpTransport::spread`].
+trait Exchange<T>: Sync {
+    /// Page bytes of `item`, for the in-flight window.
+    fn bytes(&self, item: &T) -> usize;
+    /// Send request `id` for `item`: append a small frame to `queued` (written in one call
+    /// with the others before the next reply is awaited), or write `queued` and then the
+    /// frame to `stream`.
+    fn send(
+        &self,
+        stream: &mut TcpStream,
+        queued: &mut Vec<u8>,
+        id: u64,
+        item: &T,
+    ) -> Result<(), TransportError>;
+    /// Read the reply to request `id` (for `item`).
+    fn receive(&self, stream: &mut TcpStream, id: u64, item: &mut T) -> Result<(), ItemFailure>;
+}
+
+struct PutExchange<'p> {
+    peer: &'p str,
+}
+
+impl<'a> Exchange<&'a PutItem<'a>> for PutExchange<'_> {
+    fn bytes(&self, item: &&'a PutItem<'a>) -> usize {
+        item.value.len()
+    }
+
+    fn send(
+        &self,
+        stream: &mut TcpStream,
+        queued: &mut Vec<u8>,
+        id: u64,
+        item: &&'a PutItem<'a>,
+    ) -> Result<(), TransportError> {
+        let peer = self.peer;
+        if !queued.is_empty() {
+            stream
+                .write_all(queued)
+                .map_err(|e| TcpTransport::io_error(peer, e))?;
+            queued.clear();
+        }
+        let meta = PeerPutMeta {
+            key: item.key.to_vec(),
+            depth: item.depth,
+        }
+        .encode_to_vec()
+        .map_err(|e| TcpTransport::proto_error(peer, e))?;
+        // The payload goes out from the caller's memory (vectored, no copy).
+        write_request(stream, Opcode::PeerPut, id, &meta, item.value)
+            .map_err(|e| TcpTransport::proto_error(peer, e))
+    }
+
+    fn receive(
+        &self,
+        stream: &mut TcpStream,
+        id: u64,
+        _item: &mut &'a PutItem<'a>,
+    ) -> Result<(), ItemFailure> {
+        let peer = self.peer;
+        let header = TcpTransport::reply_header(stream, peer, id)?;
+        drain(stream, u64::from(header.body_len))
+            .map_err(|e| ItemFailure::Connection(TcpTransport::io_error(peer, e)))
+    }
+}
+
+struct GetExchange<'p> {
+    peer: &'p str,
+    /// Page bytes read into destinations.
+    received: std::sync::atomic::AtomicU64,
+}
+
+impl<'a, 'b> Exchange<&'a mut GetItem<'b>> for GetExchange<'_> {
+    fn bytes(&self, item: &&'a mut GetItem<'b>) -> usize {
+        item.dst.len()
+    }
+
+    fn send(
+        &self,
+        _stream: &mut TcpStream,
+        queued: &mut Vec<u8>,
+        id: u64,
+        item: &&'a mut GetItem<'b>,
+    ) -> Result<(), TransportError> {
+        // A get request is small: queued, so the requests of a window go out in one write.
+        let request = PeerGet {
+            key: item.key.to_vec(),
+            expected_len: item.dst.len() as u64,
+        }
+        .encode_to_vec()
+        .map_err(|e| TcpTransport::proto_error(self.peer, e))?;
+        let header = FrameHeader::new(Opcode::PeerGet, id, 0, request.len() as u32);
+        queued.extend_from_slice(&header.encode());
+        queued.extend_from_slice(&request);
+        Ok(())
+    }
+
+    fn receive(
+        &self,
+        stream: &mut TcpStream,
+        id: u64,
+        item: &mut &'a mut GetItem<'b>,
+    ) -> Result<(), ItemFailure> {
+        let peer = self.peer;
+        let header = TcpTransport::reply_header(stream, peer, id)?;
+        let dst = &mut *item.dst;
+        if header.body_len as usize != dst.len() {
+            drain(stream, u64::from(header.body_len))
+                .map_err(|e| ItemFailure::Connection(TcpTransport::io_error(peer, e)))?;
+            return Err(ItemFailure::Item(TransportError::SizeMismatch {
+                peer: peer.to_string(),
+                message: format!(
+                    "{} bytes sent for a {}-byte buffer",
+                    header.body_len,
+                    dst.len()
+                ),
+            }));
+        }
+        // Straight into the destination.
+        stream
+            .read_exact(dst)
+            .map_err(|e| ItemFailure::Connection(TcpTransport::io_error(peer, e)))?;
+        self.received
+            .fetch_add(dst.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
     }
 }
 
@@ -521,77 +743,32 @@ impl Transport for TcpTransport {
         if items.is_empty() {
             return Vec::new();
         }
-        let runs = self.runs(items.iter().map(|i| i.value.len()), items.len());
-        if runs.len() == 1 {
-            return self.put_run(peer, items);
-        }
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = runs
-                .iter()
-                .skip(1)
-                .map(|r| {
-                    let slice = &items[r.clone()];
-                    scope.spawn(move || self.put_run(peer, slice))
-                })
-                .collect();
-            let mut out = self.put_run(peer, &items[runs[0].clone()]);
-            for (handle, run) in handles.into_iter().zip(runs.iter().skip(1)) {
-                out.extend(handle.join().unwrap_or_else(|_| {
-                    run.clone()
-                        .map(|_| {
-                            Err(Self::io_error(
-                                peer,
-                                io::Error::other("transfer thread panicked"),
-                            ))
-                        })
-                        .collect()
-                }));
-            }
-            out
-        })
+        let bytes = items.iter().map(|i| i.value.len()).sum();
+        let (results, written) =
+            self.spread(peer, &PutExchange { peer }, items.iter().collect(), bytes);
+        // Bytes written to a socket (a request sent again after a stale connection counts once).
+        let mut counted = vec![false; items.len()];
+        let sent = written
+            .into_iter()
+            .filter(|&i| !std::mem::replace(&mut counted[i], true))
+            .map(|i| items[i].value.len() as u64)
+            .sum();
+        count_transfer(peer, "out", sent);
+        results
     }
 
     fn get(&self, peer: &str, items: &mut [GetItem<'_>]) -> Vec<Result<(), TransportError>> {
         if items.is_empty() {
             return Vec::new();
         }
-        let n = items.len();
-        let runs = self.runs(items.iter().map(|i| i.dst.len()), n);
-        if runs.len() == 1 {
-            return self.get_run(peer, items);
-        }
-        // Disjoint mutable runs of the batch, one per connection.
-        let mut parts: Vec<&mut [GetItem<'_>]> = Vec::with_capacity(runs.len());
-        let mut rest = items;
-        for run in &runs {
-            let (head, tail) = rest.split_at_mut(run.len());
-            parts.push(head);
-            rest = tail;
-        }
-        std::thread::scope(|scope| {
-            let mut iter = parts.into_iter();
-            let first = iter.next();
-            let handles: Vec<_> = iter
-                .map(|part| {
-                    let len = part.len();
-                    (len, scope.spawn(move || self.get_run(peer, part)))
-                })
-                .collect();
-            let mut out = first.map(|p| self.get_run(peer, p)).unwrap_or_default();
-            for (len, handle) in handles {
-                out.extend(handle.join().unwrap_or_else(|_| {
-                    (0..len)
-                        .map(|_| {
-                            Err(Self::io_error(
-                                peer,
-                                io::Error::other("transfer thread panicked"),
-                            ))
-                        })
-                        .collect()
-                }));
-            }
-            out
-        })
+        let bytes = items.iter().map(|i| i.dst.len()).sum();
+        let x = GetExchange {
+            peer,
+            received: Default::default(),
+        };
+        let (results, _) = self.spread(peer, &x, items.iter_mut().collect(), bytes);
+        count_transfer(peer, "in", x.received.into_inner());
+        results
     }
 
     fn remove(&self, peer: &str, keys: &[&[u8]]) -> Result<Vec<bool>, TransportError> {
@@ -604,36 +781,34 @@ impl Transport for TcpTransport {
 }
 
 impl TcpTransport {
-    /// One request of a whole-key batch (`PeerRemove`, `PeerDemote`): whether each key was
-    /// acted on.
+    /// One request of a whole-key batch (both opcodes are idempotent, so a stale pooled
+    /// connection is retried once on a fresh one).
     fn key_batch(
         &self,
         peer: &str,
         opcode: Opcode,
         keys: &[&[u8]],
     ) -> Result<Vec<bool>, TransportError> {
-        let mut stream = self.checkout(peer)?;
         let batch = KeyBatch {
             keys: keys.iter().map(|k| k.to_vec()).collect(),
         };
         let mut frame = Vec::new();
         encode_frame(&mut frame, opcode, 1, 0, &batch).map_err(|e| Self::proto_error(peer, e))?;
-        stream
-            .write_all(&frame)
-            .map_err(|e| Self::io_error(peer, e))?;
-        let mut body = Vec::new();
-        let header = read_frame_limited(&mut stream, &mut body, 16 << 20)
-            .map_err(|e| Self::proto_error(peer, e))?;
-        if header.flags & FLAG_ERROR != 0 {
-            let reply = ErrorReply::decode(&body).map_err(|e| Self::proto_error(peer, e))?;
-            return Err(TransportError::Refused {
-                peer: peer.to_string(),
-                code: reply.code,
-                message: reply.message,
-            });
+        let (mut stream, mut pooled) = self.checkout(peer)?;
+        loop {
+            match Self::key_batch_on(&mut stream, peer, &frame) {
+                Ok(ok) => {
+                    self.checkin(peer, stream);
+                    return Ok(ok);
+                }
+                // Stale before any reply: the request did not reach a live process.
+                Err(e) if pooled && is_stale(&e) => {
+                    drop(stream);
+                    stream = self.reconnect_stale(peer, &e.to_string())?;
+                    pooled = false;
+                }
+                Err(e) => return Err(e),
+            }
         }
-        let result = WireResult::decode(&body).map_err(|e| Self::proto_error(peer, e))?;
-        self.checkin(peer, stream);
-        Ok(result.ok)
     }
 }
