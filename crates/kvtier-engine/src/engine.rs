@@ -600,14 +600,21 @@ impl Engine {
             }
             let object = match self.index.get(key) {
                 Some(o) => o,
-                None => {
-                    let mut allocation = self.allocate_evicting(len, group_of(key)).ok()?;
-                    allocation.write(&data);
-                    Arc::new(Object {
-                        location: Location::Dram(allocation),
+                // In DRAM for the read when there is room; otherwise the bytes already read
+                // serve this one pin (a full, pinned DRAM must not turn an SSD hit into a miss).
+                None => match self.allocate_evicting(len, group_of(key)) {
+                    Ok(mut allocation) => {
+                        allocation.write(&data);
+                        Arc::new(Object {
+                            location: Location::Dram(allocation),
+                            depth: None,
+                        })
+                    }
+                    Err(_) => Arc::new(Object {
+                        location: Location::Heap(data.into_boxed_slice()),
                         depth: None,
-                    })
-                }
+                    }),
+                },
             };
             return Some(PinnedObject {
                 object,

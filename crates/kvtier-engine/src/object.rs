@@ -14,9 +14,12 @@ use crate::dram::DramAllocation;
 use crate::error::EngineError;
 use crate::stats::{add, Counters};
 
-/// Where an object's bytes live. The SSD tier adds a variant here.
+/// Where an object's bytes live.
 pub(crate) enum Location {
     Dram(DramAllocation),
+    /// Read from the SSD tier for one pin when DRAM could not take it (every block pinned):
+    /// private to that pin, never in the index, freed when the pin drops.
+    Heap(Box<[u8]>),
 }
 
 /// One stored object.
@@ -30,6 +33,7 @@ impl Object {
     pub(crate) fn len(&self) -> u64 {
         match &self.location {
             Location::Dram(a) => a.len(),
+            Location::Heap(bytes) => bytes.len() as u64,
         }
     }
 
@@ -37,6 +41,7 @@ impl Object {
     pub(crate) fn dram_blocks(&self) -> u64 {
         match &self.location {
             Location::Dram(a) => a.blocks(),
+            Location::Heap(_) => 0,
         }
     }
 
@@ -44,13 +49,18 @@ impl Object {
     pub(crate) fn checksum(&self) -> Option<u32> {
         match &self.location {
             Location::Dram(a) => a.checksum(),
+            // Checked against the SSD record when it was read.
+            Location::Heap(_) => None,
         }
     }
 
     /// The object's bytes in place (DRAM extents, in order).
-    pub(crate) fn slices(&self) -> impl Iterator<Item = &[u8]> + '_ {
+    pub(crate) fn slices(&self) -> Box<dyn Iterator<Item = &[u8]> + '_> {
         match &self.location {
-            Location::Dram(a) => a.slices(),
+            Location::Dram(a) => Box::new(a.slices()),
+            Location::Heap(bytes) => {
+                Box::new(std::iter::once(&bytes[..]).filter(|b| !b.is_empty()))
+            }
         }
     }
 
@@ -58,6 +68,7 @@ impl Object {
     pub(crate) fn copy_to(&self, dst: &mut [u8]) {
         match &self.location {
             Location::Dram(a) => a.read(dst),
+            Location::Heap(bytes) => dst.copy_from_slice(bytes),
         }
     }
 }
