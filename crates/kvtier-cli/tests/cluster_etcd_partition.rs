@@ -16,10 +16,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{
-    all_registered, cluster_of, free_port, leaders, spawn_master, wait_for, Etcd, NodeOpts, Proxy,
-    TOKEN,
+    all_registered, cluster_client, cluster_of, free_port, leaders, spawn_master, wait_for, Etcd,
+    NodeOpts, Proxy,
 };
-use kvtier_client::{Client, KvtierConfig};
 
 const LEN: usize = 16 << 10;
 const OBJECTS: u64 = 32;
@@ -27,9 +26,7 @@ const OBJECTS: u64 = 32;
 const TTL: Duration = Duration::from_secs(2);
 
 fn value(i: u64) -> Vec<u8> {
-    (0..LEN)
-        .map(|n| (i.wrapping_mul(31) as usize ^ n.wrapping_mul(7)) as u8)
-        .collect()
+    common::object_bytes(i, LEN)
 }
 
 fn key(i: u64) -> Vec<u8> {
@@ -66,14 +63,7 @@ fn a_leader_cut_off_from_etcd_steps_down_before_a_follower_leads() {
         "the node registered with A",
         || all_registered(&a, &expected),
     );
-    let client = Client::open(KvtierConfig {
-        master_address: Some(master_list.clone()),
-        cluster_token: Some(TOKEN.into()),
-        cluster_request_timeout_ms: 500,
-        cluster_master_retry_ms: 5000,
-        ..KvtierConfig::default()
-    })
-    .expect("open a cluster client");
+    let client = cluster_client(&master_list, None);
     for i in 0..OBJECTS {
         client
             .put_slice(&key(i), &value(i), None)

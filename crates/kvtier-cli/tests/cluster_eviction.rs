@@ -14,8 +14,8 @@ mod common;
 
 use std::time::Duration;
 
-use common::{free_port, metric_sum, spawn_master, wait_for, NodeOpts, Pool, Proc, TOKEN};
-use kvtier_client::{Client, KvtierConfig, PageBatch};
+use common::{cluster_client, free_port, metric_sum, spawn_master, wait_for, NodeOpts, Pool, Proc};
+use kvtier_client::{Client, PageBatch};
 
 const OBJECT: usize = 256 << 10;
 /// Each page: a full-attention component and a window-state one (grouped by the `@`).
@@ -27,18 +27,6 @@ const DEMOTED: usize = 4;
 /// Pressure: 150 MiB of new pages after the chains, more than both nodes hold (128 MiB).
 const PRESSURE_PAGES: usize = 300;
 const BATCH_PAGES: usize = 16;
-
-fn client(master: &str, node_id: Option<&str>) -> Client {
-    Client::open(KvtierConfig {
-        master_address: Some(master.to_string()),
-        node_id: node_id.map(String::from),
-        cluster_token: Some(TOKEN.into()),
-        cluster_request_timeout_ms: 2000,
-        cluster_master_retry_ms: 5000,
-        ..KvtierConfig::default()
-    })
-    .expect("open a cluster client")
-}
 
 fn pages(prefix: &str, range: std::ops::Range<usize>) -> Vec<String> {
     range.map(|i| format!("{prefix}{i:05}")).collect()
@@ -91,9 +79,9 @@ fn a_full_cluster_takes_puts_and_evicts_the_demoted_state_first() {
         let p = o.spawn();
         nodes.push((o, p));
     }
-    let on_a = client(&master, Some("node-a"));
-    let on_b = client(&master, Some("node-b"));
-    let elsewhere = client(&master, None);
+    let on_a = cluster_client(&master, Some("node-a"));
+    let on_b = cluster_client(&master, Some("node-b"));
+    let elsewhere = cluster_client(&master, None);
     wait_for(Duration::from_secs(10), "both nodes registered", || {
         elsewhere
             .cluster()

@@ -27,9 +27,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use common::{
-    all_registered, cluster_of, leaders, spawn_master, wait_for, Etcd, NodeOpts, Proc, TOKEN,
-};
+use common::{all_registered, cluster_of, leaders, spawn_master, wait_for, Etcd, NodeOpts, Proc};
 use kvtier_client::{Client, KvtierConfig};
 
 /// The namespace the clients write in (`--replication ha=2`).
@@ -37,28 +35,15 @@ const NAMESPACE: &str = "ha";
 
 fn client(masters: &str, node_id: Option<&str>) -> Client {
     Client::open(KvtierConfig {
-        master_address: Some(masters.to_string()),
-        node_id: node_id.map(str::to_string),
-        cluster_token: Some(TOKEN.to_string()),
-        extra_backend_tag: Some(NAMESPACE.to_string()),
-        cluster_request_timeout_ms: 500,
+        extra_backend_tag: Some(NAMESPACE.into()),
         cluster_master_retry_ms: 2000,
-        ..KvtierConfig::default()
+        ..common::cluster_config(masters, node_id)
     })
     .expect("open a cluster client")
 }
 
-/// The value of object `i` (distinct per object, `len` bytes).
 fn value(i: u64, len: usize) -> Vec<u8> {
-    let mut state = i.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state as u8
-        })
-        .collect()
+    common::object_bytes(i, len)
 }
 
 fn key(i: u64) -> Vec<u8> {

@@ -12,32 +12,18 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{free_port, spawn_master, wait_for, NodeOpts, TOKEN};
-use kvtier_client::{Client, KvtierConfig};
+use common::{cluster_client, free_port, spawn_master, wait_for, NodeOpts};
+use kvtier_client::Client;
 
 const LEN: usize = 64 << 10;
 const OBJECTS: u64 = 24;
 
 fn value(i: u64) -> Vec<u8> {
-    (0..LEN)
-        .map(|n| (i.wrapping_mul(0x9e37) as usize ^ n.wrapping_mul(13)) as u8)
-        .collect()
+    common::object_bytes(i, LEN)
 }
 
 fn key(i: u64) -> Vec<u8> {
     format!("stop{i:04}").into_bytes()
-}
-
-fn client(master: &str, node_id: Option<&str>) -> Client {
-    Client::open(KvtierConfig {
-        master_address: Some(master.to_string()),
-        node_id: node_id.map(String::from),
-        cluster_token: Some(TOKEN.into()),
-        cluster_request_timeout_ms: 500,
-        cluster_master_retry_ms: 5000,
-        ..KvtierConfig::default()
-    })
-    .expect("open a cluster client")
 }
 
 fn alive(client: &Client) -> Vec<String> {
@@ -62,8 +48,8 @@ fn a_node_stopped_with_sigterm_leaves_at_once_and_comes_back_with_its_ssd() {
     node_b.ssd = true;
     let _a = node_a.spawn();
     let mut b = node_b.spawn();
-    let on_b = client(&master, Some("node-b"));
-    let on_a = client(&master, Some("node-a"));
+    let on_b = cluster_client(&master, Some("node-b"));
+    let on_a = cluster_client(&master, Some("node-a"));
     wait_for(Duration::from_secs(10), "both nodes registered", || {
         alive(&on_a) == ["node-a", "node-b"]
     });

@@ -15,7 +15,7 @@ use std::net::TcpStream;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{free_port, metric_sum, spawn_master, wait_for, NodeOpts, TOKEN};
+use common::{free_port, metric_sum, spawn_master, wait_for, NodeOpts};
 use kvtier_client::{Client, KvtierConfig};
 
 const OBJECTS: usize = 48;
@@ -28,13 +28,8 @@ const REPAIR_BOUND: Duration = Duration::from_secs(20);
 
 fn client(master: &str, node_id: Option<&str>) -> Client {
     Client::open(KvtierConfig {
-        master_address: Some(master.to_string()),
-        node_id: node_id.map(String::from),
-        cluster_token: Some(TOKEN.into()),
         extra_backend_tag: Some(NAMESPACE.into()),
-        cluster_request_timeout_ms: 500,
-        cluster_master_retry_ms: 5000,
-        ..KvtierConfig::default()
+        ..common::cluster_config(master, node_id)
     })
     .expect("open a cluster client")
 }

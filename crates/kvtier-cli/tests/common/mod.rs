@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use kvtier_client::{Client, MemRef};
+use kvtier_client::{Client, KvtierConfig, MemRef};
 use kvtier_master::rpc::master_client::MasterClient;
 use kvtier_master::rpc::{ClusterReply, ClusterRequest};
 
@@ -439,4 +439,36 @@ fn pump(mut from: TcpStream, mut to: TcpStream, cut: &AtomicBool, stop: &AtomicB
         }
     }
     let _ = to.shutdown(std::net::Shutdown::Both);
+}
+
+/// The config of a cluster-mode client of `masters` (comma separated) on node `node_id` (none:
+/// not co-located with any node): the test token, a 500 ms request bound and 5 s of retrying
+/// while no master leads.
+pub fn cluster_config(masters: &str, node_id: Option<&str>) -> KvtierConfig {
+    KvtierConfig {
+        master_address: Some(masters.to_string()),
+        node_id: node_id.map(String::from),
+        cluster_token: Some(TOKEN.into()),
+        cluster_request_timeout_ms: 500,
+        cluster_master_retry_ms: 5000,
+        ..KvtierConfig::default()
+    }
+}
+
+/// A client opened with [`cluster_config`].
+pub fn cluster_client(masters: &str, node_id: Option<&str>) -> Client {
+    Client::open(cluster_config(masters, node_id)).expect("open a cluster client")
+}
+
+/// The bytes of test object `i`: `len` bytes, distinct per object (xorshift from `i`).
+pub fn object_bytes(i: u64, len: usize) -> Vec<u8> {
+    let mut state = i.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect()
 }

@@ -20,8 +20,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvtier_master::rpc::{
-    CommitPutsRequest, ExistsV2Request, ForgetRequest, LookupRequest, NodeInfo, NodeList,
-    PlacePutsRequest, PlaceStatus, ReportDroppedRequest,
+    CommitPutsRequest, ExistsV2Request, ForgetRequest, LookupReply, LookupRequest, NodeInfo,
+    NodeList, PlacePutsRequest, PlaceStatus, ReportDroppedRequest,
 };
 use kvtier_proto::query::compose_key;
 use kvtier_proto::{Decode, Encode, ExistsV2Answer, ExistsV2Query};
@@ -414,20 +414,8 @@ impl ClusterStore {
         if wanted.is_empty() {
             return out;
         }
-        let lookup = LookupRequest {
-            keys: wanted.iter().map(|&i| keys[i].clone()).collect(),
-        };
-        let reply = match self.runtime.block_on(self.master.call(|mut c| {
-            let lookup = lookup.clone();
-            async move { c.lookup(lookup).await }
-        })) {
-            Ok(r) if r.locations.len() == wanted.len() => r,
-            Ok(_) => {
-                for &i in &wanted {
-                    out[i] = Err("master answered a different number of locations".into());
-                }
-                return out;
-            }
+        let reply = match self.lookup(wanted.iter().map(|&i| keys[i].clone()).collect()) {
+            Ok(r) => r,
             Err(e) => {
                 let reason = e.to_string();
                 for &i in &wanted {
@@ -436,7 +424,6 @@ impl ClusterStore {
                 return out;
             }
         };
-        self.learn_nodes(&reply.nodes);
         let local = self.local_index();
         let mut fetches: Vec<Fetch> = Vec::new();
         for (slot, location) in reply.locations.into_iter().enumerate() {
@@ -630,17 +617,8 @@ impl ClusterStore {
 
     /// As [`exists_keys`](Self::exists_keys) for keys that are already namespaced.
     pub fn exists_full_keys(&self, keys: &[Vec<u8>]) -> Result<Vec<bool>, ClusterError> {
-        let lookup = LookupRequest {
-            keys: keys.to_vec(),
-        };
-        let reply = self.runtime.block_on(self.master.call(|mut c| {
-            let lookup = lookup.clone();
-            async move { c.lookup(lookup).await }
-        }))?;
-        if reply.locations.len() != keys.len() {
-            return Err(ClusterError::BadReply("location count".into()));
-        }
-        Ok(reply
+        Ok(self
+            .lookup(keys.to_vec())?
             .locations
             .iter()
             .map(|l| !l.nodes.is_empty())
@@ -702,17 +680,7 @@ impl ClusterStore {
         if keys.is_empty() {
             return Ok(0);
         }
-        let lookup = LookupRequest {
-            keys: keys.to_vec(),
-        };
-        let reply = self.runtime.block_on(self.master.call(|mut c| {
-            let lookup = lookup.clone();
-            async move { c.lookup(lookup).await }
-        }))?;
-        if reply.locations.len() != keys.len() {
-            return Err(ClusterError::BadReply("location count".into()));
-        }
-        self.learn_nodes(&reply.nodes);
+        let reply = self.lookup(keys.to_vec())?;
         let mut per_node: HashMap<u32, Vec<&[u8]>> = HashMap::new();
         for (key, holders) in keys.iter().zip(&reply.locations) {
             for &n in &holders.nodes {
@@ -736,14 +704,7 @@ impl ClusterStore {
 
     /// The ids of the live nodes holding `key` (a whole key, namespaced here).
     pub fn where_is(&self, key: &[u8]) -> Result<Vec<String>, ClusterError> {
-        let lookup = LookupRequest {
-            keys: vec![self.namespaced(key)],
-        };
-        let reply = self.runtime.block_on(self.master.call(|mut c| {
-            let lookup = lookup.clone();
-            async move { c.lookup(lookup).await }
-        }))?;
-        self.learn_nodes(&reply.nodes);
+        let reply = self.lookup(vec![self.namespaced(key)])?;
         let table = self.nodes.read();
         Ok(reply
             .locations
@@ -755,6 +716,25 @@ impl ClusterStore {
                     .collect()
             })
             .unwrap_or_default())
+    }
+
+    /// Where the directory says each namespaced key is: one `Lookup` round trip, one location
+    /// per key (checked), the reply's node addresses learned.
+    fn lookup(&self, keys: Vec<Vec<u8>>) -> Result<LookupReply, ClusterError> {
+        let count = keys.len();
+        let lookup = LookupRequest { keys };
+        let reply = self.runtime.block_on(self.master.call(|mut c| {
+            let lookup = lookup.clone();
+            async move { c.lookup(lookup).await }
+        }))?;
+        if reply.locations.len() != count {
+            return Err(ClusterError::BadReply(format!(
+                "{} locations for {count} keys",
+                reply.locations.len()
+            )));
+        }
+        self.learn_nodes(&reply.nodes);
+        Ok(reply)
     }
 
     /// The namespace of whole keys (single-key calls prefix it themselves).
