@@ -96,6 +96,9 @@ pub async fn campaign(
         let result = campaign_once(&config, ttl_secs, poll, &leadership, &directory).await;
         if leadership.is_leader.load(Ordering::Acquire) {
             eprintln!("kvtier master: lost leadership");
+            leadership.set(false, "");
+            // A follower serves no directory; the next win starts from the nodes' reports.
+            directory.reset();
         }
         leadership.set(false, "");
         if let Err(e) = result {
