@@ -192,3 +192,65 @@ fn two_nodes_share_pages_and_survive_a_node_kill() {
         vec!["node-b".to_string()]
     );
 }
+
+fn client_in(cluster: &Cluster, node_id: &str, namespace: &str) -> Client {
+    Client::open(KvtierConfig {
+        extra_backend_tag: Some(namespace.to_string()),
+        ..common::cluster_config(&cluster.master_addr, Some(node_id))
+    })
+    .expect("open a cluster client")
+}
+
+/// `clear()` in cluster mode: one namespace's objects leave every node and the directory
+/// before it returns (more than one `PeerClear` page on node A), another namespace's stay
+/// byte-exact, and a cleared key can be stored again with new bytes.
+#[test]
+fn clear_removes_one_namespace_from_every_node() {
+    const SMALL: usize = 64;
+    let cluster = start_cluster(1000);
+    let t1_a = client_in(&cluster, "node-a", "t1");
+    let t1_b = client_in(&cluster, "node-b", "t1");
+    let t2_a = client_in(&cluster, "node-a", "t2");
+    let many = kvtier_proto::peer::MAX_CLEARED_KEYS + 300;
+    let keys_a: Vec<Vec<u8>> = (0..many).map(|i| format!("a{i:06}").into_bytes()).collect();
+    let keys_b: Vec<Vec<u8>> = (0..40).map(|i| format!("b{i:06}").into_bytes()).collect();
+    let keys_t2: Vec<Vec<u8>> = (0..40).map(|i| format!("c{i:06}").into_bytes()).collect();
+    let mut src = Pool::new(512, SMALL);
+    src.fill(3);
+    src.register(&t1_a);
+    src.register(&t1_b);
+    src.register(&t2_a);
+    for (client, keys) in [(&t1_a, &keys_a), (&t1_b, &keys_b), (&t2_a, &keys_t2)] {
+        for chunk in keys.chunks(512) {
+            let r = client.put_keys(chunk, &src.refs()[..chunk.len()], None);
+            assert!(r.ok.iter().all(|&b| b), "{:?}", r.errors);
+        }
+    }
+    assert_eq!(lookup_nodes(&t1_b, b"b000003"), vec!["node-b".to_string()]);
+    let held = |c: &Client, keys: &[Vec<u8>]| c.exists_keys(keys).iter().filter(|&&e| e).count();
+    assert_eq!(held(&t1_b, &keys_a), many);
+
+    t1_b.clear();
+    assert_eq!(held(&t1_a, &keys_a), 0, "node A still lists t1 objects");
+    assert_eq!(held(&t1_a, &keys_b), 0, "node B still lists t1 objects");
+    let mut buf = vec![0u8; SMALL];
+    assert!(t1_a.get_into_slice(b"a000001", &mut buf).is_err());
+    assert!(t1_a.get_into_slice(b"b000001", &mut buf).is_err());
+    // The other namespace, on the same node, is untouched.
+    assert_eq!(held(&t2_a, &keys_t2), keys_t2.len());
+    for (i, key) in keys_t2.iter().enumerate() {
+        t2_a.get_into_slice(key, &mut buf)
+            .expect("a t2 object after the clear");
+        assert!(
+            buf[..] == src.bytes[i * SMALL..(i + 1) * SMALL],
+            "t2 object {i} changed"
+        );
+    }
+    // A cleared key is free again: new bytes are stored and read back.
+    let fresh = vec![0xA5u8; SMALL];
+    t1_a.put_slice(b"a000001", &fresh, None)
+        .expect("put after clear");
+    t1_b.get_into_slice(b"a000001", &mut buf)
+        .expect("get after clear");
+    assert!(buf == fresh);
+}

@@ -843,10 +843,10 @@ impl Client {
             Backend::Server(remote) => {
                 let _ = remote.clear();
             }
-            // Dropping a whole namespace cluster-wide is not offered (it would need every
-            // node's key list); remove_keys removes named keys.
-            Backend::Cluster(_) => {
-                tracing::warn!("kvtier cluster: clear() is not supported in cluster mode");
+            Backend::Cluster(cluster) => {
+                if let Err(e) = cluster.clear() {
+                    tracing::warn!(error = %e, "kvtier cluster: clear did not reach every node");
+                }
             }
         }
     }

@@ -77,11 +77,16 @@ pub enum Opcode {
     /// [`crate::BatchResult`], whether each key was stored there and is now marked superseded
     /// window state (the cluster form of `DemotePages`).
     PeerDemote = 24,
+    /// Peer data port. Request: [`crate::KeyBatch`] holding one key prefix (empty: every key).
+    /// Response: [`crate::KeyBatch`], the keys with that prefix the node removed, at most
+    /// [`crate::peer::MAX_CLEARED_KEYS`] of them (fewer: none is left). The cluster form of
+    /// `Clear`: the caller forgets the keys at the master and asks again until none is left.
+    PeerClear = 25,
 }
 
 impl Opcode {
     /// Every opcode, in wire-value order.
-    pub const ALL: [Opcode; 24] = [
+    pub const ALL: [Opcode; 25] = [
         Opcode::Handshake,
         Opcode::Ping,
         Opcode::ExistsV2,
@@ -106,6 +111,7 @@ impl Opcode {
         Opcode::PeerRemove,
         Opcode::DemotePages,
         Opcode::PeerDemote,
+        Opcode::PeerClear,
     ];
 
     /// The wire value.
@@ -149,6 +155,7 @@ impl TryFrom<u16> for Opcode {
             22 => Opcode::PeerRemove,
             23 => Opcode::DemotePages,
             24 => Opcode::PeerDemote,
+            25 => Opcode::PeerClear,
             other => return Err(ProtoError::UnknownOpcode(other)),
         })
     }
@@ -175,7 +182,7 @@ mod tests {
 
     #[test]
     fn unknown_values_are_rejected_by_name() {
-        for value in [0, 25, 0x0100, u16::MAX] {
+        for value in [0, 26, 0x0100, u16::MAX] {
             let err = Opcode::try_from(value).unwrap_err();
             assert!(matches!(err, ProtoError::UnknownOpcode(v) if v == value));
             assert!(err.to_string().contains(&value.to_string()));

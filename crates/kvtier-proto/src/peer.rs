@@ -20,6 +20,12 @@ use crate::limits::{MAX_KEY_LEN, MAX_NAME_LEN};
 /// Longest cluster token accepted.
 pub const MAX_TOKEN_LEN: usize = 1024;
 
+/// Most keys one `PeerClear` reply lists: a reply of the longest keys stays within 36 MiB, well
+/// inside one frame (typical keys of about 100 bytes: under 1 MiB).
+pub const MAX_CLEARED_KEYS: usize = 8192;
+
+const _: () = assert!(MAX_CLEARED_KEYS * (MAX_KEY_LEN + 8) <= 36 << 20);
+
 /// Codes of [`crate::ErrorReply`] sent by a node's data port (beyond
 /// [`crate::server::error_code`]).
 pub mod peer_error_code {

@@ -34,6 +34,7 @@ use kvtier_client::transport::tcp::write_all_vectored;
 use kvtier_client::Client;
 use kvtier_engine::PinnedObject;
 use kvtier_proto::frame::{FLAG_ERROR, FLAG_RESPONSE, HEADER_LEN};
+use kvtier_proto::peer::MAX_CLEARED_KEYS;
 use kvtier_proto::peer::{peer_error_code, PeerGet, PeerHello, PeerPutMeta};
 use kvtier_proto::server::error_code;
 use kvtier_proto::{
@@ -44,6 +45,21 @@ use parking_lot::Mutex;
 
 /// Largest body accepted before the hello.
 const PRE_HELLO_MAX_BODY: u32 = 4 << 10;
+
+/// Remove up to [`MAX_CLEARED_KEYS`] of the keys starting with `prefix` from the store (any
+/// tier) and from the held set; the keys removed, for the caller to forget at the master.
+fn clear_prefix(shared: &PortShared, prefix: &[u8]) -> Vec<Vec<u8>> {
+    let keys: Vec<Vec<u8>> = crate::node::keys_in_store(&shared.store)
+        .into_iter()
+        .filter(|k| k.starts_with(prefix))
+        .take(MAX_CLEARED_KEYS)
+        .collect();
+    for key in &keys {
+        shared.held.remove(key);
+    }
+    shared.store.remove_keys(&keys);
+    keys
+}
 
 /// Keys this node stored for the cluster.
 #[derive(Debug, Default)]
@@ -611,6 +627,28 @@ fn serve_requests(
                         .map_err(io::Error::other)?;
                     replies.queue(Reply::Frame(frame))?;
                 }
+                Err(e) => replies.error(header.opcode, id, error_code::MALFORMED, e.to_string())?,
+            },
+            Ok(Opcode::PeerClear) => match KeyBatch::decode(body) {
+                Ok(batch) if batch.keys.len() == 1 => {
+                    let removed = clear_prefix(shared, &batch.keys[0]);
+                    let mut frame = Vec::new();
+                    encode_frame(
+                        &mut frame,
+                        Opcode::PeerClear,
+                        id,
+                        FLAG_RESPONSE,
+                        &KeyBatch { keys: removed },
+                    )
+                    .map_err(io::Error::other)?;
+                    replies.queue(Reply::Frame(frame))?;
+                }
+                Ok(batch) => replies.error(
+                    header.opcode,
+                    id,
+                    error_code::MALFORMED,
+                    format!("PeerClear takes one key prefix, not {}", batch.keys.len()),
+                )?,
                 Err(e) => replies.error(header.opcode, id, error_code::MALFORMED, e.to_string())?,
             },
             Ok(Opcode::Ping) => replies.ok(Opcode::Ping, id)?,

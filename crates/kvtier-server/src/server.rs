@@ -914,7 +914,8 @@ impl<'a> Connection<'a> {
             | Opcode::PeerPut
             | Opcode::PeerGet
             | Opcode::PeerRemove
-            | Opcode::PeerDemote => Err(Refusal::new(
+            | Opcode::PeerDemote
+            | Opcode::PeerClear => Err(Refusal::new(
                 error_code::UNSUPPORTED,
                 "peer opcodes are served on the cluster data port, not the local socket",
             )),

@@ -23,6 +23,7 @@ use kvtier_master::rpc::{
     CommitPutsRequest, ExistsV2Request, ForgetRequest, LookupReply, LookupRequest, NodeInfo,
     NodeList, PlacePutsRequest, PlaceStatus, ReportDroppedRequest,
 };
+use kvtier_proto::peer::MAX_CLEARED_KEYS;
 use kvtier_proto::query::compose_key;
 use kvtier_proto::{Decode, Encode, ExistsV2Answer, ExistsV2Query};
 use parking_lot::RwLock;
@@ -51,6 +52,12 @@ pub enum ClusterError {
     Setup(String),
     #[error("kvtier master sent a malformed reply: {0}")]
     BadReply(String),
+    #[error("cluster node {node}: {source}")]
+    Node {
+        node: String,
+        #[source]
+        source: TransportError,
+    },
 }
 
 /// The cluster-mode store of one client.
@@ -700,6 +707,57 @@ impl ClusterStore {
             }
         }
         Ok(marked)
+    }
+
+    /// Remove every object of this client's namespace (without a namespace: every object)
+    /// from every live node and from the directory. Each node removes up to
+    /// `MAX_CLEARED_KEYS` keys per request and names them; they are forgotten at the master
+    /// before the next request, so when this returns no node holds and no exists sees them.
+    /// Objects on nodes that are down are forgotten with the lease (they are misses already).
+    /// Returns how many objects were removed; the first node that failed is the error (the
+    /// others are still cleared).
+    pub fn clear(&self) -> Result<usize, ClusterError> {
+        let info = self.cluster_info()?;
+        if !info.is_leader {
+            return Err(ClusterError::NoLeader {
+                last: "the master that answered the node list does not lead".into(),
+            });
+        }
+        let mut removed = 0;
+        let mut first_failure = None;
+        for node in info.nodes.iter().filter(|n| n.alive) {
+            loop {
+                let keys = match self
+                    .transport
+                    .clear_prefix(&node.data_address, &self.namespace)
+                {
+                    Ok(keys) => keys,
+                    Err(source) => {
+                        first_failure.get_or_insert(ClusterError::Node {
+                            node: node.node_id.clone(),
+                            source,
+                        });
+                        break;
+                    }
+                };
+                let more = keys.len() >= MAX_CLEARED_KEYS;
+                if !keys.is_empty() {
+                    removed += keys.len();
+                    let request = ForgetRequest { keys };
+                    self.runtime.block_on(self.master.call(|mut c| {
+                        let request = request.clone();
+                        async move { c.forget(request).await }
+                    }))?;
+                }
+                if !more {
+                    break;
+                }
+            }
+        }
+        match first_failure {
+            Some(e) => Err(e),
+            None => Ok(removed),
+        }
     }
 
     /// The ids of the live nodes holding `key` (a whole key, namespaced here).

@@ -101,4 +101,8 @@ pub trait Transport: Send + Sync + std::fmt::Debug {
     /// Mark keys on `peer` superseded window state (an eviction hint); whether each was
     /// stored there and marked.
     fn demote(&self, peer: &str, keys: &[&[u8]]) -> Result<Vec<bool>, TransportError>;
+    /// Remove keys starting with `prefix` on `peer` (empty: every key), at most
+    /// `kvtier_proto::peer::MAX_CLEARED_KEYS` per call; the keys removed (fewer than the
+    /// most: none is left).
+    fn clear_prefix(&self, peer: &str, prefix: &[u8]) -> Result<Vec<Vec<u8>>, TransportError>;
 }

@@ -53,6 +53,9 @@ pub fn connections_for(connections_per_peer: usize, items: usize, bytes: usize) 
         .max(1)
 }
 
+/// Largest reply of a control exchange read (a `PeerClear` reply of the longest keys fits).
+const MAX_KEY_REPLY: u32 = 40 << 20;
+
 /// Largest error body read.
 const MAX_ERROR_BODY: u32 = 64 << 10;
 
@@ -380,18 +383,18 @@ impl TcpTransport {
         Ok(header)
     }
 
-    /// One whole-key batch exchange (`PeerRemove`, `PeerDemote`) of an encoded `frame` on
-    /// `stream`: whether each key was acted on.
-    fn key_batch_on(
+    /// One request/reply exchange of an encoded `frame` on `stream` (`PeerRemove`,
+    /// `PeerDemote`, `PeerClear`): the reply decoded as `T`, or the node's error.
+    fn exchange_on<T: Decode>(
         stream: &mut TcpStream,
         peer: &str,
         frame: &[u8],
-    ) -> Result<Vec<bool>, TransportError> {
+    ) -> Result<T, TransportError> {
         stream
             .write_all(frame)
             .map_err(|e| Self::io_error(peer, e))?;
         let mut body = Vec::new();
-        let header = read_frame_limited(stream, &mut body, 16 << 20)
+        let header = read_frame_limited(stream, &mut body, MAX_KEY_REPLY)
             .map_err(|e| Self::proto_error(peer, e))?;
         if header.flags & FLAG_ERROR != 0 {
             let reply = ErrorReply::decode(&body).map_err(|e| Self::proto_error(peer, e))?;
@@ -401,8 +404,7 @@ impl TcpTransport {
                 message: reply.message,
             });
         }
-        let result = WireResult::decode(&body).map_err(|e| Self::proto_error(peer, e))?;
-        Ok(result.ok)
+        T::decode(&body).map_err(|e| Self::proto_error(peer, e))
     }
 
     /// One connection's share of a batch: items are taken from `queue` one at a time, so a
@@ -772,34 +774,50 @@ impl Transport for TcpTransport {
     }
 
     fn remove(&self, peer: &str, keys: &[&[u8]]) -> Result<Vec<bool>, TransportError> {
-        self.key_batch(peer, Opcode::PeerRemove, keys)
+        let batch = KeyBatch {
+            keys: keys.iter().map(|k| k.to_vec()).collect(),
+        };
+        Ok(self
+            .request::<WireResult>(peer, Opcode::PeerRemove, &batch)?
+            .ok)
     }
 
     fn demote(&self, peer: &str, keys: &[&[u8]]) -> Result<Vec<bool>, TransportError> {
-        self.key_batch(peer, Opcode::PeerDemote, keys)
+        let batch = KeyBatch {
+            keys: keys.iter().map(|k| k.to_vec()).collect(),
+        };
+        Ok(self
+            .request::<WireResult>(peer, Opcode::PeerDemote, &batch)?
+            .ok)
+    }
+
+    fn clear_prefix(&self, peer: &str, prefix: &[u8]) -> Result<Vec<Vec<u8>>, TransportError> {
+        let batch = KeyBatch {
+            keys: vec![prefix.to_vec()],
+        };
+        Ok(self
+            .request::<KeyBatch>(peer, Opcode::PeerClear, &batch)?
+            .keys)
     }
 }
 
 impl TcpTransport {
-    /// One request of a whole-key batch (both opcodes are idempotent, so a stale pooled
-    /// connection is retried once on a fresh one).
-    fn key_batch(
+    /// One request of a small control exchange (every such opcode is idempotent, so a stale
+    /// pooled connection is retried once on a fresh one).
+    fn request<T: Decode>(
         &self,
         peer: &str,
         opcode: Opcode,
-        keys: &[&[u8]],
-    ) -> Result<Vec<bool>, TransportError> {
-        let batch = KeyBatch {
-            keys: keys.iter().map(|k| k.to_vec()).collect(),
-        };
+        body: &KeyBatch,
+    ) -> Result<T, TransportError> {
         let mut frame = Vec::new();
-        encode_frame(&mut frame, opcode, 1, 0, &batch).map_err(|e| Self::proto_error(peer, e))?;
+        encode_frame(&mut frame, opcode, 1, 0, body).map_err(|e| Self::proto_error(peer, e))?;
         let (mut stream, mut pooled) = self.checkout(peer)?;
         loop {
-            match Self::key_batch_on(&mut stream, peer, &frame) {
-                Ok(ok) => {
+            match Self::exchange_on::<T>(&mut stream, peer, &frame) {
+                Ok(reply) => {
                     self.checkin(peer, stream);
-                    return Ok(ok);
+                    return Ok(reply);
                 }
                 // Stale before any reply: the request did not reach a live process.
                 Err(e) if pooled && is_stale(&e) => {
