@@ -55,13 +55,13 @@ impl Object {
     }
 
     /// The object's bytes in place (DRAM extents, in order).
-    pub(crate) fn slices(&self) -> Box<dyn Iterator<Item = &[u8]> + '_> {
-        match &self.location {
-            Location::Dram(a) => Box::new(a.slices()),
-            Location::Heap(bytes) => {
-                Box::new(std::iter::once(&bytes[..]).filter(|b| !b.is_empty()))
-            }
-        }
+    pub(crate) fn slices(&self) -> impl Iterator<Item = &[u8]> + '_ {
+        // One of the two is empty; no boxing on the get path.
+        let (dram, heap) = match &self.location {
+            Location::Dram(a) => (Some(a.slices()), None),
+            Location::Heap(bytes) => (None, Some(&bytes[..]).filter(|b| !b.is_empty())),
+        };
+        dram.into_iter().flatten().chain(heap)
     }
 
     /// Copy the whole object into `dst`; the length must already have been checked.

@@ -774,44 +774,38 @@ impl Transport for TcpTransport {
     }
 
     fn remove(&self, peer: &str, keys: &[&[u8]]) -> Result<Vec<bool>, TransportError> {
-        let batch = KeyBatch {
-            keys: keys.iter().map(|k| k.to_vec()).collect(),
-        };
         Ok(self
-            .request::<WireResult>(peer, Opcode::PeerRemove, &batch)?
+            .request::<WireResult>(peer, Opcode::PeerRemove, keys)?
             .ok)
     }
 
     fn demote(&self, peer: &str, keys: &[&[u8]]) -> Result<Vec<bool>, TransportError> {
-        let batch = KeyBatch {
-            keys: keys.iter().map(|k| k.to_vec()).collect(),
-        };
         Ok(self
-            .request::<WireResult>(peer, Opcode::PeerDemote, &batch)?
+            .request::<WireResult>(peer, Opcode::PeerDemote, keys)?
             .ok)
     }
 
     fn clear_prefix(&self, peer: &str, prefix: &[u8]) -> Result<Vec<Vec<u8>>, TransportError> {
-        let batch = KeyBatch {
-            keys: vec![prefix.to_vec()],
-        };
         Ok(self
-            .request::<KeyBatch>(peer, Opcode::PeerClear, &batch)?
+            .request::<KeyBatch>(peer, Opcode::PeerClear, &[prefix])?
             .keys)
     }
 }
 
 impl TcpTransport {
-    /// One request of a small control exchange (every such opcode is idempotent, so a stale
-    /// pooled connection is retried once on a fresh one).
+    /// One request of a small control exchange whose body is a [`KeyBatch`] of `keys` (every
+    /// such opcode is idempotent, so a stale pooled connection is retried once on a fresh one).
     fn request<T: Decode>(
         &self,
         peer: &str,
         opcode: Opcode,
-        body: &KeyBatch,
+        keys: &[&[u8]],
     ) -> Result<T, TransportError> {
+        let body = KeyBatch {
+            keys: keys.iter().map(|k| k.to_vec()).collect(),
+        };
         let mut frame = Vec::new();
-        encode_frame(&mut frame, opcode, 1, 0, body).map_err(|e| Self::proto_error(peer, e))?;
+        encode_frame(&mut frame, opcode, 1, 0, &body).map_err(|e| Self::proto_error(peer, e))?;
         let (mut stream, mut pooled) = self.checkout(peer)?;
         loop {
             match Self::exchange_on::<T>(&mut stream, peer, &frame) {
