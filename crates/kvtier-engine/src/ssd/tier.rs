@@ -1225,6 +1225,15 @@ impl SsdTier {
                 SsdRead::Hit { depth: e.depth }
             }
             Ok(false) | Err(_) => {
+                // A remove unlinks the entry before it overwrites the record's header, so a
+                // record read as bad whose entry is gone was removed under this read: a miss,
+                // not damage.
+                let mut shard = sh.index.shard(key).write();
+                if !shard.get(key).is_some_and(|x| {
+                    x.seg == e.seg && x.offset == e.offset && x.generation == e.generation
+                }) {
+                    return SsdRead::Miss;
+                }
                 if verdict.is_ok() {
                     inc(&sh.c.checksum_failures, 1);
                     tracing::warn!(
@@ -1236,14 +1245,9 @@ impl SsdTier {
                     inc(&sh.c.read_errors, 1);
                 }
                 // Drop the entry so the damage costs one miss, not one per read.
-                let mut shard = sh.index.shard(key).write();
-                if shard.get(key).is_some_and(|x| {
-                    x.seg == e.seg && x.offset == e.offset && x.generation == e.generation
-                }) {
-                    shard.remove(key);
-                    drop(shard);
-                    sh.unaccount(&e);
-                }
+                shard.remove(key);
+                drop(shard);
+                sh.unaccount(&e);
                 SsdRead::Failed
             }
         }
