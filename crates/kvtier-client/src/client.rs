@@ -776,11 +776,17 @@ impl Client {
         if self.ensure_open().is_err() {
             return ExistsV2Answer::default();
         }
+        // Every mode refuses the same queries: the server and the master would refuse this one
+        // at decode, so the embedded store refuses it here with the same error.
+        if let Err(error) = query.check_work() {
+            tracing::warn!(%error, "kvtier: exists_v2 query refused; reporting a miss");
+            return ExistsV2Answer::default();
+        }
         let answer = self.timed(Op::ExistsV2, || match &self.backend {
             Backend::Embedded(slot) => slot
                 .read()
                 .as_ref()
-                .map(|e| e.exists_v2(query))
+                .and_then(|e| e.exists_v2(query).ok())
                 .unwrap_or_default(),
             Backend::Server(remote) => remote.exists_v2(query).unwrap_or_default(),
             Backend::Cluster(cluster) => cluster.exists_v2(query).unwrap_or_else(|e| {

@@ -26,7 +26,7 @@
 
 use std::sync::Arc;
 
-use kvtier_proto::{ExistsV2Answer, ExistsV2Query};
+use kvtier_proto::{ExistsV2Answer, ExistsV2Query, ProtoError};
 
 use crate::config::{EngineConfig, SsdDurabilityMode, SsdWritePolicy};
 use crate::dram::{DramAllocation, DramOptions, DramTier};
@@ -767,8 +767,9 @@ impl Engine {
         }
     }
 
-    /// Evaluate a v2 existence query against this engine's index (no side effects).
-    pub fn exists_v2(&self, query: &ExistsV2Query) -> ExistsV2Answer {
+    /// Evaluate a v2 existence query against this engine's index (no side effects). Fails only
+    /// for a query over the work bound ([`ExistsV2Query::check_work`]).
+    pub fn exists_v2(&self, query: &ExistsV2Query) -> Result<ExistsV2Answer, ProtoError> {
         kvtier_proto::query::evaluate(query, |k| self.contains(k))
     }
 

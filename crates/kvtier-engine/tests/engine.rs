@@ -442,8 +442,8 @@ fn exists_v2_is_the_fold_over_contains() {
         }],
     };
     let before = e.stats();
-    let got = e.exists_v2(&q);
-    let want = kvtier_proto::query::evaluate(&q, |k| stored.contains(k));
+    let got = e.exists_v2(&q).unwrap();
+    let want = kvtier_proto::query::evaluate(&q, |k| stored.contains(k)).unwrap();
     assert_eq!(got, want);
     assert_eq!(got.kv_hit_pages, 4);
     assert_eq!(got.restorable_prefix_pages, vec![1, 2, 4]);

@@ -125,7 +125,7 @@ fn dram_misses_scenario(backend: SsdIoBackend) {
             policy: HitPolicy::AllPages,
         }],
     };
-    assert_eq!(e.exists_v2(&q).kv_hit_pages, 5);
+    assert_eq!(e.exists_v2(&q).unwrap().kv_hit_pages, 5);
     // A pin of an SSD-only object works too.
     let pin = e.pin(&key(0)).expect("pin");
     let mut out = vec![0u8; pin.len() as usize];

@@ -352,7 +352,8 @@ impl Master for MasterService {
         let r = request.into_inner();
         let query = ExistsV2Query::decode(&r.query)
             .map_err(|e| Status::invalid_argument(format!("exists query: {e}")))?;
-        let answer = kvtier_proto::query::evaluate(&query, self.directory.exists_fn());
+        let answer = kvtier_proto::query::evaluate(&query, self.directory.exists_fn())
+            .map_err(|e| Status::invalid_argument(format!("exists query: {e}")))?;
         let answer = answer
             .encode_to_vec()
             .map_err(|e| Status::internal(e.to_string()))?;

@@ -503,6 +503,7 @@ fn check_composed_key_len(query: &ExistsV2Query) -> Result<(), ProtoError> {
 impl Encode for ExistsV2Query {
     fn encode_fields(&self, out: &mut Vec<u8>) -> Result<(), ProtoError> {
         check_composed_key_len(self)?;
+        self.check_work()?;
         put_bytes(out, "key prefix", &self.key_prefix, MAX_KEY_LEN)?;
         put_key_list(
             out,
@@ -543,6 +544,7 @@ impl Decode for ExistsV2Query {
             pools,
         };
         check_composed_key_len(&query)?;
+        query.check_work()?;
         Ok(query)
     }
 }
@@ -554,7 +556,7 @@ impl Decode for ExistsV2Query {
 const MIN_POOL_HIT_LEN: usize = 2;
 
 /// The shape the fold guarantees (see [`crate::query::evaluate`]): every page count within
-/// [`MAX_PAGES_PER_QUERY`], pool boundaries non-zero, restorable prefixes strictly ascending from
+/// [`MAX_PAGES_PER_QUERY`] (a pool boundary may be 0), restorable prefixes strictly ascending from
 /// at least 1, and `kv_hit_pages` equal to the largest of them (0 when there are none).
 fn check_answer(answer: &ExistsV2Answer) -> Result<(), ProtoError> {
     check_limit(
@@ -574,11 +576,6 @@ fn check_answer(answer: &ExistsV2Answer) -> Result<(), ProtoError> {
             u64::from(*pages),
             MAX_PAGES_PER_QUERY as u64,
         )?;
-        if *pages == 0 {
-            return Err(ProtoError::InvalidAnswer(
-                "a pool boundary of 0 pages is never reported",
-            ));
-        }
     }
     let restorable = &answer.restorable_prefix_pages;
     check_limit(
@@ -1333,6 +1330,13 @@ mod tests {
         let bytes = good.encode_to_vec().unwrap();
         assert_eq!(ExistsV2Answer::decode(&bytes).unwrap(), good);
         assert!(ExistsV2Answer::default().encode_to_vec().is_ok());
+        // A pool that holds none of the span is a verdict of 0, sent as such.
+        let zero = ExistsV2Answer {
+            pool_hit_pages: vec![("swa".into(), 0)],
+            ..sample_answer()
+        };
+        let bytes = zero.encode_to_vec().unwrap();
+        assert_eq!(ExistsV2Answer::decode(&bytes).unwrap(), zero);
 
         let cases = [
             ExistsV2Answer {
@@ -1349,10 +1353,6 @@ mod tests {
             },
             ExistsV2Answer {
                 restorable_prefix_pages: vec![],
-                ..sample_answer()
-            },
-            ExistsV2Answer {
-                pool_hit_pages: vec![("swa".into(), 0)],
                 ..sample_answer()
             },
         ];

@@ -2,7 +2,7 @@
 //!
 //! This crate owns the plain data types that every mode of kvtier speaks — the embedded engine
 //! evaluates them directly, the local server and the cluster master receive them as frames —
-//! so that a whole SGLang v2 existence query (every pool, every hit policy, narrowing) is one
+//! so that a whole SGLang v2 existence query (every pool, every hit policy, every verdict) is one
 //! value and therefore one round trip. It depends on nothing but `thiserror`.
 //!
 //! - [`query`]: the v2 existence query model and its fold.

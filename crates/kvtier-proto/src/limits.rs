@@ -25,6 +25,16 @@ pub const MAX_POOLS: usize = 64;
 /// Most pages in one existence query; also bounds every page count in its answer.
 pub const MAX_PAGES_PER_QUERY: usize = 65_536;
 
+/// Most presence lookups one existence query may cost: its pages times every component suffix
+/// of the KV anchor and of its pools (each evaluated over the whole span). 8 Mi lookups take
+/// well under a second on an in-memory index; a bigger query is refused with an error naming
+/// this bound instead of holding a server or master worker.
+pub const MAX_LOOKUPS_PER_QUERY: usize = 8 << 20;
+
+// The largest query SGLang can send for a hybrid model (every page, every pool with one
+// component, a K/V anchor) must fit the work bound.
+const _: () = assert!(MAX_PAGES_PER_QUERY * (MAX_POOLS + 2) <= MAX_LOOKUPS_PER_QUERY);
+
 /// Most component suffixes of one pool (or of the KV anchor).
 pub const MAX_SUFFIXES_PER_POOL: usize = 256;
 

@@ -62,7 +62,7 @@ pub fn exists_query() -> impl Strategy<Value = ExistsV2Query> {
 pub fn exists_answer() -> impl Strategy<Value = ExistsV2Answer> {
     let max = MAX_PAGES_PER_QUERY as u32;
     (
-        vec((text(), 1..=max), 0..8),
+        vec((text(), 0..=max), 0..8),
         prop_oneof![btree_set(1..=max, 0..20), btree_set(1..=40u32, 0..40),],
     )
         .prop_map(|(pool_hit_pages, restorable)| {
