@@ -198,10 +198,50 @@ class PoolPlan:
     replicated: bool = False
     region_ids: List[int] = field(default_factory=list)
     split_factor: int = 1
+    # True when a flat data page (get_data_page(i, flat=True), what SGLang's legacy tensor path
+    # moves) is exactly the page's component objects back to back: the legacy path then reads
+    # and writes the same objects as the zero-copy path.
+    flat_is_components: bool = False
+    # Byte size of each component of one page, in order (set when flat_is_components).
+    component_sizes: List[int] = field(default_factory=list)
 
     @property
     def active_suffixes(self) -> List[str]:
         return self.suffixes if self.zero_copy else [self.page_suffix]
+
+    @property
+    def component_offsets(self) -> List[Tuple[int, int]]:
+        """(offset, size) of each component inside a flat page (flat_is_components only)."""
+        offsets, at = [], 0
+        for size in self.component_sizes:
+            offsets.append((at, size))
+            at += size
+        return offsets
+
+
+def _flat_page_is_components(pool: Any, first_index: int, ptrs, sizes) -> bool:
+    """Whether the flat data page at ``first_index`` is the concatenation, in order, of the
+    components ``get_page_buffer_meta`` names for it (``ptrs``/``sizes``). Proved on the pool's
+    own view of the page: one component must be the whole contiguous page, several must be the
+    contiguous slices along the view's first dimension, each at its pointer with its size."""
+    try:
+        view = pool.get_data_page(first_index, flat=False)
+    except Exception:
+        return False
+    if not isinstance(view, torch.Tensor) or view.numel() == 0:
+        return False
+    if len(ptrs) == 1:
+        parts = [view]
+    elif view.dim() >= 1 and view.shape[0] == len(ptrs):
+        parts = [view[j] for j in range(len(ptrs))]
+    else:
+        return False
+    return all(
+        part.is_contiguous()
+        and part.data_ptr() == int(ptr)
+        and part.numel() * part.element_size() == int(size)
+        for part, ptr, size in zip(parts, ptrs, sizes)
+    )
 
 
 class KvtierStorageStats:
@@ -521,6 +561,9 @@ class KvtierStore(HiCacheStorage):
         except Exception as exc:  # pools without page metadata
             zero_copy = False
             reason = f"get_page_buffer_meta failed ({exc})"
+        flat_is_components = (
+            zero_copy and split_factor == 1 and _flat_page_is_components(pool, 0, ptrs, sizes)
+        )
         if zero_copy:
             fp = self._fingerprint(str(name), pool, sizes, replicated, "zero-copy")
             if split_factor > 1:
@@ -564,6 +607,8 @@ class KvtierStore(HiCacheStorage):
             replicated=replicated,
             region_ids=region_ids,
             split_factor=split_factor,
+            flat_is_components=flat_is_components,
+            component_sizes=list(sizes) if flat_is_components else [],
         )
 
     # ------------------------------------------------------------------ registration
@@ -596,6 +641,19 @@ class KvtierStore(HiCacheStorage):
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name):
         if host_pool_name == PoolName.KV:
+            # SGLang registers the anchor again under KV; v2 KV transfers then move the anchor's
+            # pages on the same objects as the v1 and legacy paths.
+            anchor = getattr(self, "mem_pool_host", None)
+            if anchor is None:
+                self.register_mem_pool_host(host_pool)
+            elif host_pool is not anchor:
+                logger.error(
+                    "kvtier: pool %s registered as KV through v2 is not the KV anchor %s; "
+                    "v2 KV transfers use the anchor",
+                    type(host_pool).__name__,
+                    type(anchor).__name__,
+                )
+            super().register_mem_host_pool_v2(host_pool, host_pool_name)
             return
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
         self._plans[str(host_pool_name)] = self._plan_pool(host_pool_name, host_pool, anchor=False)
@@ -709,12 +767,69 @@ class KvtierStore(HiCacheStorage):
         return results
 
     def _anchor_suffixes(self) -> Optional[List[str]]:
-        """Suffixes a KV page must have to count, for the KV path SGLang will use."""
+        """Suffixes a KV page must have to count, for the KV path SGLang will use. A zero-copy
+        anchor's pages are its component objects on every path (v1, v2 and, where the flat
+        page is those components, the legacy tensor path); otherwise one flat-page object."""
         if self._anchor_is_logical or self._anchor is None:
             return None
-        if self._interface_v1 and self._anchor.zero_copy:
+        if self._anchor.zero_copy and (self._interface_v1 or self._anchor.flat_is_components):
             return self._anchor.suffixes
         return [self._anchor.page_suffix]
+
+    def _kv_pages(
+        self,
+        op: str,
+        keys: List[str],
+        host_indices: Optional[torch.Tensor],
+        is_set: bool,
+        extra_info: Optional[HiCacheStorageExtraInfo],
+    ) -> List[bool]:
+        """KV pages of the anchor, for batch_{set,get}_v1 and v2 transfers named KV alike."""
+        if self._anchor_is_logical:
+            return [True] * len(keys)  # a logical anchor has no bytes: nothing to move
+        if self._no_anchor(op):
+            return [False] * len(keys)
+        if is_set and self._anchor.replicated and not self._writes_replicated_kv:
+            return [True] * len(keys)  # another rank writes the one shared copy of this page
+        return self._page_io(self._anchor, keys, host_indices, is_set, extra_info)
+
+    def _legacy_objects(self, keys: List[str], tensors: Sequence[Any]):
+        """The objects the legacy tensor path moves for ``keys``: each page's components (as
+        slices of its flat tensor) when the flat page is those components, else one flat-page
+        object. Returns (names, byte views, page of each object, pages refused); a page whose
+        tensor has the wrong size is refused before anything moves."""
+        anchor = self._anchor
+        names, views, owner, refused = [], [], [], set()
+        for page, (key, tensor) in enumerate(zip(keys, tensors)):
+            view = _byte_view(tensor)
+            if not anchor.flat_is_components:
+                names.append(f"{self._prefix}{key}{anchor.page_suffix}")
+                views.append(view)
+                owner.append(page)
+                continue
+            if view.nbytes != sum(anchor.component_sizes):
+                logger.error(
+                    "kvtier legacy %s: page %d is %d bytes, a KV page is %d; failing that page",
+                    key,
+                    page,
+                    view.nbytes,
+                    sum(anchor.component_sizes),
+                )
+                refused.add(page)
+                continue
+            for suffix, (offset, size) in zip(anchor.suffixes, anchor.component_offsets):
+                names.append(f"{self._prefix}{key}{suffix}")
+                views.append(view[offset : offset + size])
+                owner.append(page)
+        return names, views, owner, refused
+
+    @staticmethod
+    def _pages_ok(pages: int, owner: List[int], object_ok: List[bool], refused) -> List[bool]:
+        """A page succeeded when every one of its objects did and it was not refused."""
+        ok = [page not in refused for page in range(pages)]
+        for page, good in zip(owner, object_ok):
+            ok[page] = ok[page] and bool(good)
+        return ok
 
     def _no_anchor(self, op: str) -> bool:
         if self._anchor is None and not self._anchor_is_logical:
@@ -732,18 +847,7 @@ class KvtierStore(HiCacheStorage):
         extra_info: Optional[HiCacheStorageExtraInfo] = None,
     ) -> List[bool]:
         try:
-            if self._anchor_is_logical:
-                return [True] * len(keys)
-            if self._no_anchor("batch_set_v1"):
-                return [False] * len(keys)
-            if (
-                self._anchor is not None
-                and self._anchor.replicated
-                and not self._writes_replicated_kv
-            ):
-                # Another rank writes the one shared copy of this page.
-                return [True] * len(keys)
-            return self._page_io(self._anchor, list(keys), host_indices, True, extra_info)
+            return self._kv_pages("batch_set_v1", list(keys), host_indices, True, extra_info)
         except Exception:
             logger.exception("kvtier batch_set_v1 failed; reporting every page as failed")
             return [False] * len(keys)
@@ -755,11 +859,7 @@ class KvtierStore(HiCacheStorage):
         extra_info: Optional[HiCacheStorageExtraInfo] = None,
     ) -> List[bool]:
         try:
-            if self._anchor_is_logical:
-                return [True] * len(keys)
-            if self._no_anchor("batch_get_v1"):
-                return [False] * len(keys)
-            return self._page_io(self._anchor, list(keys), host_indices, False, extra_info)
+            return self._kv_pages("batch_get_v1", list(keys), host_indices, False, extra_info)
         except Exception:
             logger.exception("kvtier batch_get_v1 failed; reporting every page as missing")
             return [False] * len(keys)
@@ -780,11 +880,6 @@ class KvtierStore(HiCacheStorage):
             return 0
 
     # ------------------------------------------------------------------ legacy tensor path
-    def _legacy_key(self, key: str) -> Optional[str]:
-        if self._anchor is None:
-            return None
-        return f"{self._prefix}{key}{self._anchor.page_suffix}"
-
     def batch_set(
         self,
         keys: List[str],
@@ -810,11 +905,11 @@ class KvtierStore(HiCacheStorage):
                     None if values is None else len(values),
                 )
                 return False
-            names = [self._legacy_key(k) for k in keys]
             started = time.perf_counter()
-            views = [_byte_view(v) for v in values]
-            ok = self._checked(
-                "batch_set", "kv", self._store.put_buffers(names, views, None), len(keys)
+            names, views, owner, refused = self._legacy_objects(list(keys), values)
+            reply = self._store.put_buffers(names, views, None)
+            ok = self._pages_ok(
+                len(keys), owner, self._checked("batch_set", "kv", reply, len(names)), refused
             )
             self._meter.record(
                 True, sum(ok), sum(v.nbytes for v in views), time.perf_counter() - started
@@ -853,13 +948,15 @@ class KvtierStore(HiCacheStorage):
                 return [p if hit else None for p, hit in zip(target_locations, ok)]
             if self._no_anchor("batch_get"):
                 return [None] * len(keys)
-            names = [self._legacy_key(k) for k in keys]
             started = time.perf_counter()
-            views = [_byte_view(t) for t in target_locations]
-            for t, v in zip(target_locations, views):
-                if v.ctypes.data != t.data_ptr():
+            for t in target_locations:
+                if _byte_view(t).ctypes.data != t.data_ptr():
                     raise ValueError("legacy batch_get targets must be contiguous CPU tensors")
-            ok = self._checked("batch_get", "kv", self._store.get_buffers(names, views), len(keys))
+            names, views, owner, refused = self._legacy_objects(list(keys), target_locations)
+            reply = self._store.get_buffers(names, views)
+            ok = self._pages_ok(
+                len(keys), owner, self._checked("batch_get", "kv", reply, len(names)), refused
+            )
             self._meter.record(
                 False, sum(ok), sum(v.nbytes for v in views), time.perf_counter() - started
             )
@@ -910,6 +1007,9 @@ class KvtierStore(HiCacheStorage):
                     transfer.name.value if isinstance(transfer.name, PoolName) else transfer.name
                 )
                 names[name] = transfer.name
+                if name == PoolName.KV.value:
+                    # The KV anchor is always evaluated (and reported) over the whole span.
+                    continue
                 plan = self._plans.get(name)
                 if plan is None:
                     self._warn_once(
@@ -955,6 +1055,14 @@ class KvtierStore(HiCacheStorage):
                     len(keys),
                 )
                 return PoolTransferResult(0, {}, [])
+            if any(not 0 <= boundary <= len(keys) for _, boundary in pool_hits):
+                logger.error(
+                    "kvtier batch_exists_v2: a pool verdict outside [0, %d] (%s); reporting a miss",
+                    len(keys),
+                    pool_hits,
+                )
+                return PoolTransferResult(0, {}, [])
+            # Every evaluated pool's own boundary, 0 included (see the README's verdict rule).
             hit_count = {}
             for name, boundary in pool_hits:
                 hit_count[PoolName.KV if name == "kv" else names.get(name, name)] = boundary
@@ -974,6 +1082,15 @@ class KvtierStore(HiCacheStorage):
                 transfer.name.value if isinstance(transfer.name, PoolName) else transfer.name
             )
             try:
+                if name == PoolName.KV.value:
+                    results[transfer.name] = self._kv_pages(
+                        f"batch_{'set' if is_set else 'get'}_v2",
+                        keys,
+                        transfer.host_indices,
+                        is_set,
+                        extra_info,
+                    )
+                    continue
                 plan = self._plans.get(name)
                 if plan is None:
                     self._warn_once(

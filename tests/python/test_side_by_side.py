@@ -7,13 +7,14 @@ same real controller code (``kvtier.harness.flows``: ``backup_span`` / ``query_s
 that were in host memory when the page was backed up (checked with ``read_pages`` and, for
 zero-copy pools, ``read_page_components``).
 
-``extra_pool_hit_pages`` is not compared for equality: kvtier narrows (a pool is asked only
-about the pages still in play, ``crates/kvtier-proto/src/query.rs``), HiCacheFile does not.
-Instead kvtier's answer must equal the exact narrowed fold evaluated over what HiCacheFile
-has on disk, and for ALL_PAGES pools ``kvtier boundary == min(file boundary, bound)`` where
-``bound`` is the largest restorable prefix still in play when the pool is reached.  On a
-logical anchor (DSV4) kvtier reports the KV entry as ``len(keys)`` (the anchor hits every
-page and the side pools decide) while HiCacheFile reports its run of 0-byte KV files.
+``extra_pool_hit_pages`` is checked pool by pool against each pool's own boundary over the
+whole span, evaluated over what HiCacheFile has on disk (``own_verdicts``: kvtier's verdict
+rule, ``crates/kvtier-proto/src/query.rs``). Where HiCacheFile evaluates a pool over the whole
+span too (its KV run covers the span and the fold has not emptied), its number must be the
+same; HiCacheFile evaluates only up to its KV run and omits 0, so elsewhere kvtier's number may
+be larger, never smaller. On a logical anchor (DSV4) kvtier reports the KV entry as
+``len(keys)`` (the anchor hits every page and the side pools decide) while HiCacheFile reports
+its run of 0-byte KV files.
 
 Scenario (per backend kind, with and without ``prefix_keys``):
   1. back up conversation A's first node (3 pages); query and prefetch A (140 pages, longer
@@ -47,55 +48,32 @@ def hashes(n, tag):
 
 
 # ---------------------------------------------------------------------------
-# The exact kvtier fold (query.rs), evaluated over HiCacheFile's files
+# Each pool's own verdict (query.rs), evaluated over HiCacheFile's files
 # ---------------------------------------------------------------------------
 
 
-def narrowed_fold(file: HiCacheFile, keys, transfers, logical_anchor):
-    """query.rs ``evaluate`` with HiCacheFile's files as the presence oracle.
-
-    Returns (kv_hit, hit dict, restorable list, bound per pool) where bound is the largest
-    restorable prefix still in play when that pool is evaluated."""
+def own_verdicts(file: HiCacheFile, keys, transfers, logical_anchor):
+    """Each pool's own boundary over the whole span, with HiCacheFile's files as the presence
+    oracle: ALL_PAGES the first gap, TRAILING_PAGES the largest prefix whose window is there.
+    Also returns the folded (kv_hit, restorable)."""
     n = len(keys)
-    if logical_anchor:
-        kv = n
-    else:
-        kv = next((i for i in range(n) if not file.exists(keys[i])), n)
-    hits = {PoolName.KV: kv} if kv else {}
-    restorable = [False] + [True] * kv
-    largest = kv
-    bounds = {}
+    kv = n if logical_anchor else next((i for i in range(n) if not file.exists(keys[i])), n)
+    verdicts = {PoolName.KV: kv}
+    restorable = set(range(1, kv + 1))
     for t in transfers:
-        if largest == 0:
-            break
-        bounds[t.name] = largest
-        present = {}
-
-        def has(i, name=t.name):
-            if i not in present:
-                present[i] = file.exists(file._log_key(name, keys[i]))
-            return present[i]
-
+        present = [file.exists(file._log_key(t.name, k)) for k in keys]
         if t.hit_policy == PoolHitPolicy.ALL_PAGES:
-            b = next((i for i in range(largest) if not has(i)), largest)
-            for p in range(b + 1, kv + 1):
-                restorable[p] = False
+            run = next((i for i in range(n) if not present[i]), n)
+            accepts = set(range(1, run + 1))
         elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
             w = max(1, len(t.keys) if t.keys else 1)
-            b = 0
-            for p in range(largest, 0, -1):
-                if not restorable[p]:
-                    continue
-                if all(has(i) for i in range(max(0, p - w), p)):
-                    b = max(b, p)
-                else:
-                    restorable[p] = False
+            accepts = {p for p in range(1, n + 1) if all(present[max(0, p - w) : p])}
         else:
             raise AssertionError(f"policy {t.hit_policy} not used here")
-        if b:
-            hits[t.name] = b
-        largest = max((p for p in range(1, largest + 1) if restorable[p]), default=0)
-    return largest, hits, [p for p in range(1, largest + 1) if restorable[p]], bounds
+        verdicts[t.name] = max(accepts, default=0)
+        restorable &= accepts
+    ordered = sorted(restorable)
+    return (ordered[-1] if ordered else 0), verdicts, ordered
 
 
 # ---------------------------------------------------------------------------
@@ -216,7 +194,7 @@ class SideBySide:
             assert qk.restorable_prefix_pages == expect_restorable
         transfers = cf.build_prefetch_transfers(len(keys), self.specs)
         if transfers:
-            self._check_narrowing(keys, transfers, qk, qf)
+            self._check_verdicts(keys, transfers, qk, qf)
         else:
             # KV only: the controller asks batch_exists; the v2 form must agree too.
             vk = self.kv.batch_exists_v2(keys, [])
@@ -229,24 +207,19 @@ class SideBySide:
             assert vk.kv_hit_pages == qk.kv_hit_pages
         return qk
 
-    def _check_narrowing(self, keys, transfers, qk, qf):
-        hit, hits, restorable, bounds = narrowed_fold(self.file, keys, transfers, self.logical)
+    def _check_verdicts(self, keys, transfers, qk, qf):
+        hit, verdicts, restorable = own_verdicts(self.file, keys, transfers, self.logical)
         assert (qk.kv_hit_pages, qk.restorable_prefix_pages) == (hit, restorable)
-        assert dict(qk.extra_pool_hit_pages) == hits
         fk, ff = dict(qk.extra_pool_hit_pages), dict(qf.extra_pool_hit_pages)
-        if self.logical:
-            assert fk.get(PoolName.KV, 0) == len(keys)
-        else:
-            assert fk.get(PoolName.KV, 0) == ff.get(PoolName.KV, 0)
+        assert fk == verdicts
+        if not self.logical:
+            assert fk[PoolName.KV] == ff.get(PoolName.KV, 0)
+        file_covers_span = ff.get(PoolName.KV, 0) == len(keys)
         for t in transfers:
-            kb, fb = fk.get(t.name, 0), ff.get(t.name, 0)
-            if t.name not in bounds:  # the fold stopped before this pool on both sides
-                assert kb == fb == 0, t.name
-                continue
-            if t.hit_policy == PoolHitPolicy.ALL_PAGES:
-                assert kb == min(fb, bounds[t.name]), (t.name, kb, fb, bounds[t.name])
-            else:
-                assert kb <= min(fb, bounds[t.name]), (t.name, kb, fb, bounds[t.name])
+            if t.name in ff and file_covers_span:
+                assert fk[t.name] == ff[t.name], (t.name, fk, ff)
+            else:  # HiCacheFile stopped early or looked only up to its KV run
+                assert fk[t.name] >= ff.get(t.name, 0), (t.name, fk, ff)
 
     def prefetch(self, keys, before=(), *, expect_hit):
         out = []

@@ -3,7 +3,8 @@ on the real DeepSeek-V4 host pool group (logical anchor + paged side pools + sta
 and on a real MHA pool.
 
 Expected answers are hand-computed from SGLang's fold rules (``HiCacheFile.batch_exists_v2``
-/ ``PoolHitPolicy`` docstring) plus kvtier's narrowing (``crates/kvtier-proto/src/query.rs``).
+/ ``PoolHitPolicy`` docstring) and kvtier's verdict rule (``crates/kvtier-proto/src/query.rs``:
+every pool reports its own boundary over the whole span, 0 included).
 Mocks appear only where a test forges a misbehaving part, and each says so.
 """
 
@@ -118,8 +119,8 @@ def test_trailing_state_with_a_hole_at_prefix_3(dsv4):
 
     hit, hits, restorable = exists(store, keys, [q(SWA, TRAIL, 1), q(C4, ALL)])
     assert (hit, restorable) == (4, [2, 4])
-    # C4 comes after SWA: only pages below the bound 4 are still in play.
-    assert hits == {PoolName.KV: 5, SWA: 4, C4: 4}
+    # C4 comes after SWA and still reports its own run of 5, not the folded 4.
+    assert hits == {PoolName.KV: 5, SWA: 4, C4: 5}
     # In the other order C4 reports its own run of 5, then SWA gates.
     hit, hits, restorable = exists(store, keys, [q(C4, ALL), q(SWA, TRAIL, 1)])
     assert (hit, restorable) == (4, [2, 4]) and hits == {PoolName.KV: 5, C4: 5, SWA: 4}
@@ -159,12 +160,12 @@ def test_two_trailing_pools_intersect(dsv4):
     present_at(store, dsv4, C4_STATE, keys, [1, 5, 6])  # window 1 -> {2, 6, 7}
     hit, hits, restorable = exists(store, keys, [q(SWA, TRAIL, 2), q(C4_STATE, TRAIL, 1)])
     assert (hit, restorable) == (6, [2, 6])
-    # C4_STATE only sees candidates SWA left in play: 7 is not among them.
-    assert hits == {PoolName.KV: 7, SWA: 6, C4_STATE: 6}
+    # C4_STATE alone restores 7 (page 6 is there); SWA's cut does not shorten its verdict.
+    assert hits == {PoolName.KV: 7, SWA: 6, C4_STATE: 7}
 
 
 # ---------------------------------------------------------------------------
-# ALL_PAGES narrowing
+# ALL_PAGES: folded in order, each pool its own verdict
 # ---------------------------------------------------------------------------
 
 
@@ -184,7 +185,7 @@ class RecordingNative:
         return getattr(self._real, name)
 
 
-def test_all_pages_pools_are_folded_in_order_with_narrowing(dsv4):
+def test_all_pages_pools_fold_in_order_and_report_their_own_runs(dsv4):
     store = make_store(dsv4)
     keys = keys_for(8)
     present_at(store, dsv4, C4, keys, [0, 1, 2, 3, 4, 6, 7])  # run 5
@@ -193,14 +194,14 @@ def test_all_pages_pools_are_folded_in_order_with_narrowing(dsv4):
     rec = RecordingNative(store._store)
     store._store = rec
 
-    # Hand fold: bound 8 -> C4 run 5 -> IDX asked about pages < 5 only -> C128 run 3.
+    # Hand fold: 8 -> C4 run 5 -> IDX run 8 -> C128 run 3; each verdict is the pool's own run.
     hit, hits, restorable = exists(store, keys, [q(C4, ALL), q(IDX, ALL), q(C128, ALL)])
     assert (hit, restorable) == (3, [1, 2, 3])
-    assert hits == {PoolName.KV: 8, C4: 5, IDX: 5, C128: 3}
+    assert hits == {PoolName.KV: 8, C4: 5, IDX: 8, C128: 3}
 
     hit, hits, restorable = exists(store, keys, [q(C128, ALL), q(C4, ALL), q(IDX, ALL)])
     assert (hit, restorable) == (3, [1, 2, 3])
-    assert hits == {PoolName.KV: 8, C128: 3, C4: 3, IDX: 3}
+    assert hits == {PoolName.KV: 8, C128: 3, C4: 5, IDX: 8}
 
     # One native call per query, carrying every pool in SGLang's order with its policy.
     assert len(rec.exists_calls) == 2
@@ -213,9 +214,9 @@ def test_all_pages_pools_are_folded_in_order_with_narrowing(dsv4):
     ]
     assert [p[1] for p in pools] == [store._plans[str(n)].suffixes for n in (C128, C4, IDX)]
 
-    # Once the fold reaches 0 the remaining pools are not reported at all.
+    # Once the fold reaches 0 the remaining pools are still evaluated: 0 is a verdict.
     hit, hits, restorable = exists(store, ["absent"] + keys[1:], [q(C4, ALL), q(IDX, ALL)])
-    assert (hit, hits, restorable) == (0, {PoolName.KV: 8}, [])
+    assert (hit, hits, restorable) == (0, {PoolName.KV: 8, C4: 0, IDX: 0}, [])
 
 
 # ---------------------------------------------------------------------------
@@ -233,19 +234,18 @@ def test_block_groups_verdict_never_gates(dsv4, group, verdict):
         store, keys, [q(C4, ALL), q(C128, GROUPS, group_pages=group, block_pages=128)]
     )
     assert hit == 10 and restorable == list(range(1, 11))
-    assert hits.get(C128, 0) == verdict
-    assert (C128 in hits) == (verdict > 0)
+    assert hits[C128] == verdict
 
 
-def test_block_groups_are_bounded_by_pages_still_in_play(dsv4):
+def test_block_groups_report_their_own_groups_past_a_gate(dsv4):
     store = make_store(dsv4)
     keys = keys_for(10)
     present_at(store, dsv4, C4, keys, range(5))  # gates the span to 5
     present_at(store, dsv4, C128, keys, range(10))
     hit, hits, _ = exists(store, keys, [q(C4, ALL), q(C128, GROUPS, group_pages=2)])
-    assert hit == 5 and hits[C128] == 4  # two whole groups fit below 5
+    assert hit == 5 and hits[C128] == 10  # every group is there, whatever C4 cut
     hit, hits, _ = exists(store, keys, [q(C128, GROUPS, group_pages=4), q(C4, ALL)])
-    assert hit == 5 and hits[C128] == 8  # reported before C4 gated; still never gates
+    assert hit == 5 and hits[C128] == 8  # two whole groups of 4; never gates
 
 
 @pytest.mark.parametrize("kw", [{}, {"group_pages": 0}], ids=["missing", "zero"])
@@ -297,7 +297,7 @@ def _covered(regions, tensor):
     return any(s <= start and end <= s + n for _, s, n, _ in regions)
 
 
-def test_kv_v2_registration_is_skipped():
+def test_kv_v2_registration_reuses_the_anchor():
     host = sp.build_mha_host_pool(size_pages=8)
     store = make_store(is_mla=False)
     store.register_mem_pool_host(host)
@@ -305,13 +305,30 @@ def test_kv_v2_registration_is_skipped():
     assert len(regions) == 1 and _covered(regions, host.kv_buffer)
     store.register_mem_host_pool_v2(host, PoolName.KV)
     store.on_host_pools_registered()
+    # The anchor is not registered (nor planned) twice; v2 KV transfers use its plan.
     assert list(store._store.regions()) == regions
-    assert "kv" not in store._plans and PoolName.KV not in getattr(store, "registered_pools", {})
+    assert "kv" not in store._plans and store.registered_pools[PoolName.KV] is host
     idx = sp.alloc_indices(host, 2)
     want = sp.fill_pages(host, idx, 3)
     assert store.batch_set_v1(keys_for(2), idx) == [True, True]
     sp.zero_pages(host, idx)
-    assert store.batch_get_v1(keys_for(2), idx) == [True, True]
+    got = store.batch_get_v2([PoolTransfer(name=PoolName.KV, host_indices=idx, keys=keys_for(2))])
+    assert got == {PoolName.KV: [True, True]}
+    assert sp.read_pages(host, idx) == want
+
+
+def test_kv_registered_only_through_v2_becomes_the_anchor():
+    host = sp.build_mha_host_pool(size_pages=8)
+    store = make_store(is_mla=False)
+    store.register_mem_host_pool_v2(host, PoolName.KV)
+    store.on_host_pools_registered()
+    assert store._anchor is not None and store._anchor.zero_copy
+    idx = sp.alloc_indices(host, 2)
+    want = sp.fill_pages(host, idx, 4)
+    kv = PoolTransfer(name=PoolName.KV, host_indices=idx, keys=keys_for(2, "only-v2"))
+    assert store.batch_set_v2([kv]) == {PoolName.KV: [True, True]}
+    sp.zero_pages(host, idx)
+    assert store.batch_get_v2([kv]) == {PoolName.KV: [True, True]}
     assert sp.read_pages(host, idx) == want
 
 
@@ -479,7 +496,8 @@ def test_mha_anchor_with_a_side_pool():
     }
     # real KV anchor: the KV run (3) bounds everything
     hit, hits, restorable = exists(store, keys, [q(SWA, TRAIL, 2)])
-    assert (hit, restorable) == (3, [1, 2, 3]) and hits == {PoolName.KV: 3, SWA: 3}
+    # SWA holds all 4 pages: its own verdict is 4, whatever the KV run cuts.
+    assert (hit, restorable) == (3, [1, 2, 3]) and hits == {PoolName.KV: 3, SWA: 4}
     assert store._plans["swa"].suffixes != store._anchor.suffixes
     sp.zero_pages(anchor, a_idx)
     sp.zero_pages(side, s_idx)
