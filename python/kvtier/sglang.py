@@ -908,9 +908,13 @@ class KvtierStore(HiCacheStorage):
             started = time.perf_counter()
             names, views, owner, refused = self._legacy_objects(list(keys), values)
             reply = self._store.put_buffers(names, views, None)
-            ok = self._pages_ok(
-                len(keys), owner, self._checked("batch_set", "kv", reply, len(names)), refused
-            )
+            object_ok = self._checked("batch_set", "kv", reply, len(names))
+            ok = self._pages_ok(len(keys), owner, object_ok, refused)
+            # A page that failed part way leaves none of its components behind (at worst this
+            # also drops an identical copy another writer stored: a lost hit, never wrong bytes).
+            partial = [n for n, page, good in zip(names, owner, object_ok) if good and not ok[page]]
+            if partial:
+                self._store.remove_keys(partial)
             self._meter.record(
                 True, sum(ok), sum(v.nbytes for v in views), time.perf_counter() - started
             )

@@ -305,3 +305,44 @@ def test_logical_anchor_v2_kv_moves_nothing_and_hits(mode):
         assert after[counter] == before[counter], counter
     assert answer(store, keys, [PoolTransfer(name=KV, keys=None)]) == (3, {KV: 3}, [1, 2, 3])
     store.close()
+
+
+class FailOneObject:
+    """Forwards to the real native store, except that ``put_buffers`` refuses (does not store)
+    the objects whose name contains ``refuse``: a forged partial failure, since a real one
+    (a full store part way through a page) cannot be produced on demand."""
+
+    def __init__(self, real, refuse):
+        self._real, self._refuse = real, refuse
+
+    def put_buffers(self, names, views, depths):
+        keep = [i for i, n in enumerate(names) if self._refuse not in n]
+        ok, errors = self._real.put_buffers(
+            [names[i] for i in keep], [views[i] for i in keep], depths
+        )
+        result = [False] * len(names)
+        for i, good in zip(keep, ok):
+            result[i] = good
+        return result, list(errors) + [f"{self._refuse}: refused by the test"]
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def test_a_legacy_page_that_fails_part_way_leaves_nothing_behind(mode):
+    anchor = sp.build_mha_host_pool("page_first", size_pages=8)
+    store = kvtier_store(mode, anchor, is_mla=False, interface_v1=False)
+    keys = unique_keys(3, "partial")
+    idx = sp.alloc_indices(anchor, 3)
+    sp.fill_pages(anchor, idx, 9)
+    v_suffix = store._anchor.suffixes[1]
+    real = store._store
+    store._store = FailOneObject(real, f"{keys[1]}{v_suffix}")
+    pages = [anchor.get_data_page(int(idx[i * anchor.page_size])) for i in range(3)]
+    assert store.batch_set(keys, pages) is False
+    store._store = real
+    assert store.batch_exists(keys) == 1
+    k_of_page_1 = f"{store._prefix}{keys[1]}{store._anchor.suffixes[0]}"
+    assert real.object_len(k_of_page_1) is None  # the K that was stored is gone again
+    assert legacy_get(store, anchor, keys)[2] is not None  # page 2 was stored whole
+    store.close()
