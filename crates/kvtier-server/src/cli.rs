@@ -16,7 +16,8 @@ use crate::server::Server;
 /// `kvtier serve`: run the local cache server until SIGTERM / SIGINT.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServeArgs {
-    /// Unix socket path (default: $XDG_RUNTIME_DIR/kvtier.sock or /tmp/kvtier-<uid>.sock).
+    /// Unix socket path (default: $XDG_RUNTIME_DIR/kvtier.sock, else
+    /// /tmp/kvtier-<uid>/kvtier.sock in a 0700 directory owned by this user).
     #[arg(long)]
     pub socket: Option<PathBuf>,
     /// TOML file: server keys at top level, engine keys in an [engine] table.

@@ -37,7 +37,7 @@ pub const ENGINE_TABLE: &str = "engine";
 #[serde(deny_unknown_fields, default)]
 pub struct ServerSettings {
     /// Path of the Unix socket. Default: `$XDG_RUNTIME_DIR/kvtier.sock`, else
-    /// `/tmp/kvtier-<uid>.sock`.
+    /// `/tmp/kvtier-<uid>/kvtier.sock` (that directory created 0700 and checked).
     #[serde(deserialize_with = "strict::optional_string")]
     pub socket: Option<String>,
     /// File mode of the socket, octal (`"0600"`: only this user may connect).
@@ -160,13 +160,54 @@ fn known_server_keys() -> Vec<String> {
     }
 }
 
+/// The default socket: `$XDG_RUNTIME_DIR/kvtier.sock` (a per-user 0700 directory the login
+/// manager creates), else `kvtier.sock` in [`private_runtime_dir`].
 fn default_socket() -> PathBuf {
     match std::env::var_os("XDG_RUNTIME_DIR") {
         Some(dir) if !dir.is_empty() => Path::new(&dir).join("kvtier.sock"),
-        _ => PathBuf::from(format!(
-            "/tmp/kvtier-{}.sock",
-            rustix::process::getuid().as_raw()
+        _ => private_runtime_dir().join("kvtier.sock"),
+    }
+}
+
+/// `/tmp/kvtier-<uid>`: the per-user directory of the default socket when there is no
+/// `$XDG_RUNTIME_DIR`. [`ensure_private_dir`] creates it 0700 and refuses one another user
+/// planted (its path is predictable, so it must be checked, not trusted).
+pub fn private_runtime_dir() -> PathBuf {
+    PathBuf::from(format!(
+        "/tmp/kvtier-{}",
+        rustix::process::geteuid().as_raw()
+    ))
+}
+
+/// Create `dir` with mode 0700 if it is missing, then check it is a real directory (not a
+/// symlink) owned by this uid and not accessible to group or others.
+pub fn ensure_private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e),
+    }
+    let meta = std::fs::symlink_metadata(dir)?;
+    let uid = rustix::process::geteuid().as_raw();
+    let problem = if !meta.file_type().is_dir() {
+        Some("is not a directory (a symlink or file is in the way)".to_string())
+    } else if meta.uid() != uid {
+        Some(format!("is owned by uid {}, not {uid}", meta.uid()))
+    } else if meta.mode() & 0o077 != 0 {
+        Some(format!(
+            "has mode {:o}; it must not be accessible to group or others (0700)",
+            meta.mode() & 0o7777
+        ))
+    } else {
+        None
+    };
+    match problem {
+        Some(why) => Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!("{} {why}", dir.display()),
         )),
+        None => Ok(()),
     }
 }
 

@@ -273,6 +273,14 @@ impl Server {
             path: path.clone(),
             source,
         };
+        if config.settings.socket.is_none() {
+            if let Some(dir) = path
+                .parent()
+                .filter(|d| *d == crate::config::private_runtime_dir())
+            {
+                crate::config::ensure_private_dir(dir).map_err(socket_err)?;
+            }
+        }
         if path.exists() {
             if UnixStream::connect(&path).is_ok() {
                 return Err(ServerError::InUse(path));
@@ -907,7 +915,7 @@ impl<'a> Connection<'a> {
             Opcode::Clear => {
                 empty(body, "clear")?;
                 let session = self.session()?;
-                session.store.client.clear();
+                clear_namespace(self.shared, session);
                 Ok(Vec::new())
             }
             Opcode::PeerHello
@@ -1084,6 +1092,25 @@ fn release_session(shared: &Shared, session: &Arc<Session>) {
                 .fetch_add(regions.len() as u64, Ordering::Relaxed);
             session.mapped_bytes.store(0, Ordering::Relaxed);
         }
+    }
+}
+
+/// `Clear` from a session: only its tenant's namespace. A tenant with its own partition owns
+/// that whole store (cleared at once, segment headers included); in the shared main store,
+/// which also holds other tenants' objects and, on a cluster node, objects stored for other
+/// hosts, only the keys under `tenant 0x1f` are removed.
+fn clear_namespace(shared: &Shared, session: &Session) {
+    let own_partition = shared
+        .partitions
+        .get(&session.tenant)
+        .is_some_and(|p| Arc::ptr_eq(p, &session.store));
+    if own_partition {
+        session.store.client.clear();
+    } else {
+        session
+            .store
+            .client
+            .with_engine(|engine| engine.remove_prefix(&session.namespace));
     }
 }
 
@@ -1353,6 +1380,7 @@ fn stats_document(shared: &Shared, you: Option<&Session>) -> Value {
         mapped_regions += regions.len();
         mapped_bytes += s.mapped_bytes.load(Ordering::Relaxed);
         let unsealed = regions.values().filter(|m| !m.sealed()).count();
+        let revoked = regions.values().filter(|m| m.revoked()).count();
         let c = &s.counters;
         list.push(json!({
             "session": s.id,
@@ -1363,6 +1391,7 @@ fn stats_document(shared: &Shared, you: Option<&Session>) -> Value {
             "connections": s.connections.load(Ordering::Relaxed),
             "regions": regions.len(),
             "unsealed_regions": unsealed,
+            "revoked_regions": revoked,
             "mapped_bytes": s.mapped_bytes.load(Ordering::Relaxed),
             "requests": c.requests.load(Ordering::Relaxed),
             "pages_put": c.pages_put.load(Ordering::Relaxed),
@@ -1400,6 +1429,7 @@ fn stats_document(shared: &Shared, you: Option<&Session>) -> Value {
             "mapped_regions": mapped_regions,
             "mapped_bytes": mapped_bytes,
             "live_mappings": shared.live_mappings.load(Ordering::SeqCst),
+            "recovered_faults": crate::fault_guard::recovered_faults(),
             "regions_mapped_total": c.regions_mapped_total.load(Ordering::Relaxed),
             "regions_unmapped_total": c.regions_unmapped_total.load(Ordering::Relaxed),
             "shutting_down": shared.shutting_down.load(Ordering::Relaxed),

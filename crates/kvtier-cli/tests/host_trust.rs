@@ -1,0 +1,477 @@
+//! Attacks on the host's trust boundaries (docs/security.md, "Host"), each played against a
+//! real `kvtier serve` process: the attacker fails, the server stays up, and a legitimate
+//! client on the same server is served byte-exact.
+
+mod common;
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::{object_bytes, wait_for, Proc};
+use kvtier_client::{Client, KvtierConfig, MemRef, PageBatch};
+
+/// A memfd mapped in this process, standing in for SGLang's shm host pool
+/// (`ShmHostTensorAllocator`: no `MFD_ALLOW_SEALING`) unless `sealable`.
+struct Memfd {
+    fd: OwnedFd,
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl Memfd {
+    fn new(len: usize, sealable: bool) -> Memfd {
+        use rustix::fs::{ftruncate, memfd_create, MemfdFlags};
+        use rustix::mm::{mmap, MapFlags, ProtFlags};
+        let mut flags = MemfdFlags::CLOEXEC;
+        if sealable {
+            flags |= MemfdFlags::ALLOW_SEALING;
+        }
+        let fd = memfd_create("attack-pool", flags).unwrap();
+        ftruncate(&fd, len as u64).unwrap();
+        // SAFETY: a fresh shared mapping of a memfd of exactly `len` bytes.
+        let ptr = unsafe {
+            mmap(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED,
+                &fd,
+                0,
+            )
+        }
+        .unwrap() as *mut u8;
+        Memfd { fd, ptr, len }
+    }
+
+    /// The mapping's bytes (only while the memfd has its full size).
+    fn bytes(&mut self) -> &mut [u8] {
+        // SAFETY: the mapping lives as long as self; the tests call this only while the memfd
+        // is at its full size, from one thread.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
+    fn refs(&self, object: usize) -> Vec<MemRef> {
+        (0..self.len / object)
+            .map(|i| MemRef {
+                ptr: self.ptr as usize + i * object,
+                len: object,
+            })
+            .collect()
+    }
+
+    fn register(&self, client: &Client) {
+        // SAFETY: the mapping outlives the client (dropped after it in every test) and is
+        // `[0, len)` of `fd`.
+        unsafe {
+            client
+                .register_memfd(self.ptr as usize, self.len, self.fd.as_fd(), 0, "pool")
+                .unwrap();
+        }
+    }
+}
+
+impl Drop for Memfd {
+    fn drop(&mut self) {
+        // SAFETY: exactly the mapping made in new().
+        let _ = unsafe { rustix::mm::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+/// A `kvtier serve` on a socket in `dir`, with extra flags.
+fn serve(dir: &Path, extra: &[&str], envs: &[(&str, &str)]) -> (Proc, PathBuf) {
+    let socket = dir.join("kvtier.sock");
+    let mut args = vec![
+        "serve",
+        "--socket",
+        socket.to_str().unwrap(),
+        "--dram-capacity",
+        "64MiB",
+    ];
+    args.extend_from_slice(extra);
+    let server = Proc::spawn("kvtier serve", &args, envs);
+    wait_for(Duration::from_secs(20), "the server socket", || {
+        std::os::unix::net::UnixStream::connect(&socket).is_ok()
+    });
+    (server, socket)
+}
+
+fn server_client(socket: &Path, tenant: &str) -> Client {
+    Client::open(KvtierConfig {
+        server_socket: Some(socket.display().to_string()),
+        extra_backend_tag: (!tenant.is_empty()).then(|| tenant.to_string()),
+        ..KvtierConfig::default()
+    })
+    .expect("open a server-mode client")
+}
+
+fn keys(prefix: &str, n: usize) -> Vec<Vec<u8>> {
+    (0..n)
+        .map(|i| format!("{prefix}-{i}").into_bytes())
+        .collect()
+}
+
+fn batch(keys: &[Vec<u8>]) -> PageBatch<'_, Vec<u8>, [u8; 0]> {
+    PageBatch {
+        prefix: &[],
+        page_keys: keys,
+        suffixes: &[[]],
+    }
+}
+
+const OBJECT: usize = 256 << 10;
+const OBJECTS: usize = 16;
+
+/// The legitimate client's round: put 16 distinct objects from its memfd pool, read them back
+/// into a zeroed pool, compare every byte.
+fn legit_round(client: &Client, pool: &mut Memfd, round: usize) {
+    let names = keys(&format!("legit-r{round}"), OBJECTS);
+    for (i, chunk) in pool.bytes().chunks_mut(OBJECT).enumerate() {
+        chunk.copy_from_slice(&object_bytes((round * 1000 + i) as u64, OBJECT));
+    }
+    let put = client.put_pages(&batch(&names), &pool.refs(OBJECT), None);
+    assert!(put.ok.iter().all(|&ok| ok), "legit put: {:?}", put.errors);
+    pool.bytes().fill(0);
+    let got = client.get_pages(&batch(&names), &pool.refs(OBJECT));
+    assert!(got.ok.iter().all(|&ok| ok), "legit get: {:?}", got.errors);
+    for (i, chunk) in pool.bytes().chunks(OBJECT).enumerate() {
+        assert!(
+            chunk == object_bytes((round * 1000 + i) as u64, OBJECT).as_slice(),
+            "legit object {i} of round {round} is not byte-exact"
+        );
+    }
+}
+
+fn stats(socket: &Path) -> serde_json::Value {
+    kvtier_server::cli::fetch_stats(socket).expect("stats")
+}
+
+/// An attacker registers an unsealable memfd, stores pages from it, then truncates it while
+/// (and before) the server copies its gets and puts. Without the guard the server died of
+/// SIGBUS; now only the attacker's pages fail, nothing it half-wrote is stored, and a second
+/// client is served byte-exact before, during and after.
+#[test]
+fn memfd_shrink_during_gets_and_puts_cannot_kill_the_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut server, socket) = serve(dir.path(), &[], &[]);
+    let legit = server_client(&socket, "legit");
+    let mut legit_pool = Memfd::new(OBJECT * OBJECTS, false);
+    legit_pool.register(&legit);
+    legit_round(&legit, &mut legit_pool, 0);
+
+    let attacker = server_client(&socket, "evil");
+    let mut evil_pool = Memfd::new(OBJECT * OBJECTS, false);
+    for (i, chunk) in evil_pool.bytes().chunks_mut(OBJECT).enumerate() {
+        chunk.copy_from_slice(&object_bytes(50_000 + i as u64, OBJECT));
+    }
+    evil_pool.register(&attacker);
+    let stored = keys("evil-stored", OBJECTS);
+    let put = attacker.put_pages(&batch(&stored), &evil_pool.refs(OBJECT), None);
+    assert!(put.ok.iter().all(|&ok| ok), "{:?}", put.errors);
+
+    // Shrink while the server copies: a thread truncates to zero and grows back, in a loop,
+    // while the attacker puts and gets (this process never touches its own mapping again).
+    let fd = evil_pool.fd.try_clone().unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let shrinker = {
+        let stop = std::sync::Arc::clone(&stop);
+        let len = evil_pool.len as u64;
+        std::thread::spawn(move || {
+            let mut rounds = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) && rounds < 200_000 {
+                let _ = rustix::fs::ftruncate(&fd, 0);
+                std::thread::yield_now();
+                let _ = rustix::fs::ftruncate(&fd, len);
+                rounds += 1;
+            }
+            let _ = rustix::fs::ftruncate(&fd, 0);
+        })
+    };
+    for round in 0..20 {
+        let names = keys(&format!("evil-r{round}"), OBJECTS);
+        let _ = attacker.put_pages(&batch(&names), &evil_pool.refs(OBJECT), None);
+        let _ = attacker.get_pages(&batch(&stored), &evil_pool.refs(OBJECT));
+        if round % 5 == 0 {
+            legit_round(&legit, &mut legit_pool, round + 1);
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    shrinker.join().unwrap();
+    // Now the memfd is empty for good: every further copy faults, deterministically.
+    let late = keys("evil-late", OBJECTS);
+    let put = attacker.put_pages(&batch(&late), &evil_pool.refs(OBJECT), None);
+    assert!(
+        put.ok.iter().all(|&ok| !ok),
+        "a put from a truncated memfd succeeded"
+    );
+    let got = attacker.get_pages(&batch(&stored), &evil_pool.refs(OBJECT));
+    assert!(
+        got.ok.iter().all(|&ok| !ok),
+        "a get into a truncated memfd succeeded"
+    );
+    assert!(
+        got.errors.iter().any(|e| e.contains("revoked")),
+        "the failure names the revoked region: {:?}",
+        got.errors
+    );
+    assert!(server.running(), "kvtier serve died");
+    // Nothing read from the revoked memory was stored.
+    assert!(attacker.exists_keys(&late).iter().all(|&e| !e));
+    let doc = stats(&socket);
+    assert!(
+        doc["server"]["recovered_faults"].as_u64().unwrap() >= 1,
+        "{doc}"
+    );
+    let evil = doc["sessions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["tenant"] == "evil")
+        .expect("the attacker's session")
+        .clone();
+    assert_eq!(evil["revoked_regions"], 1, "{evil}");
+    // The legitimate client, on the same server, after all of it.
+    legit_round(&legit, &mut legit_pool, 99);
+    drop(attacker);
+    drop(legit);
+    assert!(server.running());
+    server.terminate(Duration::from_secs(10));
+}
+
+/// A memfd that allows sealing is sealed by the server at registration: the attacker's shrink
+/// itself fails (EPERM), and the pool keeps working.
+#[test]
+fn sealable_memfd_is_sealed_before_it_is_used() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut server, socket) = serve(dir.path(), &[], &[]);
+    let client = server_client(&socket, "");
+    let mut pool = Memfd::new(OBJECT * OBJECTS, true);
+    pool.register(&client);
+    let seals = rustix::fs::fcntl_get_seals(&pool.fd).unwrap();
+    assert!(seals.contains(rustix::fs::SealFlags::SHRINK), "{seals:?}");
+    assert!(
+        rustix::fs::ftruncate(&pool.fd, 0).is_err(),
+        "shrink allowed"
+    );
+    legit_round(&client, &mut pool, 0);
+    assert!(server.running());
+    let doc = stats(&socket);
+    assert_eq!(doc["sessions"][0]["unsealed_regions"], 0, "{doc}");
+}
+
+/// Put `n` objects of `len` bytes (content `object_bytes(seed + i)`) under `names` through
+/// `client`'s staging path, and return the pool for reading back.
+fn put_objects(client: &Client, names: &[Vec<u8>], seed: u64, len: usize) {
+    let mut pool = common::Pool::new(names.len(), len);
+    for (i, chunk) in pool.bytes.chunks_mut(len).enumerate() {
+        chunk.copy_from_slice(&object_bytes(seed + i as u64, len));
+    }
+    pool.register(client);
+    let put = client.put_keys(names, &pool.refs(), None);
+    assert!(put.ok.iter().all(|&ok| ok), "{:?}", put.errors);
+}
+
+/// Every object under `names` reads back as `object_bytes(seed + i)`.
+fn assert_objects(client: &Client, names: &[Vec<u8>], seed: u64, len: usize) {
+    let pool = common::Pool::new(names.len(), len);
+    pool.register(client);
+    let got = client.get_keys(names, &pool.refs());
+    assert!(got.ok.iter().all(|&ok| ok), "{:?}", got.errors);
+    for (i, chunk) in pool.bytes.chunks(len).enumerate() {
+        assert!(
+            chunk == object_bytes(seed + i as u64, len).as_slice(),
+            "object {i} is not byte-exact"
+        );
+    }
+}
+
+/// `Clear` from one tenant removes that tenant's namespace only: the shared main store keeps
+/// the other tenants' objects (the empty tenant's too), and a tenant with its own partition
+/// is not reached by another tenant's clear, nor does its clear reach the main store.
+#[test]
+fn clear_removes_only_the_callers_tenant() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut server, socket) = serve(dir.path(), &["--tenant-quota", "part=8MiB"], &[]);
+    let len = 64 << 10;
+    let tenants = ["a", "b", "", "part"];
+    let clients: Vec<Client> = tenants.iter().map(|t| server_client(&socket, t)).collect();
+    let names = keys("page", 32);
+    for (i, client) in clients.iter().enumerate() {
+        put_objects(client, &names, 1000 * i as u64, len);
+    }
+    // The attacker (tenant "a") clears: only its own keys go.
+    clients[0].clear();
+    assert!(
+        clients[0].exists_keys(&names).iter().all(|&e| !e),
+        "a's keys survived its clear"
+    );
+    for (i, client) in clients.iter().enumerate().skip(1) {
+        assert_objects(client, &names, 1000 * i as u64, len);
+    }
+    // The empty tenant's clear does not reach "b" or the partition either.
+    clients[2].clear();
+    assert!(clients[2].exists_keys(&names).iter().all(|&e| !e));
+    assert_objects(&clients[1], &names, 1000, len);
+    assert_objects(&clients[3], &names, 3000, len);
+    // The partition tenant clears its partition; "b" in the main store is untouched.
+    clients[3].clear();
+    assert!(clients[3].exists_keys(&names).iter().all(|&e| !e));
+    assert_objects(&clients[1], &names, 1000, len);
+    // A cleared tenant stores again.
+    put_objects(&clients[0], &names, 7000, len);
+    assert_objects(&clients[0], &names, 7000, len);
+    assert!(server.running());
+}
+
+/// On a cluster node, a cluster client without `extra_backend_tag` clearing the cluster
+/// (SGLang's `/clear_hicache_storage_backend`) removes the untagged cluster namespace only:
+/// the local-socket tenants sharing the node's store keep their objects byte-exact.
+#[test]
+fn cluster_clear_does_not_reach_local_tenants_of_a_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = common::free_port("127.0.0.1");
+    let master_addr = format!("127.0.0.1:{port}");
+    let _master = common::spawn_master(&master_addr, 1000, &[]);
+    let opts = common::NodeOpts::new(dir.path(), &master_addr, "node-a", "127.0.0.1");
+    let _node = opts.spawn();
+    let socket = dir.path().join("node-a.sock");
+    wait_for(Duration::from_secs(20), "node registration", || {
+        common::all_registered(&master_addr, &[("node-a".into(), opts.data.clone())])
+    });
+    let len = 32 << 10;
+    let names = keys("page", 24);
+    let local_default = server_client(&socket, "");
+    let local_tenant = server_client(&socket, "t");
+    put_objects(&local_default, &names, 100, len);
+    put_objects(&local_tenant, &names, 200, len);
+    let cluster = common::cluster_client(&master_addr, None);
+    let cluster_names = keys("cluster-page", 24);
+    put_objects(&cluster, &cluster_names, 300, len);
+    assert_objects(&cluster, &cluster_names, 300, len);
+    cluster.clear();
+    assert!(cluster.exists_keys(&cluster_names).iter().all(|&e| !e));
+    assert_objects(&local_default, &names, 100, len);
+    assert_objects(&local_tenant, &names, 200, len);
+}
+
+/// Environment variable that turns this test binary into the rogue listener of
+/// [`client_refuses_a_server_of_another_uid`] (run as another uid).
+const ROGUE_ENV: &str = "KVTIER_TEST_ROGUE_SOCKET";
+
+/// The rogue listener: binds the socket path, accepts one connection, and records how many
+/// bytes and descriptors the client sent before hanging up (`bytes fds` in `<socket>.log`).
+#[test]
+fn rogue_listener_helper() {
+    let Ok(path) = std::env::var(ROGUE_ENV) else {
+        return; // an ordinary test run: nothing to do
+    };
+    use rustix::net::{recvmsg, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
+    use std::io::IoSliceMut;
+    use std::mem::MaybeUninit;
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    std::fs::write(format!("{path}.ready"), b"").unwrap();
+    let (stream, _) = listener.accept().unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let (mut bytes, mut fds) = (0usize, 0usize);
+    loop {
+        let mut buf = [0u8; 4096];
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
+        let mut control = RecvAncillaryBuffer::new(&mut space);
+        let mut iov = [IoSliceMut::new(&mut buf)];
+        match recvmsg(&stream, &mut iov, &mut control, RecvFlags::empty()) {
+            Ok(got) if got.bytes > 0 => {
+                bytes += got.bytes;
+                for message in control.drain() {
+                    if let RecvAncillaryMessage::ScmRights(received) = message {
+                        fds += received.count();
+                    }
+                }
+            }
+            _ => break,
+        }
+    }
+    std::fs::write(format!("{path}.log"), format!("{bytes} {fds}")).unwrap();
+}
+
+/// A process of another user listening on the configured socket path gets nothing: the client
+/// checks the listener's uid (`SO_PEERCRED`) before its first byte, so no handshake and no
+/// memfd reach it, and opening the store fails with the reason. The real server (same uid)
+/// on another path serves the same client configuration.
+#[test]
+fn client_refuses_a_server_of_another_uid() {
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("skipped: needs root to run the rogue listener as another uid");
+        return;
+    }
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().unwrap();
+    let shared = dir.path().join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    let socket = shared.join("kvtier.sock");
+    let mut rogue = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "rogue_listener_helper",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env(ROGUE_ENV, &socket)
+        .uid(65534)
+        .gid(65534)
+        .spawn()
+        .unwrap();
+    wait_for(Duration::from_secs(20), "the rogue listener", || {
+        shared.join("kvtier.sock.ready").exists()
+    });
+    let refused = Client::open(KvtierConfig {
+        server_socket: Some(socket.display().to_string()),
+        ..KvtierConfig::default()
+    });
+    let error = refused
+        .err()
+        .expect("a client accepted a server of uid 65534")
+        .to_string();
+    assert!(error.contains("uid 65534"), "{error}");
+    let status = rogue.wait().unwrap();
+    assert!(status.success());
+    let log = std::fs::read_to_string(shared.join("kvtier.sock.log")).unwrap();
+    assert_eq!(log, "0 0", "the rogue received bytes/descriptors: {log}");
+    // The same configuration against the real server works and round-trips a memfd pool.
+    let (mut server, real) = serve(dir.path(), &[], &[]);
+    let client = server_client(&real, "");
+    let mut pool = Memfd::new(OBJECT * OBJECTS, false);
+    pool.register(&client);
+    legit_round(&client, &mut pool, 0);
+    assert!(server.running());
+}
+
+/// The per-user directory of the default socket is created 0700, and one another user
+/// planted (owned by someone else, group/other accessible, or a symlink) is refused.
+#[test]
+fn default_socket_directory_is_private_and_checked() {
+    use kvtier_server::config::ensure_private_dir;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let dir = tempfile::tempdir().unwrap();
+    let fresh = dir.path().join("fresh");
+    ensure_private_dir(&fresh).unwrap();
+    assert_eq!(std::fs::metadata(&fresh).unwrap().mode() & 0o777, 0o700);
+    let open = dir.path().join("open");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, PermissionsExt::from_mode(0o1777)).unwrap();
+    assert!(ensure_private_dir(&open).is_err());
+    let link = dir.path().join("link");
+    std::os::unix::fs::symlink(&fresh, &link).unwrap();
+    assert!(ensure_private_dir(&link).is_err());
+    if rustix::process::geteuid().is_root() {
+        let foreign = dir.path().join("foreign");
+        std::fs::create_dir(&foreign).unwrap();
+        std::fs::set_permissions(&foreign, PermissionsExt::from_mode(0o700)).unwrap();
+        std::os::unix::fs::chown(&foreign, Some(65534), Some(65534)).unwrap();
+        let error = ensure_private_dir(&foreign).unwrap_err().to_string();
+        assert!(error.contains("65534"), "{error}");
+    }
+}
