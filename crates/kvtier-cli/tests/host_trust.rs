@@ -146,6 +146,13 @@ fn stats(socket: &Path) -> serde_json::Value {
     kvtier_server::cli::fetch_stats(socket).expect("stats")
 }
 
+/// The number of open connections, if the stats connection itself is admitted.
+fn open_connections(socket: &Path) -> Option<u64> {
+    kvtier_server::cli::fetch_stats(socket)
+        .ok()
+        .and_then(|doc| doc["server"]["connections"].as_u64())
+}
+
 /// An attacker registers an unsealable memfd, stores pages from it, then truncates it while
 /// (and before) the server copies its gets and puts. Without the guard the server died of
 /// SIGBUS; now only the attacker's pages fail, nothing it half-wrote is stored, and a second
@@ -474,4 +481,391 @@ fn default_socket_directory_is_private_and_checked() {
         let error = ensure_private_dir(&foreign).unwrap_err().to_string();
         assert!(error.contains("65534"), "{error}");
     }
+}
+
+/// A raw protocol connection (what a hostile client can send).
+struct Raw {
+    stream: std::os::unix::net::UnixStream,
+    next: u64,
+    body: Vec<u8>,
+}
+
+impl Raw {
+    fn connect(socket: &Path) -> Raw {
+        let stream = std::os::unix::net::UnixStream::connect(socket).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        Raw {
+            stream,
+            next: 1,
+            body: Vec::new(),
+        }
+    }
+
+    fn call(
+        &mut self,
+        opcode: kvtier_proto::Opcode,
+        message: &dyn kvtier_proto::Encode,
+    ) -> Result<Vec<u8>, kvtier_proto::ErrorReply> {
+        use std::io::Write;
+        let mut out = Vec::new();
+        kvtier_proto::encode_frame(&mut out, opcode, self.next, 0, message).unwrap();
+        self.next += 1;
+        self.stream.write_all(&out).unwrap();
+        self.reply()
+    }
+
+    fn reply(&mut self) -> Result<Vec<u8>, kvtier_proto::ErrorReply> {
+        use kvtier_proto::Decode;
+        let header = kvtier_proto::read_frame(&mut self.stream, &mut self.body).unwrap();
+        if header.flags & kvtier_proto::frame::FLAG_ERROR != 0 {
+            Err(kvtier_proto::ErrorReply::decode(&self.body).unwrap())
+        } else {
+            Ok(self.body.clone())
+        }
+    }
+
+    fn hello(&mut self) {
+        self.call(
+            kvtier_proto::Opcode::Handshake,
+            &kvtier_proto::Handshake {
+                version: kvtier_proto::frame::PROTOCOL_VERSION,
+                client_name: "raw".into(),
+            },
+        )
+        .unwrap();
+    }
+
+    fn open(
+        &mut self,
+        join: Option<kvtier_proto::server::SessionTicket>,
+    ) -> kvtier_proto::server::SessionTicket {
+        use kvtier_proto::Decode;
+        let body = self
+            .call(
+                kvtier_proto::Opcode::OpenSession,
+                &kvtier_proto::server::OpenSession {
+                    tenant: String::new(),
+                    client_name: "raw".into(),
+                    join,
+                },
+            )
+            .unwrap();
+        kvtier_proto::server::SessionTicket::decode(&body).unwrap()
+    }
+
+    fn register(&mut self, fd: &OwnedFd, len: u64) -> Result<u64, kvtier_proto::ErrorReply> {
+        use kvtier_proto::Decode;
+        use rustix::net::{sendmsg, SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+        use std::io::Write;
+        let mut out = Vec::new();
+        kvtier_proto::encode_frame(
+            &mut out,
+            kvtier_proto::Opcode::RegisterRegion,
+            self.next,
+            0,
+            &kvtier_proto::server::RegisterRegion {
+                label: "raw".into(),
+                fd_offset: 0,
+                len,
+            },
+        )
+        .unwrap();
+        self.next += 1;
+        let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut control = SendAncillaryBuffer::new(&mut space);
+        let fds = [fd.as_fd()];
+        assert!(control.push(SendAncillaryMessage::ScmRights(&fds)));
+        let sent = sendmsg(
+            &self.stream,
+            &[std::io::IoSlice::new(&out)],
+            &mut control,
+            SendFlags::empty(),
+        )
+        .unwrap();
+        self.stream.write_all(&out[sent..]).unwrap();
+        self.reply().map(|b| {
+            kvtier_proto::server::RegionGrant::decode(&b)
+                .unwrap()
+                .region
+        })
+    }
+
+    /// Whether the server closed this connection (EOF or reset) within `limit`.
+    fn closed_within(&mut self, limit: Duration) -> bool {
+        use std::io::Read;
+        self.stream.set_read_timeout(Some(limit)).unwrap();
+        let mut byte = [0u8; 1];
+        matches!(self.stream.read(&mut byte), Ok(0) | Err(_))
+            && !matches!(
+                self.stream.read(&mut byte),
+                Err(ref e) if e.kind() == std::io::ErrorKind::WouldBlock
+            )
+    }
+}
+
+/// A memfd of `len` bytes, never written (sparse: no memory behind it).
+fn sparse_memfd(len: u64) -> OwnedFd {
+    let fd = rustix::fs::memfd_create("sparse", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+    rustix::fs::ftruncate(&fd, len).unwrap();
+    fd
+}
+
+/// Resident memory of process `pid`, in bytes.
+fn rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kib << 10
+}
+
+/// A 3 GiB sparse memfd: refused outright under a 256 MiB per-client limit (checked before
+/// anything is mapped), and under the default limits accepted but not pre-faulted, so the
+/// server commits nothing on the client's behalf. The server keeps serving.
+#[test]
+fn sparse_big_memfd_is_refused_or_costs_the_server_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let limited = dir.path().join("limited");
+    std::fs::create_dir(&limited).unwrap();
+    let (mut server, socket) = serve(
+        &limited,
+        &[],
+        &[("KVTIER_SERVE_MAX_MAPPED_BYTES_PER_CLIENT", "256MiB")],
+    );
+    let before = rss(server.child.id());
+    let mut raw = Raw::connect(&socket);
+    raw.hello();
+    raw.open(None);
+    let refused = raw.register(&sparse_memfd(3 << 30), 3 << 30).unwrap_err();
+    assert!(
+        refused.message.contains("max_mapped_bytes_per_client"),
+        "{}",
+        refused.message
+    );
+    assert!(rss(server.child.id()) < before + (64 << 20));
+    let client = server_client(&socket, "");
+    let mut pool = Memfd::new(OBJECT * OBJECTS, false);
+    pool.register(&client);
+    legit_round(&client, &mut pool, 0);
+
+    let defaults = dir.path().join("defaults");
+    std::fs::create_dir(&defaults).unwrap();
+    let (mut server2, socket2) = serve(&defaults, &[], &[]);
+    let before = rss(server2.child.id());
+    let mut raw = Raw::connect(&socket2);
+    raw.hello();
+    raw.open(None);
+    raw.register(&sparse_memfd(3 << 30), 3 << 30).unwrap();
+    let grown = rss(server2.child.id()).saturating_sub(before);
+    assert!(
+        grown < 64 << 20,
+        "the server committed {grown} bytes for a sparse memfd"
+    );
+    assert!(server.running() && server2.running());
+}
+
+/// Twelve connections of one session register 64 MiB each at the same instant under a
+/// 256 MiB per-client limit: exactly four are granted (the limit is reserved atomically
+/// before mapping, not checked before and counted after), and the server-wide cap holds
+/// across sessions.
+#[test]
+fn concurrent_registrations_cannot_exceed_the_limits() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut server, socket) = serve(
+        dir.path(),
+        &[],
+        &[
+            ("KVTIER_SERVE_MAX_MAPPED_BYTES_PER_CLIENT", "256MiB"),
+            ("KVTIER_SERVE_MAX_MAPPED_BYTES_TOTAL", "384MiB"),
+        ],
+    );
+    let region: u64 = 64 << 20;
+    let mut keeper = Raw::connect(&socket);
+    keeper.hello();
+    let ticket = keeper.open(None);
+    let barrier = std::sync::Arc::new(std::sync::Barrier::new(12));
+    let threads: Vec<_> = (0..12)
+        .map(|_| {
+            let socket = socket.clone();
+            let barrier = std::sync::Arc::clone(&barrier);
+            std::thread::spawn(move || {
+                let mut raw = Raw::connect(&socket);
+                raw.hello();
+                raw.open(Some(ticket));
+                let fd = sparse_memfd(region);
+                barrier.wait();
+                let granted = raw.register(&fd, region).is_ok();
+                (granted, raw)
+            })
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|t| t.join().unwrap())
+        .collect::<Vec<_>>();
+    let granted = threads.iter().filter(|(g, _)| *g).count();
+    assert_eq!(
+        granted, 4,
+        "{granted} of 12 concurrent 64 MiB registrations granted"
+    );
+    let doc = stats(&socket);
+    assert_eq!(doc["server"]["mapped_bytes"], 256u64 << 20, "{doc}");
+    // A second session: the server-wide 384 MiB leaves it 128 MiB.
+    let mut other = Raw::connect(&socket);
+    other.hello();
+    other.open(None);
+    assert!(other.register(&sparse_memfd(region), region).is_ok());
+    assert!(other.register(&sparse_memfd(region), region).is_ok());
+    let refused = other.register(&sparse_memfd(region), region).unwrap_err();
+    assert!(
+        refused.message.contains("max_mapped_bytes_total"),
+        "{}",
+        refused.message
+    );
+    // Closing the first session returns its reservation.
+    drop(threads);
+    drop(keeper);
+    wait_for(Duration::from_secs(10), "the session's release", || {
+        stats(&socket)["server"]["mapped_bytes"] == 128u64 << 20
+    });
+    assert!(other.register(&sparse_memfd(region), region).is_ok());
+    assert!(server.running());
+}
+
+/// Connections that never complete a handshake and a session (silent, or trickling a byte at
+/// a time) are closed after `handshake_timeout_ms`; a session's idle keeper connection is
+/// not, and the legitimate client works throughout.
+#[test]
+fn idle_connections_without_a_session_time_out() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let (mut server, socket) = serve(
+        dir.path(),
+        &[],
+        &[("KVTIER_SERVE_HANDSHAKE_TIMEOUT_MS", "500")],
+    );
+    let client = server_client(&socket, "");
+    let mut pool = Memfd::new(OBJECT * OBJECTS, false);
+    pool.register(&client);
+    let mut silent: Vec<Raw> = (0..16).map(|_| Raw::connect(&socket)).collect();
+    let mut handshaken = Raw::connect(&socket);
+    handshaken.hello();
+    let mut trickle = Raw::connect(&socket);
+    let header = kvtier_proto::FrameHeader::new(kvtier_proto::Opcode::Handshake, 1, 0, 64).encode();
+    let started = std::time::Instant::now();
+    let mut trickle_closed = false;
+    for byte in header.iter() {
+        if trickle.stream.write_all(&[*byte]).is_err() {
+            trickle_closed = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        trickle_closed || trickle.closed_within(Duration::from_secs(2)),
+        "a trickling connection outlived the handshake deadline"
+    );
+    assert!(started.elapsed() < Duration::from_secs(4));
+    for raw in &mut silent {
+        assert!(
+            raw.closed_within(Duration::from_secs(2)),
+            "a silent connection stayed open"
+        );
+    }
+    assert!(
+        handshaken.closed_within(Duration::from_secs(2)),
+        "handshake without a session stayed"
+    );
+    wait_for(Duration::from_secs(5), "connections released", || {
+        open_connections(&socket).is_some_and(|n| n < 6)
+    });
+    // The legitimate client's session connections idled past the deadline and still work.
+    legit_round(&client, &mut pool, 1);
+    assert!(server.running());
+}
+
+/// One uid may hold at most `max_connections_per_uid` connections; the next is refused with
+/// an error naming the limit, and closing some lets new ones in.
+#[test]
+fn connections_per_uid_are_capped() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut server, socket) = serve(
+        dir.path(),
+        &[],
+        &[("KVTIER_SERVE_MAX_CONNECTIONS_PER_UID", "8")],
+    );
+    // The readiness probes of serve() are gone once only the stats connection is open.
+    wait_for(
+        Duration::from_secs(5),
+        "the probe connections to close",
+        || open_connections(&socket) == Some(1),
+    );
+    let mut held: Vec<Raw> = (0..8)
+        .map(|_| {
+            let mut raw = Raw::connect(&socket);
+            raw.hello();
+            raw
+        })
+        .collect();
+    let mut extra = Raw::connect(&socket);
+    let refused = extra.reply().unwrap_err();
+    assert!(
+        refused.message.contains("max_connections_per_uid"),
+        "{}",
+        refused.message
+    );
+    held.truncate(2);
+    wait_for(
+        Duration::from_secs(5),
+        "the closed connections to be released",
+        || open_connections(&socket).is_some_and(|n| n <= 3),
+    );
+    let client = server_client(&socket, "");
+    let mut pool = Memfd::new(OBJECT * OBJECTS, false);
+    pool.register(&client);
+    legit_round(&client, &mut pool, 0);
+    assert!(server.running());
+}
+
+/// Sixteen connections each send a 48 MiB frame, then idle: the server releases each
+/// connection's frame buffer after the request instead of keeping 16 x 48 MiB.
+#[test]
+fn large_frames_do_not_leave_idle_connections_holding_memory() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let (mut server, socket) = serve(dir.path(), &[], &[]);
+    let before = rss(server.child.id());
+    let big = vec![0x41u8; 48 << 20];
+    let mut conns = Vec::new();
+    for _ in 0..16 {
+        let mut raw = Raw::connect(&socket);
+        raw.hello();
+        raw.open(None);
+        let header = kvtier_proto::FrameHeader::new(
+            kvtier_proto::Opcode::BatchExists,
+            99,
+            0,
+            big.len() as u32,
+        )
+        .encode();
+        raw.stream.write_all(&header).unwrap();
+        raw.stream.write_all(&big).unwrap();
+        // An undecodable body: refused, connection kept.
+        assert!(raw.reply().is_err());
+        conns.push(raw);
+    }
+    let grown = rss(server.child.id()).saturating_sub(before);
+    assert!(
+        grown < 128 << 20,
+        "16 idle connections keep {} MiB after 48 MiB frames",
+        grown >> 20
+    );
+    let client = server_client(&socket, "");
+    let mut pool = Memfd::new(OBJECT * OBJECTS, false);
+    pool.register(&client);
+    legit_round(&client, &mut pool, 0);
+    assert!(server.running());
 }

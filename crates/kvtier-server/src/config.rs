@@ -51,9 +51,21 @@ pub struct ServerSettings {
     /// Most regions one session may register.
     #[serde(deserialize_with = "strict::count")]
     pub max_regions_per_client: u64,
-    /// Most bytes one session may have mapped (0: no limit).
+    /// Most bytes one session may have mapped, reserved before a region is mapped (default:
+    /// half of the host's physical memory).
     #[serde(deserialize_with = "strict::size")]
     pub max_mapped_bytes_per_client: u64,
+    /// Most bytes all sessions together may have mapped (default: the host's physical
+    /// memory).
+    #[serde(deserialize_with = "strict::size")]
+    pub max_mapped_bytes_total: u64,
+    /// Most open connections of one peer uid (`SO_PEERCRED`), all its processes together.
+    #[serde(deserialize_with = "strict::count")]
+    pub max_connections_per_uid: u64,
+    /// A connection that has not completed its handshake and opened (or joined) a session
+    /// within this many milliseconds is closed.
+    #[serde(deserialize_with = "strict::count")]
+    pub handshake_timeout_ms: u64,
     /// Pre-fault client regions when they are registered (`MAP_POPULATE`).
     #[serde(deserialize_with = "strict::boolean")]
     pub prefault_regions: bool,
@@ -81,13 +93,35 @@ impl Default for ServerSettings {
             socket_group: None,
             max_connections: 1024,
             max_regions_per_client: 4096,
-            max_mapped_bytes_per_client: 0,
+            max_mapped_bytes_per_client: physical_memory() / 2,
+            max_mapped_bytes_total: physical_memory(),
+            max_connections_per_uid: 256,
+            handshake_timeout_ms: 10_000,
             prefault_regions: true,
             tenant_dram_quota: BTreeMap::new(),
             tenant_ssd_quota: BTreeMap::new(),
             metrics_addr: None,
         }
     }
+}
+
+/// The host's physical memory (`MemTotal`), the base of the default mapping limits; 64 GiB
+/// when /proc/meminfo cannot be read.
+pub fn physical_memory() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find_map(|line| line.strip_prefix("MemTotal:"))
+                .and_then(|rest| {
+                    rest.trim()
+                        .trim_end_matches("kB")
+                        .trim()
+                        .parse::<u64>()
+                        .ok()
+                })
+        })
+        .map_or(64 << 30, |kib| kib << 10)
 }
 
 fn quota_map<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<String, u64>, D::Error> {
@@ -320,12 +354,23 @@ impl ServerConfig {
                 ));
             }
         }
-        if settings.max_connections == 0 {
-            return Err(ConfigError::new(
-                "max_connections",
-                &origin_of("max_connections"),
-                "must be at least 1",
-            ));
+        for (key, value) in [
+            ("max_connections", settings.max_connections),
+            ("max_connections_per_uid", settings.max_connections_per_uid),
+            (
+                "max_mapped_bytes_per_client",
+                settings.max_mapped_bytes_per_client,
+            ),
+            ("max_mapped_bytes_total", settings.max_mapped_bytes_total),
+            ("handshake_timeout_ms", settings.handshake_timeout_ms),
+        ] {
+            if value == 0 {
+                return Err(ConfigError::new(
+                    key,
+                    &origin_of(key),
+                    "must be at least 1 (every bound is finite)",
+                ));
+            }
         }
         // Engine keys: file [engine] < KVTIER_* env < --engine flags, parsed by kvtier's schema.
         let (mut engine, _) = KvtierConfig::load_layered(

@@ -184,6 +184,10 @@ struct Shared {
     counters: ServerCounters,
     started: Instant,
     live_mappings: Arc<AtomicU64>,
+    /// Bytes reserved by every session's mappings (`max_mapped_bytes_total`).
+    mapped_total: AtomicU64,
+    /// Open connections per peer uid (`max_connections_per_uid`).
+    connections_per_uid: Mutex<HashMap<u32, u64>>,
     metrics: Option<Arc<Endpoint>>,
 }
 
@@ -230,22 +234,34 @@ pub struct RunningServer {
     accept: Option<JoinHandle<Vec<JoinHandle<()>>>>,
 }
 
-fn random_u64() -> u64 {
+/// A session token from the kernel's CSPRNG (`getrandom`). No fallback: a session is refused
+/// rather than given a guessable token.
+fn random_token() -> io::Result<u64> {
     let mut bytes = [0u8; 8];
-    if std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut bytes))
-        .is_err()
-    {
-        // Unpredictable enough as a fallback: time and address-space layout.
-        let t = Instant::now().elapsed().as_nanos() as u64
-            ^ std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos() as u64)
-                .unwrap_or(0);
-        bytes = (t ^ (&bytes as *const _ as u64)).to_le_bytes();
+    let mut filled = 0;
+    while filled < bytes.len() {
+        match rustix::rand::getrandom(&mut bytes[filled..], rustix::rand::GetRandomFlags::empty()) {
+            Ok(n) => filled += n,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
     }
-    u64::from_le_bytes(bytes)
+    Ok(u64::from_le_bytes(bytes))
 }
+
+/// Add `amount` to `counter` unless the sum would exceed `limit`; atomic, so concurrent
+/// registrations cannot all pass a check made before any of them is counted.
+fn reserve(counter: &AtomicU64, amount: u64, limit: u64) -> bool {
+    counter
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+            used.checked_add(amount).filter(|&total| total <= limit)
+        })
+        .is_ok()
+}
+
+/// Largest frame-body buffer a connection keeps between requests; a larger one (after a big
+/// frame) is released, so idle connections do not hold memory.
+const KEPT_BUFFER_BYTES: usize = 1 << 20;
 
 fn resolve_group(name: &str) -> Result<u32, ServerError> {
     if let Ok(gid) = name.parse::<u32>() {
@@ -337,6 +353,8 @@ impl Server {
                 counters: ServerCounters::default(),
                 started: Instant::now(),
                 live_mappings: Arc::new(AtomicU64::new(0)),
+                mapped_total: AtomicU64::new(0),
+                connections_per_uid: Mutex::new(HashMap::new()),
                 metrics,
             }),
             listener,
@@ -456,6 +474,47 @@ fn accept_loop(shared: &Arc<Shared>, listener: UnixListener) -> Vec<JoinHandle<(
             );
             continue;
         }
+        let uid = rustix::net::sockopt::socket_peercred(&stream)
+            .map(|c| c.uid.as_raw())
+            .ok();
+        let Some(uid) = uid else { continue };
+        let admitted = {
+            let mut per_uid = shared.connections_per_uid.lock();
+            let open = per_uid.entry(uid).or_insert(0);
+            if *open >= shared.config.settings.max_connections_per_uid {
+                false
+            } else {
+                *open += 1;
+                true
+            }
+        };
+        if !admitted {
+            shared
+                .counters
+                .connections_refused
+                .fetch_add(1, Ordering::Relaxed);
+            let mut stream = stream;
+            let _ = send_error(
+                &mut stream,
+                Opcode::Handshake,
+                0,
+                error_code::TOO_MANY_CLIENTS,
+                &format!(
+                    "uid {uid} already has {} connections (max_connections_per_uid)",
+                    shared.config.settings.max_connections_per_uid
+                ),
+            );
+            continue;
+        }
+        let release_uid = move |shared: &Shared| {
+            let mut per_uid = shared.connections_per_uid.lock();
+            if let Some(open) = per_uid.get_mut(&uid) {
+                *open -= 1;
+                if *open == 0 {
+                    per_uid.remove(&uid);
+                }
+            }
+        };
         let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
         if let Ok(clone) = stream.try_clone() {
             shared.conns.lock().insert(id, clone);
@@ -471,12 +530,14 @@ fn accept_loop(shared: &Arc<Shared>, listener: UnixListener) -> Vec<JoinHandle<(
                 }
                 worker_shared.conns.lock().remove(&id);
                 worker_shared.open_conns.fetch_sub(1, Ordering::SeqCst);
+                release_uid(&worker_shared);
             });
         match spawned {
             Ok(handle) => workers.push(handle),
             Err(_) => {
                 shared.conns.lock().remove(&id);
                 shared.open_conns.fetch_sub(1, Ordering::SeqCst);
+                release_uid(shared);
             }
         }
     }
@@ -516,6 +577,9 @@ struct FdReader {
     stream: UnixStream,
     fds: VecDeque<OwnedFd>,
     truncated_fds: bool,
+    /// Until the connection has a session: when it must have one (`handshake_timeout_ms`).
+    /// Every read waits at most until then, so a slow or silent peer is closed in time.
+    deadline: Option<Instant>,
 }
 
 impl Read for FdReader {
@@ -524,6 +588,16 @@ impl Read for FdReader {
         let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
         let mut control = RecvAncillaryBuffer::new(&mut space);
         let mut iov = [IoSliceMut::new(buf)];
+        if let Some(deadline) = self.deadline {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "no session within handshake_timeout_ms",
+                ));
+            }
+            self.stream.set_read_timeout(Some(left))?;
+        }
         let got = loop {
             match recvmsg(
                 &self.stream,
@@ -581,6 +655,10 @@ impl<'a> Connection<'a> {
                 stream,
                 fds: VecDeque::new(),
                 truncated_fds: false,
+                deadline: Some(
+                    Instant::now()
+                        + Duration::from_millis(shared.config.settings.handshake_timeout_ms),
+                ),
             },
             writer,
             peer_pid,
@@ -704,7 +782,9 @@ impl<'a> Connection<'a> {
             }
         };
         self.body.clear();
-        self.body.reserve_exact(header.body_len as usize);
+        // Grow with what arrives, not with what the header claims.
+        self.body
+            .reserve((header.body_len as usize).min(KEPT_BUFFER_BYTES));
         let read = (&mut self.reader)
             .take(u64::from(header.body_len))
             .read_to_end(&mut self.body)?;
@@ -740,8 +820,11 @@ impl<'a> Connection<'a> {
             .counters
             .requests
             .fetch_add(1, Ordering::Relaxed);
-        let body = std::mem::take(&mut self.body);
+        let mut body = std::mem::take(&mut self.body);
         let result = self.dispatch(opcode, &body);
+        if body.capacity() > KEPT_BUFFER_BYTES {
+            body = Vec::new();
+        }
         self.body = body;
         match result {
             Ok(reply) => {
@@ -753,15 +836,19 @@ impl<'a> Connection<'a> {
                     FLAG_RESPONSE,
                     &RawBody(&reply),
                 );
-                match written {
-                    Ok(()) => self.writer.write_all(&self.out)?,
+                let sent = match written {
+                    Ok(()) => self.writer.write_all(&self.out),
                     Err(e) => self.reply_error(
                         raw_opcode,
                         request_id,
                         error_code::INTERNAL,
                         &e.to_string(),
-                    )?,
+                    ),
+                };
+                if self.out.capacity() > KEPT_BUFFER_BYTES {
+                    self.out = Vec::new();
                 }
+                sent?;
             }
             Err(refusal) => {
                 if refusal.code == error_code::MALFORMED {
@@ -840,9 +927,9 @@ impl<'a> Connection<'a> {
                 let removed = session.regions.write().remove(&grant.region);
                 match removed {
                     Some(mapping) => {
-                        session
-                            .mapped_bytes
-                            .fetch_sub(mapping.len() as u64, Ordering::Relaxed);
+                        let len = mapping.len() as u64;
+                        session.mapped_bytes.fetch_sub(len, Ordering::AcqRel);
+                        self.shared.mapped_total.fetch_sub(len, Ordering::AcqRel);
                         Ok(Vec::new())
                     }
                     None => Err(Refusal::new(
@@ -988,12 +1075,18 @@ impl<'a> Connection<'a> {
                     .clone();
                 let mut namespace = open.tenant.as_bytes().to_vec();
                 namespace.push(0x1f);
+                let token = random_token().map_err(|e| {
+                    Refusal::new(
+                        error_code::INTERNAL,
+                        format!("no random session token (getrandom: {e})"),
+                    )
+                })?;
                 let id = self.shared.next_session.fetch_add(1, Ordering::Relaxed);
                 let metrics = TenantMetrics::new(&open.tenant);
                 let session = Arc::new(Session {
                     id,
                     metrics,
-                    token: random_u64(),
+                    token,
                     tenant: open.tenant,
                     client_name: open.client_name,
                     pid: self.peer_pid,
@@ -1019,6 +1112,9 @@ impl<'a> Connection<'a> {
             token: session.token,
         };
         self.session = Some(session);
+        // A connection with a session may idle (a client's keeper connection does).
+        self.reader.deadline = None;
+        let _ = self.reader.stream.set_read_timeout(None);
         encode(&ticket)
     }
 
@@ -1043,10 +1139,13 @@ impl<'a> Connection<'a> {
                 ),
             ));
         }
-        let mapped = session.mapped_bytes.load(Ordering::Relaxed);
-        if settings.max_mapped_bytes_per_client > 0
-            && mapped.saturating_add(request.len) > settings.max_mapped_bytes_per_client
-        {
+        // Reserve first (atomically, session and server), map after: registrations running at
+        // once cannot all pass a check made before any of them is counted.
+        if !reserve(
+            &session.mapped_bytes,
+            request.len,
+            settings.max_mapped_bytes_per_client,
+        ) {
             return Err(Refusal::new(
                 error_code::REGISTRATION,
                 format!(
@@ -1055,6 +1154,30 @@ impl<'a> Connection<'a> {
                 ),
             ));
         }
+        if !reserve(
+            &self.shared.mapped_total,
+            request.len,
+            settings.max_mapped_bytes_total,
+        ) {
+            session
+                .mapped_bytes
+                .fetch_sub(request.len, Ordering::AcqRel);
+            return Err(Refusal::new(
+                error_code::REGISTRATION,
+                format!(
+                    "mapping {} more bytes would exceed max_mapped_bytes_total ({})",
+                    request.len, settings.max_mapped_bytes_total
+                ),
+            ));
+        }
+        let release = || {
+            session
+                .mapped_bytes
+                .fetch_sub(request.len, Ordering::AcqRel);
+            self.shared
+                .mapped_total
+                .fetch_sub(request.len, Ordering::AcqRel);
+        };
         let region = session.next_region.fetch_add(1, Ordering::Relaxed);
         let mapping = Mapping::map(
             fd,
@@ -1066,10 +1189,10 @@ impl<'a> Connection<'a> {
             &session.store.client,
             Arc::clone(&self.shared.live_mappings),
         )
-        .map_err(|e| Refusal::new(error_code::REGISTRATION, e.to_string()))?;
-        session
-            .mapped_bytes
-            .fetch_add(mapping.len() as u64, Ordering::Relaxed);
+        .map_err(|e| {
+            release();
+            Refusal::new(error_code::REGISTRATION, e.to_string())
+        })?;
         session.regions.write().insert(region, Arc::new(mapping));
         self.shared
             .counters
@@ -1090,7 +1213,9 @@ fn release_session(shared: &Shared, session: &Arc<Session>) {
                 .counters
                 .regions_unmapped_total
                 .fetch_add(regions.len() as u64, Ordering::Relaxed);
-            session.mapped_bytes.store(0, Ordering::Relaxed);
+            let bytes: u64 = regions.iter().map(|(_, m)| m.len() as u64).sum();
+            session.mapped_bytes.fetch_sub(bytes, Ordering::AcqRel);
+            shared.mapped_total.fetch_sub(bytes, Ordering::AcqRel);
         }
     }
 }

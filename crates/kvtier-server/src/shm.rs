@@ -170,8 +170,15 @@ impl Mapping {
             len,
         })?;
         let len = map_len - data;
+        // Pre-fault only memory the client has already allocated: populating a sparse memfd
+        // would make the server commit (and be charged for) memory the client never touched.
+        // hugetlbfs pages are reserved at mmap time, so prefaulting them commits nothing new.
+        let hugetlb = magic == HUGETLBFS_MAGIC;
+        let allocated = u64::try_from(stat.st_blocks)
+            .unwrap_or(0)
+            .saturating_mul(512);
         let mut flags = MapFlags::SHARED;
-        if prefault {
+        if prefault && (hugetlb || allocated >= size) {
             flags |= MapFlags::POPULATE;
         }
         // SAFETY: a new mapping at a kernel-chosen address (null hint), so it aliases nothing
@@ -201,9 +208,10 @@ impl Mapping {
             registered: None,
             live,
         };
-        // An unsealed memfd can shrink under us: guard the whole mapping before any access
-        // (with MAP_POPULATE the kernel faulted it in without touching it from user space).
-        if !sealed {
+        // An unsealed memfd can shrink under us, and a hugetlbfs page can fail to materialise
+        // at its first fault (pool exhausted): either raises SIGBUS, so guard the whole mapping
+        // before any access (MAP_POPULATE faults it in from the kernel, not from user space).
+        if !sealed || hugetlb {
             mapping.guard = Some(fault_guard::guard(base, map_len)?);
         }
         let id = match &mapping.guard {
