@@ -869,3 +869,145 @@ fn large_frames_do_not_leave_idle_connections_holding_memory() {
     legit_round(&client, &mut pool, 0);
     assert!(server.running());
 }
+
+/// Environment variable that turns this test binary into the impersonating client of
+/// [`tenants_are_bound_to_credentials_and_listings_to_operators`].
+const IMPERSONATE_ENV: &str = "KVTIER_TEST_IMPERSONATE_SOCKET";
+
+/// The impersonator (run as uid 65534): tries to open the bound tenant, then opens its own
+/// tenant and asks for `Stats` and `Inspect`; writes what it got to `<socket>.report`.
+#[test]
+fn impersonation_helper() {
+    let Ok(path) = std::env::var(IMPERSONATE_ENV) else {
+        return; // an ordinary test run: nothing to do
+    };
+    let socket = PathBuf::from(&path);
+    let mut report = serde_json::Map::new();
+    let bound = Client::open(KvtierConfig {
+        server_socket: Some(path.clone()),
+        extra_backend_tag: Some("secret".into()),
+        server_uid: Some("0".into()),
+        ..KvtierConfig::default()
+    });
+    report.insert(
+        "bound_tenant".into(),
+        serde_json::json!(bound.err().map(|e| e.to_string())),
+    );
+    let own = server_client_as_other_user(&socket);
+    // Stats on a session of its own (tenant ""), as the guest sees them.
+    let mut raw = Raw::connect(&socket);
+    raw.hello();
+    raw.open(None);
+    let body = raw
+        .call(
+            kvtier_proto::Opcode::Stats,
+            &kvtier_client::remote::EmptyBody,
+        )
+        .unwrap();
+    let text = <kvtier_proto::server::TextReply as kvtier_proto::Decode>::decode(&body).unwrap();
+    let stats: serde_json::Value = serde_json::from_str(&text.text).unwrap();
+    report.insert("stats".into(), stats);
+    drop(own);
+    let inspect = kvtier_server::cli::fetch_inspect(
+        &socket,
+        &kvtier_proto::server::InspectQuery {
+            keys: Vec::new(),
+            prefix: Some(Vec::new()),
+            limit: 100,
+        },
+    );
+    report.insert("inspect".into(), serde_json::json!(inspect.err()));
+    std::fs::write(
+        format!("{path}.report"),
+        serde_json::Value::Object(report).to_string(),
+    )
+    .unwrap();
+}
+
+fn server_client_as_other_user(socket: &Path) -> Client {
+    Client::open(KvtierConfig {
+        server_socket: Some(socket.display().to_string()),
+        extra_backend_tag: Some("guest".into()),
+        // The server runs as root; this process is uid 65534.
+        server_uid: Some("0".into()),
+        ..KvtierConfig::default()
+    })
+    .expect("open the guest tenant")
+}
+
+/// `tenant_access` binds tenant "secret" to uid 4242: a process of uid 65534 cannot open it
+/// (impersonation), sees only its own tenant's sessions in `Stats`, and is refused `Inspect`
+/// (other tenants' keys); the server's own uid (an operator) sees everything, and the bound
+/// tenant's objects stay byte-exact.
+#[test]
+fn tenants_are_bound_to_credentials_and_listings_to_operators() {
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("skipped: needs root to run the impersonator as another uid");
+        return;
+    }
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().unwrap();
+    let shared = dir.path().join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    let (mut server, socket) = serve(
+        &shared,
+        &["--socket-mode", "0666"],
+        &[("KVTIER_SERVE_TENANT_ACCESS", "secret=uid:4242")],
+    );
+    // The operator (root) stores objects in the bound tenant.
+    let owner = server_client(&socket, "secret");
+    let names = keys("secret-page", 8);
+    put_objects(&owner, &names, 500, 16 << 10);
+    let status = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "impersonation_helper",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env(IMPERSONATE_ENV, &socket)
+        .uid(65534)
+        .gid(65534)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(shared.join("kvtier.sock.report")).unwrap())
+            .unwrap();
+    let bound = report["bound_tenant"]
+        .as_str()
+        .expect("opening 'secret' was refused");
+    assert!(bound.contains("tenant_access"), "{bound}");
+    let sessions = report["stats"]["sessions"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert!(!sessions.is_empty(), "{report}");
+    assert!(
+        sessions.iter().all(|s| s["tenant"] == ""),
+        "the guest saw other tenants' sessions: {sessions:?}"
+    );
+    let inspect = report["inspect"].as_str().expect("Inspect was refused");
+    assert!(inspect.contains("operator"), "{inspect}");
+    // The operator sees the bound tenant's session and keys.
+    let doc = stats(&socket);
+    assert!(doc["sessions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|s| s["tenant"] == "secret"));
+    let listed = kvtier_server::cli::fetch_inspect(
+        &socket,
+        &kvtier_proto::server::InspectQuery {
+            keys: Vec::new(),
+            prefix: Some(b"secret\x1f".to_vec()),
+            limit: 100,
+        },
+    )
+    .unwrap();
+    assert_eq!(listed["stores"][0]["prefix"].as_array().unwrap().len(), 8);
+    assert_objects(&owner, &names, 500, 16 << 10);
+    assert!(server.running());
+}

@@ -78,6 +78,16 @@ pub struct ServerSettings {
     /// bounded by it instead of the engine's `ssd_capacity_bytes`. Same forms as the DRAM one.
     #[serde(deserialize_with = "quota_map")]
     pub tenant_ssd_quota: BTreeMap<String, u64>,
+    /// Tenants bound to credentials: a tenant listed here may be opened only by a peer whose
+    /// `SO_PEERCRED` uid or gid is listed (`"uid:1001 gid:2000"`), or by an operator. Tenants
+    /// not listed are accounting labels any connecting process may use. Env/flag form:
+    /// `team-a=uid:1001 gid:2000,team-b=uid:1002`.
+    #[serde(deserialize_with = "access_map")]
+    pub tenant_access: BTreeMap<String, Vec<Principal>>,
+    /// Uids besides the server's own and root that count as operators: they alone see every
+    /// session in `Stats` and may `Inspect`, and may open any tenant. Comma-separated.
+    #[serde(deserialize_with = "strict::optional_string")]
+    pub operator_uids: Option<String>,
     /// Serve Prometheus metrics at `http://HOST:PORT/metrics` (port 0: a free port, printed
     /// at startup). When unset, the engine key `metrics_addr` (`KVTIER_METRICS_ADDR`, the
     /// `[engine]` table) is taken instead.
@@ -100,6 +110,8 @@ impl Default for ServerSettings {
             prefault_regions: true,
             tenant_dram_quota: BTreeMap::new(),
             tenant_ssd_quota: BTreeMap::new(),
+            tenant_access: BTreeMap::new(),
+            operator_uids: None,
             metrics_addr: None,
         }
     }
@@ -122,6 +134,79 @@ pub fn physical_memory() -> u64 {
                 })
         })
         .map_or(64 << 30, |kib| kib << 10)
+}
+
+/// A peer identity a tenant is bound to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Principal {
+    Uid(u32),
+    Gid(u32),
+}
+
+impl Principal {
+    fn parse(text: &str) -> Result<Principal, String> {
+        let (kind, id) = text
+            .split_once(':')
+            .ok_or_else(|| format!("{text:?} is not uid:N or gid:N"))?;
+        let id: u32 = id
+            .parse()
+            .map_err(|_| format!("{text:?}: {id:?} is not a numeric id"))?;
+        match kind {
+            "uid" => Ok(Principal::Uid(id)),
+            "gid" => Ok(Principal::Gid(id)),
+            _ => Err(format!("{text:?} is not uid:N or gid:N")),
+        }
+    }
+
+    /// Whether a peer with `uid`/`gid` is this principal.
+    pub fn matches(&self, uid: u32, gid: u32) -> bool {
+        match *self {
+            Principal::Uid(u) => u == uid,
+            Principal::Gid(g) => g == gid,
+        }
+    }
+}
+
+fn access_map<'de, D: Deserializer<'de>>(
+    d: D,
+) -> Result<BTreeMap<String, Vec<Principal>>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Raw {
+        Text(String),
+        Table(BTreeMap<String, String>),
+    }
+    let parse_list = |tenant: &str, list: &str| -> Result<Vec<Principal>, D::Error> {
+        let principals = list
+            .split_whitespace()
+            .map(Principal::parse)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| de::Error::custom(format!("tenant {tenant}: {e}")))?;
+        if principals.is_empty() {
+            return Err(de::Error::custom(format!(
+                "tenant {tenant}: no uid:N or gid:N given"
+            )));
+        }
+        Ok(principals)
+    };
+    let mut out = BTreeMap::new();
+    match Raw::deserialize(d)? {
+        Raw::Table(table) => {
+            for (tenant, list) in &table {
+                out.insert(tenant.clone(), parse_list(tenant, list)?);
+            }
+        }
+        Raw::Text(text) => {
+            for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+                let (tenant, list) = item.split_once('=').ok_or_else(|| {
+                    de::Error::custom(format!("{item:?} is not tenant=uid:N ..."))
+                })?;
+                out.insert(tenant.trim().to_string(), parse_list(tenant, list)?);
+            }
+        }
+    }
+    Ok(out)
 }
 
 fn quota_map<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<String, u64>, D::Error> {
@@ -372,6 +457,19 @@ impl ServerConfig {
                 ));
             }
         }
+        if let Some(list) = &settings.operator_uids {
+            if list
+                .split(',')
+                .map(str::trim)
+                .any(|u| u.parse::<u32>().is_err())
+            {
+                return Err(ConfigError::new(
+                    "operator_uids",
+                    &origin_of("operator_uids"),
+                    format!("{list:?} must be comma-separated numeric uids"),
+                ));
+            }
+        }
         // Engine keys: file [engine] < KVTIER_* env < --engine flags, parsed by kvtier's schema.
         let (mut engine, _) = KvtierConfig::load_layered(
             engine_base,
@@ -418,6 +516,28 @@ impl ServerConfig {
             }
         }
         Ok(config)
+    }
+
+    /// Whether the peer `uid` is an operator: the server's own uid, root, or `operator_uids`.
+    pub fn is_operator(&self, uid: u32) -> bool {
+        uid == 0
+            || uid == rustix::process::geteuid().as_raw()
+            || self.settings.operator_uids.as_deref().is_some_and(|list| {
+                list.split(',')
+                    .filter_map(|u| u.trim().parse::<u32>().ok())
+                    .any(|u| u == uid)
+            })
+    }
+
+    /// Whether the peer `uid`/`gid` may open `tenant`: any peer for a tenant not in
+    /// `tenant_access`, else a listed principal or an operator.
+    pub fn may_open_tenant(&self, tenant: &str, uid: u32, gid: u32) -> bool {
+        match self.settings.tenant_access.get(tenant) {
+            None => true,
+            Some(principals) => {
+                self.is_operator(uid) || principals.iter().any(|p| p.matches(uid, gid))
+            }
+        }
     }
 
     /// The engine configuration of tenant partition `tenant`: its quota as DRAM capacity and,

@@ -147,6 +147,8 @@ struct Session {
     tenant: String,
     client_name: String,
     pid: i32,
+    /// The uid that opened it; only that uid (or an operator) may join it.
+    uid: u32,
     store: Arc<Store>,
     /// Key namespace of the tenant inside its store (`tenant 0x1f`).
     namespace: Vec<u8>,
@@ -631,6 +633,9 @@ struct Connection<'a> {
     reader: FdReader,
     writer: UnixStream,
     peer_pid: i32,
+    /// `SO_PEERCRED` uid and gid of the peer (tenant binding, operator identity).
+    peer_uid: u32,
+    peer_gid: u32,
     handshaken: bool,
     session: Option<Arc<Session>>,
     body: Vec<u8>,
@@ -645,9 +650,10 @@ enum Next {
 impl<'a> Connection<'a> {
     /// `None` when the process is out of descriptors (the connection is then just closed).
     fn new(shared: &'a Arc<Shared>, stream: UnixStream) -> Option<Self> {
-        let peer_pid = rustix::net::sockopt::socket_peercred(&stream)
-            .map(|c| c.pid.as_raw_nonzero().get())
-            .unwrap_or(0);
+        let credentials = rustix::net::sockopt::socket_peercred(&stream).ok()?;
+        let peer_pid = credentials.pid.as_raw_nonzero().get();
+        let peer_uid = credentials.uid.as_raw();
+        let peer_gid = credentials.gid.as_raw();
         let writer = stream.try_clone().ok()?;
         Some(Connection {
             shared,
@@ -662,6 +668,8 @@ impl<'a> Connection<'a> {
             },
             writer,
             peer_pid,
+            peer_uid,
+            peer_gid,
             handshaken: false,
             session: None,
             body: Vec::new(),
@@ -912,7 +920,15 @@ impl<'a> Connection<'a> {
             }
             Opcode::OpenSession => self.open_session(OpenSession::decode(body)?),
             Opcode::Stats => {
-                let doc = stats_document(self.shared, self.session.as_deref());
+                let operator = self.shared.config.is_operator(self.peer_uid);
+                let mut doc = stats_document(self.shared, self.session.as_deref());
+                if !operator {
+                    // Other tenants' sessions (their names, pids, traffic) are an operator's.
+                    let own = self.session.as_ref().map(|s| s.tenant.clone());
+                    if let Some(list) = doc["sessions"].as_array_mut() {
+                        list.retain(|s| own.as_deref().is_some_and(|t| s["tenant"] == t));
+                    }
+                }
                 encode(&TextReply {
                     text: doc.to_string(),
                 })
@@ -1026,6 +1042,16 @@ impl<'a> Connection<'a> {
             }
             Opcode::Inspect => {
                 let query = InspectQuery::decode(body)?;
+                if !self.shared.config.is_operator(self.peer_uid) {
+                    return Err(Refusal::new(
+                        error_code::REGISTRATION,
+                        format!(
+                            "Inspect lists every tenant's keys: only an operator (the server's \
+                             uid, root or operator_uids) may ask; uid {} is not one",
+                            self.peer_uid
+                        ),
+                    ));
+                }
                 encode(&TextReply {
                     text: inspect_document(self.shared, &query).to_string(),
                 })
@@ -1049,7 +1075,11 @@ impl<'a> Connection<'a> {
                 let sessions = self.shared.sessions.lock();
                 let session = sessions
                     .get(&ticket.session_id)
-                    .filter(|s| s.token == ticket.token)
+                    .filter(|s| {
+                        s.token == ticket.token
+                            && (s.uid == self.peer_uid
+                                || self.shared.config.is_operator(self.peer_uid))
+                    })
                     .cloned()
                     .ok_or_else(|| {
                         Refusal::new(
@@ -1061,6 +1091,20 @@ impl<'a> Connection<'a> {
                 session
             }
             None => {
+                if !self
+                    .shared
+                    .config
+                    .may_open_tenant(&open.tenant, self.peer_uid, self.peer_gid)
+                {
+                    return Err(Refusal::new(
+                        error_code::NO_SESSION,
+                        format!(
+                            "tenant {:?} is bound to other credentials (tenant_access); \
+                             uid {} gid {} may not open it",
+                            open.tenant, self.peer_uid, self.peer_gid
+                        ),
+                    ));
+                }
                 if open.tenant.contains(['\0', '\x1f']) {
                     return Err(Refusal::new(
                         error_code::MALFORMED,
@@ -1090,6 +1134,7 @@ impl<'a> Connection<'a> {
                     tenant: open.tenant,
                     client_name: open.client_name,
                     pid: self.peer_pid,
+                    uid: self.peer_uid,
                     store,
                     namespace,
                     regions: RwLock::new(HashMap::new()),
