@@ -1011,3 +1011,79 @@ fn tenants_are_bound_to_credentials_and_listings_to_operators() {
     assert_objects(&owner, &names, 500, 16 << 10);
     assert!(server.running());
 }
+
+/// A planted symlink `seg-000000.kvt -> victim` (and a planted checkpoint temp link) in the SSD
+/// directory: kvtier never writes through it (the victim keeps its bytes and size), skips
+/// and unlinks the entry with a warning, and the store starts and serves. A group- or
+/// other-writable SSD directory, or one owned by another uid, is refused at start.
+#[test]
+fn planted_symlink_in_the_ssd_directory_is_never_followed() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let dir = tempfile::tempdir().unwrap();
+    let ssd = dir.path().join("ssd");
+    std::fs::create_dir(&ssd).unwrap();
+    std::fs::set_permissions(&ssd, PermissionsExt::from_mode(0o700)).unwrap();
+    let victim = dir.path().join("victim.txt");
+    std::fs::write(&victim, b"precious bytes").unwrap();
+    std::os::unix::fs::symlink(&victim, ssd.join("seg-000000.kvt")).unwrap();
+    std::os::unix::fs::symlink(&victim, ssd.join("index.ckpt.tmp")).unwrap();
+    let ssd_flag = format!("ssd_storage_dir={}", ssd.display());
+    let engine = [
+        "--engine",
+        "ssd_enabled=true",
+        "--engine",
+        ssd_flag.as_str(),
+        "--engine",
+        "ssd_capacity_bytes=64MiB",
+        "--engine",
+        "ssd_segment_size_bytes=4MiB",
+        "--engine",
+        "ssd_copy_async=false",
+    ];
+    let (mut server, socket) = serve(dir.path(), &engine, &[]);
+    let client = server_client(&socket, "");
+    let names = keys("ssd-page", 24);
+    put_objects(&client, &names, 900, 64 << 10);
+    client.flush().unwrap();
+    assert_objects(&client, &names, 900, 64 << 10);
+    drop(client);
+    server.terminate(Duration::from_secs(10));
+    assert_eq!(std::fs::read(&victim).unwrap(), b"precious bytes");
+    let segment = std::fs::symlink_metadata(ssd.join("seg-000000.kvt")).unwrap();
+    assert!(
+        segment.file_type().is_file(),
+        "segment 0 is a file of ours again"
+    );
+    assert_eq!(segment.mode() & 0o777, 0o600);
+
+    // Directories others could write to, or owned by another uid, are refused at start.
+    std::fs::set_permissions(&ssd, PermissionsExt::from_mode(0o777)).unwrap();
+    let refused = std::process::Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args([
+            "serve",
+            "--socket",
+            dir.path().join("x.sock").to_str().unwrap(),
+        ])
+        .args(engine)
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("group or others may write it"), "{stderr}");
+    if rustix::process::geteuid().is_root() {
+        std::fs::set_permissions(&ssd, PermissionsExt::from_mode(0o700)).unwrap();
+        std::os::unix::fs::chown(&ssd, Some(65534), Some(65534)).unwrap();
+        let refused = std::process::Command::new(env!("CARGO_BIN_EXE_kvtier"))
+            .args([
+                "serve",
+                "--socket",
+                dir.path().join("y.sock").to_str().unwrap(),
+            ])
+            .args(engine)
+            .output()
+            .unwrap();
+        assert!(!refused.status.success());
+        assert!(String::from_utf8_lossy(&refused.stderr).contains("owned by uid 65534"));
+    }
+    assert_eq!(std::fs::read(&victim).unwrap(), b"precious bytes");
+}

@@ -957,7 +957,7 @@ impl SsdTier {
         progress: &mut dyn FnMut(&RecoveryProgress),
     ) -> Result<SsdTier, EngineError> {
         let dir = config.ssd_storage_dir.clone();
-        std::fs::create_dir_all(&dir).map_err(EngineError::SsdOpen)?;
+        sio::ensure_private_dir(&dir).map_err(EngineError::SsdOpen)?;
         let lock = sio::lock_dir(&dir).map_err(EngineError::SsdOpen)?;
         let direct = sio::probe_direct(&dir);
         if !direct {
