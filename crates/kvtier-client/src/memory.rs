@@ -341,6 +341,17 @@ unsafe impl Sync for StagingMap {}
 impl StagingMap {
     /// Create, size, seal and map a new memfd of `len` bytes.
     pub fn create(len: usize, name: &str) -> std::io::Result<StagingMap> {
+        Self::create_sealed(len, name, true)
+    }
+
+    /// As [`create`](Self::create) but without `MFD_ALLOW_SEALING`, like SGLang's shm host
+    /// pools: for benchmarks and tests of the server's guarded (unsealed) path. Nothing in
+    /// this process truncates it, so the invariant still holds here.
+    pub fn create_unsealed(len: usize, name: &str) -> std::io::Result<StagingMap> {
+        Self::create_sealed(len, name, false)
+    }
+
+    fn create_sealed(len: usize, name: &str, seal: bool) -> std::io::Result<StagingMap> {
         use rustix::fs::{fcntl_add_seals, ftruncate, memfd_create, MemfdFlags, SealFlags};
         use rustix::mm::{mmap, MapFlags, ProtFlags};
         if len == 0 {
@@ -349,9 +360,16 @@ impl StagingMap {
                 "empty staging ring",
             ));
         }
-        let fd = memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
+        let flags = if seal {
+            MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING
+        } else {
+            MemfdFlags::CLOEXEC
+        };
+        let fd = memfd_create(name, flags)?;
         ftruncate(&fd, len as u64)?;
-        fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
+        if seal {
+            fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
+        }
         // SAFETY: a fresh shared mapping chosen by the kernel (null hint), of a memfd that is
         // exactly `len` bytes long and sealed against shrinking, so every page stays backed.
         let ptr = unsafe {
