@@ -1550,6 +1550,16 @@ fn recover(
                 !h.is_some_and(|h| h.in_use)
                     || c.segments.iter().any(|&(id, _, _)| id as usize == i)
             })
+            // Every entry must describe a record inside its segment (a checkpoint is input:
+            // one out of range is damage, and the segments are scanned instead).
+            && c.entries.iter().all(|e| {
+                e.rec_len > 0
+                    && e.offset % ALIGN as u64 == 0
+                    && e.offset.checked_add(e.rec_len).is_some_and(|end| end <= seg_size)
+                    && u64::from(e.payload_offset)
+                        .checked_add(e.payload_len)
+                        .is_some_and(|end| end <= e.rec_len)
+            })
     });
     if let (Some(c), true) = (&ckpt, ckpt_ok) {
         report.used_checkpoint = true;
