@@ -203,6 +203,23 @@ impl Client {
         unsafe { self.regions.register(ptr, len, label) }
     }
 
+    /// [`register_region`](Self::register_region) of memory its owner can revoke (a server's
+    /// mapping of a client memfd that is not sealed against shrinking): `intact` is asked after
+    /// every copy, and a copy that touched revoked memory fails (a put stores nothing).
+    ///
+    /// # Safety
+    /// As [`RegionRegistry::register_checked`].
+    pub unsafe fn register_region_checked(
+        &self,
+        ptr: usize,
+        len: usize,
+        label: &str,
+        intact: crate::memory::RegionIntact,
+    ) -> Result<RegionId, ClientError> {
+        // SAFETY: forwarded contract, see the function docs.
+        unsafe { self.regions.register_checked(ptr, len, label, Some(intact)) }
+    }
+
     /// Register caller memory that is `[fd_offset, fd_offset+len)` of the memfd `fd`. Server
     /// mode passes the memfd to the server, which then copies pages straight between its tiers
     /// and this memory (zero copy); embedded mode just registers the range.
@@ -321,7 +338,9 @@ impl Client {
     ) -> Result<PutOutcome, ClientError> {
         let meta = PutMeta { depth };
         regions
-            .with_source(buf.ptr, buf.len, |src| engine.put(key, src, meta))?
+            .with_checked_source(buf.ptr, buf.len, |src, intact| {
+                engine.put_verified(key, src, meta, intact)
+            })?
             .map_err(Into::into)
     }
 

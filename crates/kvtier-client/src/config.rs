@@ -129,6 +129,10 @@ pub struct KvtierConfig {
     /// Server mode: the `kvtier` binary `server_auto_start` runs (default: `kvtier` on `PATH`).
     #[serde(deserialize_with = "strict::optional_string")]
     pub server_bin: Option<String>,
+    /// Server mode: the uid the server process must run as, besides this process's own uid
+    /// and root (checked with `SO_PEERCRED` on every connection, before any memory is sent).
+    #[serde(deserialize_with = "strict::optional_string")]
+    pub server_uid: Option<String>,
     /// Server mode: how long to wait for the socket to accept (after an auto start), in ms.
     #[serde(deserialize_with = "strict::count")]
     pub server_startup_timeout_ms: u64,
@@ -213,6 +217,7 @@ impl Default for KvtierConfig {
             server_socket: None,
             server_auto_start: false,
             server_bin: None,
+            server_uid: None,
             server_startup_timeout_ms: 10_000,
             server_staging_bytes: 32 << 20,
             master_address: None,
@@ -492,6 +497,15 @@ impl KvtierConfig {
                 &origin("copy_threads"),
                 format!("{} must be from 1 to 64", self.copy_threads),
             ));
+        }
+        if let Some(uid) = &self.server_uid {
+            if uid.trim().parse::<u32>().is_err() {
+                return Err(ConfigError::new(
+                    "server_uid",
+                    &origin("server_uid"),
+                    format!("{uid:?} must be a numeric uid"),
+                ));
+            }
         }
         if let Some(socket) = &self.server_socket {
             if socket.is_empty() || socket.len() > 107 || socket.contains('\0') {

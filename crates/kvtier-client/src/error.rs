@@ -15,6 +15,11 @@ pub enum ClientError {
          (register the pool's buffers first)"
     )]
     OutsideRegisteredMemory { ptr: usize, len: usize },
+    #[error(
+        "buffer 0x{ptr:x}+{len} lies in a region its owner revoked (a memfd truncated after \
+         registration); the page is refused"
+    )]
+    MemoryRevoked { ptr: usize, len: usize },
     #[error("invalid memory region 0x{ptr:x}+{len}: {reason}")]
     InvalidRegion {
         ptr: usize,

@@ -11,16 +11,34 @@ use parking_lot::RwLock;
 
 use crate::error::ClientError;
 
+/// Whether a region's memory is still the caller's: `false` once its owner revoked it (the
+/// server's guard caught a fault on a truncated memfd and replaced the pages). Asked after
+/// every copy; a copy that touched revoked memory fails instead of taking or giving bytes.
+pub type RegionIntact = std::sync::Arc<dyn Fn() -> bool + Send + Sync>;
+
 /// Identifies a registered region.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct RegionId(pub u64);
 
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 struct Region {
     id: RegionId,
     start: usize,
     end: usize,
     label: String,
+    intact: Option<RegionIntact>,
+}
+
+impl std::fmt::Debug for Region {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Region")
+            .field("id", &self.id)
+            .field("start", &self.start)
+            .field("end", &self.end)
+            .field("label", &self.label)
+            .field("checked", &self.intact.is_some())
+            .finish()
+    }
 }
 
 /// A snapshot of one region, for stats and logs.
@@ -57,6 +75,24 @@ impl RegionRegistry {
         len: usize,
         label: &str,
     ) -> Result<RegionId, ClientError> {
+        // SAFETY: forwarded contract.
+        unsafe { self.register_checked(start, len, label, None) }
+    }
+
+    /// [`register`](Self::register) with an `intact` check asked after every copy from or to
+    /// the region (see [`RegionIntact`]).
+    ///
+    /// # Safety
+    /// As [`register`](Self::register), except that the memory may be revoked (replaced by
+    /// other readable, writable memory of the same range) as long as `intact` says so from
+    /// then on.
+    pub unsafe fn register_checked(
+        &self,
+        start: usize,
+        len: usize,
+        label: &str,
+        intact: Option<RegionIntact>,
+    ) -> Result<RegionId, ClientError> {
         if start == 0 {
             return Err(ClientError::InvalidRegion {
                 ptr: start,
@@ -92,6 +128,7 @@ impl RegionRegistry {
                 start,
                 end,
                 label: label.to_string(),
+                intact,
             },
         );
         Ok(id)
@@ -142,14 +179,33 @@ impl RegionRegistry {
         len: usize,
         f: impl FnOnce(&[u8]) -> R,
     ) -> Result<R, ClientError> {
-        self.check(ptr, len)?;
+        self.with_checked_source(ptr, len, |bytes, _| f(bytes))
+    }
+
+    /// [`with_source`](Self::with_source) that also hands `f` the region's intact check, for
+    /// a consumer that must ask it after copying and before publishing the bytes (a put). The
+    /// call fails before `f` runs when the region is already revoked.
+    pub fn with_checked_source<R>(
+        &self,
+        ptr: usize,
+        len: usize,
+        f: impl FnOnce(&[u8], &dyn Fn() -> bool) -> R,
+    ) -> Result<R, ClientError> {
+        let intact = self.check(ptr, len)?;
+        let intact: &dyn Fn() -> bool = match &intact {
+            Some(check) => check.as_ref(),
+            None => &|| true,
+        };
+        if !intact() {
+            return Err(ClientError::MemoryRevoked { ptr, len });
+        }
         if len == 0 {
-            return Ok(f(&[]));
+            return Ok(f(&[], intact));
         }
         // SAFETY: check() proved the range lies inside a registered region, and register()'s
         // contract keeps that region mapped and readable while it is registered.
         let bytes = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
-        Ok(f(bytes))
+        Ok(f(bytes, intact))
     }
 
     /// Run `f` over the caller bytes at `[ptr, ptr+len)` for writing, after the same check.
@@ -159,14 +215,23 @@ impl RegionRegistry {
         len: usize,
         f: impl FnOnce(&mut [u8]) -> R,
     ) -> Result<R, ClientError> {
-        self.check(ptr, len)?;
+        let intact = self.check(ptr, len)?;
+        let revoked = || intact.as_ref().is_some_and(|check| !check());
+        if revoked() {
+            return Err(ClientError::MemoryRevoked { ptr, len });
+        }
         if len == 0 {
             return Ok(f(&mut []));
         }
         // SAFETY: check() proved the range lies inside a registered region; register()'s
         // contract keeps it mapped and writable and free of Rust aliases while registered.
         let bytes = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
-        Ok(f(bytes))
+        let result = f(bytes);
+        // Bytes written into revoked memory never reached the caller.
+        if revoked() {
+            return Err(ClientError::MemoryRevoked { ptr, len });
+        }
+        Ok(result)
     }
 
     /// Checked shared views of many caller buffers at once (the cluster transport sends
@@ -233,13 +298,22 @@ impl RegionRegistry {
             .collect()
     }
 
-    fn check(&self, ptr: usize, len: usize) -> Result<(), ClientError> {
-        // A zero-length range still has to point into registered memory: a stray pointer
-        // is a caller bug worth reporting even when nothing would be copied.
-        if self.contains(ptr, len) {
-            Ok(())
-        } else {
-            Err(ClientError::OutsideRegisteredMemory { ptr, len })
+    /// `Ok` when `[ptr, ptr+len)` lies inside a registered region, with that region's intact
+    /// check if it has one. A zero-length range still has to point into registered memory: a
+    /// stray pointer is a caller bug worth reporting even when nothing would be copied.
+    fn check(&self, ptr: usize, len: usize) -> Result<Option<RegionIntact>, ClientError> {
+        let outside = ClientError::OutsideRegisteredMemory { ptr, len };
+        let Some(end) = ptr.checked_add(len) else {
+            return Err(outside);
+        };
+        if ptr == 0 {
+            return Err(outside);
+        }
+        let regions = self.regions.read();
+        let upto = regions.partition_point(|r| r.start <= ptr);
+        match regions[..upto].iter().rev().find(|r| r.end >= end) {
+            Some(region) => Ok(region.intact.clone()),
+            None => Err(outside),
         }
     }
 }
@@ -267,6 +341,17 @@ unsafe impl Sync for StagingMap {}
 impl StagingMap {
     /// Create, size, seal and map a new memfd of `len` bytes.
     pub fn create(len: usize, name: &str) -> std::io::Result<StagingMap> {
+        Self::create_sealed(len, name, true)
+    }
+
+    /// As [`create`](Self::create) but without `MFD_ALLOW_SEALING`, like SGLang's shm host
+    /// pools: for benchmarks and tests of the server's guarded (unsealed) path. Nothing in
+    /// this process truncates it, so the invariant still holds here.
+    pub fn create_unsealed(len: usize, name: &str) -> std::io::Result<StagingMap> {
+        Self::create_sealed(len, name, false)
+    }
+
+    fn create_sealed(len: usize, name: &str, seal: bool) -> std::io::Result<StagingMap> {
         use rustix::fs::{fcntl_add_seals, ftruncate, memfd_create, MemfdFlags, SealFlags};
         use rustix::mm::{mmap, MapFlags, ProtFlags};
         if len == 0 {
@@ -275,9 +360,16 @@ impl StagingMap {
                 "empty staging ring",
             ));
         }
-        let fd = memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
+        let flags = if seal {
+            MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING
+        } else {
+            MemfdFlags::CLOEXEC
+        };
+        let fd = memfd_create(name, flags)?;
         ftruncate(&fd, len as u64)?;
-        fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
+        if seal {
+            fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
+        }
         // SAFETY: a fresh shared mapping chosen by the kernel (null hint), of a memfd that is
         // exactly `len` bytes long and sealed against shrinking, so every page stays backed.
         let ptr = unsafe {

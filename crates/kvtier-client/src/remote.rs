@@ -95,6 +95,9 @@ pub struct RemoteStore {
     auto_start: bool,
     server_bin: String,
     startup_timeout: Duration,
+    /// This process's uid, and the other uid a server may run as (`server_uid`).
+    own_uid: u32,
+    server_uid: Option<u32>,
     state: Mutex<SessionState>,
     /// `(start, end, server region)` of the memfd regions, for pointer translation; rebuilt
     /// with every session. Paired with its generation.
@@ -186,6 +189,11 @@ impl RemoteStore {
             auto_start: config.server_auto_start,
             server_bin: config.server_bin.clone().unwrap_or_else(|| "kvtier".into()),
             startup_timeout: Duration::from_millis(config.server_startup_timeout_ms),
+            own_uid: rustix::process::geteuid().as_raw(),
+            server_uid: config
+                .server_uid
+                .as_deref()
+                .and_then(|u| u.trim().parse().ok()),
             state: Mutex::new(SessionState::default()),
             shm_table: RwLock::new((0, Vec::new())),
             idle: Mutex::new(Vec::new()),
@@ -208,7 +216,35 @@ impl RemoteStore {
         self.next_request.fetch_add(1, Ordering::Relaxed)
     }
 
+    /// Connect, then check who listens: the server must run as this process's uid, root, or
+    /// the configured `server_uid` (`SO_PEERCRED` of the listener, taken at its `listen`).
+    /// Nothing, in particular no memfd, is sent before this check passes: a process of
+    /// another user that took the socket path would otherwise receive the host pools.
     fn dial(&self) -> Result<UnixStream, ClientError> {
+        let stream = self.dial_unchecked()?;
+        let credentials = rustix::net::sockopt::socket_peercred(&stream).map_err(|e| {
+            remote_err(
+                &self.socket,
+                format!("cannot read the server's credentials: {e}"),
+            )
+        })?;
+        let uid = credentials.uid.as_raw();
+        if uid != self.own_uid && uid != 0 && Some(uid) != self.server_uid {
+            return Err(remote_err(
+                &self.socket,
+                format!(
+                    "refusing a server running as uid {uid} (allowed: this process's uid {}, \
+                     root{}); set server_uid to trust another uid",
+                    self.own_uid,
+                    self.server_uid
+                        .map_or(String::new(), |u| format!(", server_uid {u}"))
+                ),
+            ));
+        }
+        Ok(stream)
+    }
+
+    fn dial_unchecked(&self) -> Result<UnixStream, ClientError> {
         match UnixStream::connect(&self.socket) {
             Ok(stream) => Ok(stream),
             Err(first) if self.auto_start => {

@@ -124,7 +124,11 @@ impl Default for EngineConfig {
             index_shards: 64,
             prefault: true,
             ssd_enabled: false,
-            ssd_storage_dir: PathBuf::from("/tmp/kvtier-ssd"),
+            // Per user, created 0700 and checked at open (never a shared world-writable path).
+            ssd_storage_dir: PathBuf::from(format!(
+                "/var/tmp/kvtier-ssd-{}",
+                rustix::process::geteuid().as_raw()
+            )),
             ssd_capacity_bytes: 16 << 30,
             ssd_segment_size_bytes: 256 << 20,
             ssd_copy_async: true,

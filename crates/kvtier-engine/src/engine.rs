@@ -181,7 +181,22 @@ impl Engine {
     /// are fully copied. Evicts cold objects to make room; `NoSpace` if every object that could
     /// go is pinned (the put fails and nothing else is lost).
     pub fn put(&self, key: &[u8], value: &[u8], meta: PutMeta) -> Result<PutOutcome, EngineError> {
-        let result = self.put_inner(key, value, meta);
+        self.put_verified(key, value, meta, &|| true)
+    }
+
+    /// [`put`](Self::put) from memory that can be revoked while it is copied (a client's
+    /// memfd mapping the server guards against truncation): `intact` is asked after the bytes
+    /// are copied and before the object becomes visible; `false` fails the put with
+    /// [`EngineError::SourceRevoked`] and stores nothing, so bytes read from revoked memory
+    /// are never served.
+    pub fn put_verified(
+        &self,
+        key: &[u8],
+        value: &[u8],
+        meta: PutMeta,
+        intact: &dyn Fn() -> bool,
+    ) -> Result<PutOutcome, EngineError> {
+        let result = self.put_inner(key, value, meta, intact);
         if result.is_err() {
             add(&self.counters.put_failures, 1);
         }
@@ -193,6 +208,7 @@ impl Engine {
         key: &[u8],
         value: &[u8],
         meta: PutMeta,
+        intact: &dyn Fn() -> bool,
     ) -> Result<PutOutcome, EngineError> {
         if key.is_empty() {
             return Err(EngineError::EmptyKey);
@@ -223,6 +239,10 @@ impl Engine {
         }
         let mut allocation = self.allocate_evicting(len, group_of(key))?;
         allocation.write(value);
+        if !intact() {
+            // The allocation drops here, returning its blocks.
+            return Err(EngineError::SourceRevoked);
+        }
         let object = Arc::new(Object {
             location: Location::Dram(allocation),
             depth: meta.depth,
@@ -740,6 +760,32 @@ impl Engine {
         add(&self.counters.evictions_removed, 1);
         drop(removed);
         true
+    }
+
+    /// Unlink every object whose key starts with `prefix` from every tier (one tenant's
+    /// namespace of a shared store); others are untouched. Returns how many keys were removed.
+    /// Walks every index shard: an administrative call, not a data path. Puts running
+    /// concurrently may land after their shard was walked.
+    pub fn remove_prefix(&self, prefix: &[u8]) -> u64 {
+        let mut keys: std::collections::BTreeSet<Vec<u8>> = Default::default();
+        for shard in self.index.shards() {
+            keys.extend(
+                shard
+                    .read()
+                    .keys()
+                    .filter(|k| k.starts_with(prefix))
+                    .map(|k| k.to_vec()),
+            );
+        }
+        if let Some(ssd) = &self.ssd {
+            keys.extend(
+                ssd.keys_with_prefix(prefix, usize::MAX)
+                    .0
+                    .into_iter()
+                    .map(|(k, _)| k),
+            );
+        }
+        keys.iter().filter(|k| self.remove(k)).count() as u64
     }
 
     /// Unlink every object from every tier (each DRAM object counts in `evictions_removed`,

@@ -22,4 +22,6 @@ pub enum EngineError {
     SsdOpen(#[source] std::io::Error),
     #[error("SSD write failed (the put was not stored): {0}")]
     SsdWrite(#[source] std::io::Error),
+    #[error("the source memory was revoked during the copy (its owner truncated it); not stored")]
+    SourceRevoked,
 }

@@ -492,6 +492,12 @@ fn disk_full_caps_the_tier_without_failing() {
         eprintln!("SKIP disk_full_caps_the_tier_without_failing: cannot mount a tmpfs (not root?)");
         return;
     }
+    // A fresh tmpfs is mode 1777; the tier refuses a directory others may write.
+    std::fs::set_permissions(
+        mnt.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o700),
+    )
+    .unwrap();
     let result = std::panic::catch_unwind(|| {
         let c = ssd_config(mnt.path(), 16, 16, |c| c.ssd_copy_async = false);
         let e = open(&c);

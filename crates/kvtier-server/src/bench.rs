@@ -32,6 +32,10 @@ pub struct BenchServerArgs {
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
+    /// Make the host pool a memfd without MFD_ALLOW_SEALING (as SGLang's): the server then
+    /// copies through its SIGBUS-guarded path instead of a sealed mapping.
+    #[arg(long)]
+    pub unsealed_pool: bool,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -110,7 +114,12 @@ pub fn bench_server_main(args: BenchServerArgs) -> Result<Value, String> {
 
     // Client memory: `slots` batches in one memfd (the "host pool"), zero-copy registered.
     let pool_len = batch_bytes * slots;
-    let mut pool = StagingMap::create(pool_len, "bench-pool").map_err(|e| e.to_string())?;
+    let mut pool = if args.unsealed_pool {
+        StagingMap::create_unsealed(pool_len, "bench-pool")
+    } else {
+        StagingMap::create(pool_len, "bench-pool")
+    }
+    .map_err(|e| e.to_string())?;
     let mut fill = vec![0u8; pool_len];
     touch(&mut fill, 3);
     pool.write(0, &fill).map_err(|e| e.to_string())?;

@@ -13,10 +13,36 @@ use serde_json::{Map, Value};
 use crate::config::{ServerConfig, ServerSources};
 use crate::server::Server;
 
+/// Every server key with its default, for `kvtier serve --help` (keys go in the --config file
+/// at top level or in KVTIER_SERVE_<KEY>; docs/security.md says what each bound protects).
+const SERVER_KEYS_HELP: &str = "\
+Server keys (--config file top level, or KVTIER_SERVE_<KEY>), with defaults:
+  socket                       $XDG_RUNTIME_DIR/kvtier.sock, else /tmp/kvtier-<uid>/kvtier.sock
+                               (that directory created 0700 and refused if foreign)
+  socket_mode                  \"0600\"     socket_group               none
+  max_connections              1024       max_connections_per_uid    256 (by SO_PEERCRED uid)
+  handshake_timeout_ms         10000 (a connection without a session by then is closed)
+  max_regions_per_client       4096
+  max_mapped_bytes_per_client  half of physical memory (reserved before mapping)
+  max_mapped_bytes_total       physical memory (all sessions together)
+  prefault_regions             true (sparse memfds are never pre-faulted)
+  tenant_dram_quota            none, e.g. a=8GiB,b=2GiB
+  tenant_ssd_quota             none, e.g. a=64GiB (tenants with a DRAM partition)
+  tenant_access                none, e.g. \"a=uid:1001 gid:2000,b=uid:1002\": a listed tenant is
+                               opened only by those peers or an operator; unlisted tenants
+                               are accounting labels
+  operator_uids                none (operators: the server's uid, root, these): only they see
+                               other tenants' sessions in Stats and may Inspect
+  metrics_addr                 none
+Engine keys (e.g. ssd_storage_dir, default /var/tmp/kvtier-ssd-<uid>, created 0700) go in the
+[engine] table, KVTIER_<KEY> or --engine KEY=VALUE. Threat model: docs/security.md.";
+
 /// `kvtier serve`: run the local cache server until SIGTERM / SIGINT.
 #[derive(Debug, Clone, clap::Args)]
+#[command(after_help = SERVER_KEYS_HELP)]
 pub struct ServeArgs {
-    /// Unix socket path (default: $XDG_RUNTIME_DIR/kvtier.sock or /tmp/kvtier-<uid>.sock).
+    /// Unix socket path (default: $XDG_RUNTIME_DIR/kvtier.sock, else
+    /// /tmp/kvtier-<uid>/kvtier.sock in a 0700 directory owned by this user).
     #[arg(long)]
     pub socket: Option<PathBuf>,
     /// TOML file: server keys at top level, engine keys in an [engine] table.

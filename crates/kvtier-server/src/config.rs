@@ -37,7 +37,7 @@ pub const ENGINE_TABLE: &str = "engine";
 #[serde(deny_unknown_fields, default)]
 pub struct ServerSettings {
     /// Path of the Unix socket. Default: `$XDG_RUNTIME_DIR/kvtier.sock`, else
-    /// `/tmp/kvtier-<uid>.sock`.
+    /// `/tmp/kvtier-<uid>/kvtier.sock` (that directory created 0700 and checked).
     #[serde(deserialize_with = "strict::optional_string")]
     pub socket: Option<String>,
     /// File mode of the socket, octal (`"0600"`: only this user may connect).
@@ -51,9 +51,21 @@ pub struct ServerSettings {
     /// Most regions one session may register.
     #[serde(deserialize_with = "strict::count")]
     pub max_regions_per_client: u64,
-    /// Most bytes one session may have mapped (0: no limit).
+    /// Most bytes one session may have mapped, reserved before a region is mapped (default:
+    /// half of the host's physical memory).
     #[serde(deserialize_with = "strict::size")]
     pub max_mapped_bytes_per_client: u64,
+    /// Most bytes all sessions together may have mapped (default: the host's physical
+    /// memory).
+    #[serde(deserialize_with = "strict::size")]
+    pub max_mapped_bytes_total: u64,
+    /// Most open connections of one peer uid (`SO_PEERCRED`), all its processes together.
+    #[serde(deserialize_with = "strict::count")]
+    pub max_connections_per_uid: u64,
+    /// A connection that has not completed its handshake and opened (or joined) a session
+    /// within this many milliseconds is closed.
+    #[serde(deserialize_with = "strict::count")]
+    pub handshake_timeout_ms: u64,
     /// Pre-fault client regions when they are registered (`MAP_POPULATE`).
     #[serde(deserialize_with = "strict::boolean")]
     pub prefault_regions: bool,
@@ -66,6 +78,16 @@ pub struct ServerSettings {
     /// bounded by it instead of the engine's `ssd_capacity_bytes`. Same forms as the DRAM one.
     #[serde(deserialize_with = "quota_map")]
     pub tenant_ssd_quota: BTreeMap<String, u64>,
+    /// Tenants bound to credentials: a tenant listed here may be opened only by a peer whose
+    /// `SO_PEERCRED` uid or gid is listed (`"uid:1001 gid:2000"`), or by an operator. Tenants
+    /// not listed are accounting labels any connecting process may use. Env/flag form:
+    /// `team-a=uid:1001 gid:2000,team-b=uid:1002`.
+    #[serde(deserialize_with = "access_map")]
+    pub tenant_access: BTreeMap<String, Vec<Principal>>,
+    /// Uids besides the server's own and root that count as operators: they alone see every
+    /// session in `Stats` and may `Inspect`, and may open any tenant. Comma-separated.
+    #[serde(deserialize_with = "strict::optional_string")]
+    pub operator_uids: Option<String>,
     /// Serve Prometheus metrics at `http://HOST:PORT/metrics` (port 0: a free port, printed
     /// at startup). When unset, the engine key `metrics_addr` (`KVTIER_METRICS_ADDR`, the
     /// `[engine]` table) is taken instead.
@@ -81,13 +103,110 @@ impl Default for ServerSettings {
             socket_group: None,
             max_connections: 1024,
             max_regions_per_client: 4096,
-            max_mapped_bytes_per_client: 0,
+            max_mapped_bytes_per_client: physical_memory() / 2,
+            max_mapped_bytes_total: physical_memory(),
+            max_connections_per_uid: 256,
+            handshake_timeout_ms: 10_000,
             prefault_regions: true,
             tenant_dram_quota: BTreeMap::new(),
             tenant_ssd_quota: BTreeMap::new(),
+            tenant_access: BTreeMap::new(),
+            operator_uids: None,
             metrics_addr: None,
         }
     }
+}
+
+/// The host's physical memory (`MemTotal`), the base of the default mapping limits; 64 GiB
+/// when /proc/meminfo cannot be read.
+pub fn physical_memory() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find_map(|line| line.strip_prefix("MemTotal:"))
+                .and_then(|rest| {
+                    rest.trim()
+                        .trim_end_matches("kB")
+                        .trim()
+                        .parse::<u64>()
+                        .ok()
+                })
+        })
+        .map_or(64 << 30, |kib| kib << 10)
+}
+
+/// A peer identity a tenant is bound to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Principal {
+    Uid(u32),
+    Gid(u32),
+}
+
+impl Principal {
+    fn parse(text: &str) -> Result<Principal, String> {
+        let (kind, id) = text
+            .split_once(':')
+            .ok_or_else(|| format!("{text:?} is not uid:N or gid:N"))?;
+        let id: u32 = id
+            .parse()
+            .map_err(|_| format!("{text:?}: {id:?} is not a numeric id"))?;
+        match kind {
+            "uid" => Ok(Principal::Uid(id)),
+            "gid" => Ok(Principal::Gid(id)),
+            _ => Err(format!("{text:?} is not uid:N or gid:N")),
+        }
+    }
+
+    /// Whether a peer with `uid`/`gid` is this principal.
+    pub fn matches(&self, uid: u32, gid: u32) -> bool {
+        match *self {
+            Principal::Uid(u) => u == uid,
+            Principal::Gid(g) => g == gid,
+        }
+    }
+}
+
+fn access_map<'de, D: Deserializer<'de>>(
+    d: D,
+) -> Result<BTreeMap<String, Vec<Principal>>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Raw {
+        Text(String),
+        Table(BTreeMap<String, String>),
+    }
+    let parse_list = |tenant: &str, list: &str| -> Result<Vec<Principal>, D::Error> {
+        let principals = list
+            .split_whitespace()
+            .map(Principal::parse)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| de::Error::custom(format!("tenant {tenant}: {e}")))?;
+        if principals.is_empty() {
+            return Err(de::Error::custom(format!(
+                "tenant {tenant}: no uid:N or gid:N given"
+            )));
+        }
+        Ok(principals)
+    };
+    let mut out = BTreeMap::new();
+    match Raw::deserialize(d)? {
+        Raw::Table(table) => {
+            for (tenant, list) in &table {
+                out.insert(tenant.clone(), parse_list(tenant, list)?);
+            }
+        }
+        Raw::Text(text) => {
+            for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+                let (tenant, list) = item.split_once('=').ok_or_else(|| {
+                    de::Error::custom(format!("{item:?} is not tenant=uid:N ..."))
+                })?;
+                out.insert(tenant.trim().to_string(), parse_list(tenant, list)?);
+            }
+        }
+    }
+    Ok(out)
 }
 
 fn quota_map<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<String, u64>, D::Error> {
@@ -160,13 +279,54 @@ fn known_server_keys() -> Vec<String> {
     }
 }
 
+/// The default socket: `$XDG_RUNTIME_DIR/kvtier.sock` (a per-user 0700 directory the login
+/// manager creates), else `kvtier.sock` in [`private_runtime_dir`].
 fn default_socket() -> PathBuf {
     match std::env::var_os("XDG_RUNTIME_DIR") {
         Some(dir) if !dir.is_empty() => Path::new(&dir).join("kvtier.sock"),
-        _ => PathBuf::from(format!(
-            "/tmp/kvtier-{}.sock",
-            rustix::process::getuid().as_raw()
+        _ => private_runtime_dir().join("kvtier.sock"),
+    }
+}
+
+/// `/tmp/kvtier-<uid>`: the per-user directory of the default socket when there is no
+/// `$XDG_RUNTIME_DIR`. [`ensure_private_dir`] creates it 0700 and refuses one another user
+/// planted (its path is predictable, so it must be checked, not trusted).
+pub fn private_runtime_dir() -> PathBuf {
+    PathBuf::from(format!(
+        "/tmp/kvtier-{}",
+        rustix::process::geteuid().as_raw()
+    ))
+}
+
+/// Create `dir` with mode 0700 if it is missing, then check it is a real directory (not a
+/// symlink) owned by this uid and not accessible to group or others.
+pub fn ensure_private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e),
+    }
+    let meta = std::fs::symlink_metadata(dir)?;
+    let uid = rustix::process::geteuid().as_raw();
+    let problem = if !meta.file_type().is_dir() {
+        Some("is not a directory (a symlink or file is in the way)".to_string())
+    } else if meta.uid() != uid {
+        Some(format!("is owned by uid {}, not {uid}", meta.uid()))
+    } else if meta.mode() & 0o077 != 0 {
+        Some(format!(
+            "has mode {:o}; it must not be accessible to group or others (0700)",
+            meta.mode() & 0o7777
+        ))
+    } else {
+        None
+    };
+    match problem {
+        Some(why) => Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!("{} {why}", dir.display()),
         )),
+        None => Ok(()),
     }
 }
 
@@ -279,12 +439,36 @@ impl ServerConfig {
                 ));
             }
         }
-        if settings.max_connections == 0 {
-            return Err(ConfigError::new(
-                "max_connections",
-                &origin_of("max_connections"),
-                "must be at least 1",
-            ));
+        for (key, value) in [
+            ("max_connections", settings.max_connections),
+            ("max_connections_per_uid", settings.max_connections_per_uid),
+            (
+                "max_mapped_bytes_per_client",
+                settings.max_mapped_bytes_per_client,
+            ),
+            ("max_mapped_bytes_total", settings.max_mapped_bytes_total),
+            ("handshake_timeout_ms", settings.handshake_timeout_ms),
+        ] {
+            if value == 0 {
+                return Err(ConfigError::new(
+                    key,
+                    &origin_of(key),
+                    "must be at least 1 (every bound is finite)",
+                ));
+            }
+        }
+        if let Some(list) = &settings.operator_uids {
+            if list
+                .split(',')
+                .map(str::trim)
+                .any(|u| u.parse::<u32>().is_err())
+            {
+                return Err(ConfigError::new(
+                    "operator_uids",
+                    &origin_of("operator_uids"),
+                    format!("{list:?} must be comma-separated numeric uids"),
+                ));
+            }
         }
         // Engine keys: file [engine] < KVTIER_* env < --engine flags, parsed by kvtier's schema.
         let (mut engine, _) = KvtierConfig::load_layered(
@@ -332,6 +516,28 @@ impl ServerConfig {
             }
         }
         Ok(config)
+    }
+
+    /// Whether the peer `uid` is an operator: the server's own uid, root, or `operator_uids`.
+    pub fn is_operator(&self, uid: u32) -> bool {
+        uid == 0
+            || uid == rustix::process::geteuid().as_raw()
+            || self.settings.operator_uids.as_deref().is_some_and(|list| {
+                list.split(',')
+                    .filter_map(|u| u.trim().parse::<u32>().ok())
+                    .any(|u| u == uid)
+            })
+    }
+
+    /// Whether the peer `uid`/`gid` may open `tenant`: any peer for a tenant not in
+    /// `tenant_access`, else a listed principal or an operator.
+    pub fn may_open_tenant(&self, tenant: &str, uid: u32, gid: u32) -> bool {
+        match self.settings.tenant_access.get(tenant) {
+            None => true,
+            Some(principals) => {
+                self.is_operator(uid) || principals.iter().any(|p| p.matches(uid, gid))
+            }
+        }
     }
 
     /// The engine configuration of tenant partition `tenant`: its quota as DRAM capacity and,

@@ -2,7 +2,8 @@
 //!
 //! - [`config`]: [`ServerConfig`] (TOML file, `KVTIER_SERVE_*` / `KVTIER_*` env, flags; strict).
 //! - [`server`]: listener, sessions, dispatch of the wire protocol (`kvtier_proto`).
-//! - [`shm`]: client memfds mapped into the server — the crate's only `unsafe`.
+//! - [`shm`]: client memfds mapped into the server, and [`fault_guard`]: the SIGBUS guard of
+//!   unsealed ones — the crate's only `unsafe`.
 //! - [`cli`]: `serve`, `stat` and `bench server`, called by the `kvtier` binary.
 //! - [`node`], [`peer`], [`rereplicate`]: a cluster node's agent, data port, and the copy
 //!   tasks of re-replication.
@@ -16,6 +17,7 @@
 pub mod bench;
 pub mod cli;
 pub mod config;
+pub mod fault_guard;
 pub mod node;
 pub mod peer;
 pub mod rereplicate;

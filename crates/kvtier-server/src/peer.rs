@@ -46,12 +46,25 @@ use parking_lot::Mutex;
 /// Largest body accepted before the hello.
 const PRE_HELLO_MAX_BODY: u32 = 4 << 10;
 
-/// Remove up to [`MAX_CLEARED_KEYS`] of the keys starting with `prefix` from the store (any
-/// tier) and from the held set; the keys removed, for the caller to forget at the master.
+/// Whether `key` is in the cluster namespace `namespace` (`tag 0x1f`, or empty for a client
+/// without `extra_backend_tag`). Keys of the untagged namespace carry no 0x1f; every key a
+/// local-socket tenant stores does (`tenant 0x1f key`, the empty tenant included), so an
+/// untagged cluster clear never reaches the local tenants sharing this node's store.
+fn in_cluster_namespace(key: &[u8], namespace: &[u8]) -> bool {
+    if namespace.is_empty() {
+        !key.contains(&0x1f)
+    } else {
+        key.starts_with(namespace)
+    }
+}
+
+/// Remove up to [`MAX_CLEARED_KEYS`] of the keys of the namespace `prefix` (see
+/// [`in_cluster_namespace`]) from the store (any tier) and from the held set; the keys
+/// removed, for the caller to forget at the master.
 fn clear_prefix(shared: &PortShared, prefix: &[u8]) -> Vec<Vec<u8>> {
     let keys: Vec<Vec<u8>> = crate::node::keys_in_store(&shared.store)
         .into_iter()
-        .filter(|k| k.starts_with(prefix))
+        .filter(|k| in_cluster_namespace(k, prefix))
         .take(MAX_CLEARED_KEYS)
         .collect();
     for key in &keys {

@@ -147,6 +147,8 @@ struct Session {
     tenant: String,
     client_name: String,
     pid: i32,
+    /// The uid that opened it; only that uid (or an operator) may join it.
+    uid: u32,
     store: Arc<Store>,
     /// Key namespace of the tenant inside its store (`tenant 0x1f`).
     namespace: Vec<u8>,
@@ -184,6 +186,10 @@ struct Shared {
     counters: ServerCounters,
     started: Instant,
     live_mappings: Arc<AtomicU64>,
+    /// Bytes reserved by every session's mappings (`max_mapped_bytes_total`).
+    mapped_total: AtomicU64,
+    /// Open connections per peer uid (`max_connections_per_uid`).
+    connections_per_uid: Mutex<HashMap<u32, u64>>,
     metrics: Option<Arc<Endpoint>>,
 }
 
@@ -230,22 +236,34 @@ pub struct RunningServer {
     accept: Option<JoinHandle<Vec<JoinHandle<()>>>>,
 }
 
-fn random_u64() -> u64 {
+/// A session token from the kernel's CSPRNG (`getrandom`). No fallback: a session is refused
+/// rather than given a guessable token.
+fn random_token() -> io::Result<u64> {
     let mut bytes = [0u8; 8];
-    if std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut bytes))
-        .is_err()
-    {
-        // Unpredictable enough as a fallback: time and address-space layout.
-        let t = Instant::now().elapsed().as_nanos() as u64
-            ^ std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos() as u64)
-                .unwrap_or(0);
-        bytes = (t ^ (&bytes as *const _ as u64)).to_le_bytes();
+    let mut filled = 0;
+    while filled < bytes.len() {
+        match rustix::rand::getrandom(&mut bytes[filled..], rustix::rand::GetRandomFlags::empty()) {
+            Ok(n) => filled += n,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
     }
-    u64::from_le_bytes(bytes)
+    Ok(u64::from_le_bytes(bytes))
 }
+
+/// Add `amount` to `counter` unless the sum would exceed `limit`; atomic, so concurrent
+/// registrations cannot all pass a check made before any of them is counted.
+fn reserve(counter: &AtomicU64, amount: u64, limit: u64) -> bool {
+    counter
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+            used.checked_add(amount).filter(|&total| total <= limit)
+        })
+        .is_ok()
+}
+
+/// Largest frame-body buffer a connection keeps between requests; a larger one (after a big
+/// frame) is released, so idle connections do not hold memory.
+const KEPT_BUFFER_BYTES: usize = 1 << 20;
 
 fn resolve_group(name: &str) -> Result<u32, ServerError> {
     if let Ok(gid) = name.parse::<u32>() {
@@ -273,6 +291,14 @@ impl Server {
             path: path.clone(),
             source,
         };
+        if config.settings.socket.is_none() {
+            if let Some(dir) = path
+                .parent()
+                .filter(|d| *d == crate::config::private_runtime_dir())
+            {
+                crate::config::ensure_private_dir(dir).map_err(socket_err)?;
+            }
+        }
         if path.exists() {
             if UnixStream::connect(&path).is_ok() {
                 return Err(ServerError::InUse(path));
@@ -329,6 +355,8 @@ impl Server {
                 counters: ServerCounters::default(),
                 started: Instant::now(),
                 live_mappings: Arc::new(AtomicU64::new(0)),
+                mapped_total: AtomicU64::new(0),
+                connections_per_uid: Mutex::new(HashMap::new()),
                 metrics,
             }),
             listener,
@@ -448,6 +476,47 @@ fn accept_loop(shared: &Arc<Shared>, listener: UnixListener) -> Vec<JoinHandle<(
             );
             continue;
         }
+        let uid = rustix::net::sockopt::socket_peercred(&stream)
+            .map(|c| c.uid.as_raw())
+            .ok();
+        let Some(uid) = uid else { continue };
+        let admitted = {
+            let mut per_uid = shared.connections_per_uid.lock();
+            let open = per_uid.entry(uid).or_insert(0);
+            if *open >= shared.config.settings.max_connections_per_uid {
+                false
+            } else {
+                *open += 1;
+                true
+            }
+        };
+        if !admitted {
+            shared
+                .counters
+                .connections_refused
+                .fetch_add(1, Ordering::Relaxed);
+            let mut stream = stream;
+            let _ = send_error(
+                &mut stream,
+                Opcode::Handshake,
+                0,
+                error_code::TOO_MANY_CLIENTS,
+                &format!(
+                    "uid {uid} already has {} connections (max_connections_per_uid)",
+                    shared.config.settings.max_connections_per_uid
+                ),
+            );
+            continue;
+        }
+        let release_uid = move |shared: &Shared| {
+            let mut per_uid = shared.connections_per_uid.lock();
+            if let Some(open) = per_uid.get_mut(&uid) {
+                *open -= 1;
+                if *open == 0 {
+                    per_uid.remove(&uid);
+                }
+            }
+        };
         let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
         if let Ok(clone) = stream.try_clone() {
             shared.conns.lock().insert(id, clone);
@@ -463,12 +532,14 @@ fn accept_loop(shared: &Arc<Shared>, listener: UnixListener) -> Vec<JoinHandle<(
                 }
                 worker_shared.conns.lock().remove(&id);
                 worker_shared.open_conns.fetch_sub(1, Ordering::SeqCst);
+                release_uid(&worker_shared);
             });
         match spawned {
             Ok(handle) => workers.push(handle),
             Err(_) => {
                 shared.conns.lock().remove(&id);
                 shared.open_conns.fetch_sub(1, Ordering::SeqCst);
+                release_uid(shared);
             }
         }
     }
@@ -508,6 +579,9 @@ struct FdReader {
     stream: UnixStream,
     fds: VecDeque<OwnedFd>,
     truncated_fds: bool,
+    /// Until the connection has a session: when it must have one (`handshake_timeout_ms`).
+    /// Every read waits at most until then, so a slow or silent peer is closed in time.
+    deadline: Option<Instant>,
 }
 
 impl Read for FdReader {
@@ -516,6 +590,16 @@ impl Read for FdReader {
         let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
         let mut control = RecvAncillaryBuffer::new(&mut space);
         let mut iov = [IoSliceMut::new(buf)];
+        if let Some(deadline) = self.deadline {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "no session within handshake_timeout_ms",
+                ));
+            }
+            self.stream.set_read_timeout(Some(left))?;
+        }
         let got = loop {
             match recvmsg(
                 &self.stream,
@@ -549,6 +633,9 @@ struct Connection<'a> {
     reader: FdReader,
     writer: UnixStream,
     peer_pid: i32,
+    /// `SO_PEERCRED` uid and gid of the peer (tenant binding, operator identity).
+    peer_uid: u32,
+    peer_gid: u32,
     handshaken: bool,
     session: Option<Arc<Session>>,
     body: Vec<u8>,
@@ -563,9 +650,10 @@ enum Next {
 impl<'a> Connection<'a> {
     /// `None` when the process is out of descriptors (the connection is then just closed).
     fn new(shared: &'a Arc<Shared>, stream: UnixStream) -> Option<Self> {
-        let peer_pid = rustix::net::sockopt::socket_peercred(&stream)
-            .map(|c| c.pid.as_raw_nonzero().get())
-            .unwrap_or(0);
+        let credentials = rustix::net::sockopt::socket_peercred(&stream).ok()?;
+        let peer_pid = credentials.pid.as_raw_nonzero().get();
+        let peer_uid = credentials.uid.as_raw();
+        let peer_gid = credentials.gid.as_raw();
         let writer = stream.try_clone().ok()?;
         Some(Connection {
             shared,
@@ -573,9 +661,15 @@ impl<'a> Connection<'a> {
                 stream,
                 fds: VecDeque::new(),
                 truncated_fds: false,
+                deadline: Some(
+                    Instant::now()
+                        + Duration::from_millis(shared.config.settings.handshake_timeout_ms),
+                ),
             },
             writer,
             peer_pid,
+            peer_uid,
+            peer_gid,
             handshaken: false,
             session: None,
             body: Vec::new(),
@@ -696,7 +790,9 @@ impl<'a> Connection<'a> {
             }
         };
         self.body.clear();
-        self.body.reserve_exact(header.body_len as usize);
+        // Grow with what arrives, not with what the header claims.
+        self.body
+            .reserve((header.body_len as usize).min(KEPT_BUFFER_BYTES));
         let read = (&mut self.reader)
             .take(u64::from(header.body_len))
             .read_to_end(&mut self.body)?;
@@ -732,8 +828,11 @@ impl<'a> Connection<'a> {
             .counters
             .requests
             .fetch_add(1, Ordering::Relaxed);
-        let body = std::mem::take(&mut self.body);
+        let mut body = std::mem::take(&mut self.body);
         let result = self.dispatch(opcode, &body);
+        if body.capacity() > KEPT_BUFFER_BYTES {
+            body = Vec::new();
+        }
         self.body = body;
         match result {
             Ok(reply) => {
@@ -745,15 +844,19 @@ impl<'a> Connection<'a> {
                     FLAG_RESPONSE,
                     &RawBody(&reply),
                 );
-                match written {
-                    Ok(()) => self.writer.write_all(&self.out)?,
+                let sent = match written {
+                    Ok(()) => self.writer.write_all(&self.out),
                     Err(e) => self.reply_error(
                         raw_opcode,
                         request_id,
                         error_code::INTERNAL,
                         &e.to_string(),
-                    )?,
+                    ),
+                };
+                if self.out.capacity() > KEPT_BUFFER_BYTES {
+                    self.out = Vec::new();
                 }
+                sent?;
             }
             Err(refusal) => {
                 if refusal.code == error_code::MALFORMED {
@@ -817,7 +920,15 @@ impl<'a> Connection<'a> {
             }
             Opcode::OpenSession => self.open_session(OpenSession::decode(body)?),
             Opcode::Stats => {
-                let doc = stats_document(self.shared, self.session.as_deref());
+                let operator = self.shared.config.is_operator(self.peer_uid);
+                let mut doc = stats_document(self.shared, self.session.as_deref());
+                if !operator {
+                    // Other tenants' sessions (their names, pids, traffic) are an operator's.
+                    let own = self.session.as_ref().map(|s| s.tenant.clone());
+                    if let Some(list) = doc["sessions"].as_array_mut() {
+                        list.retain(|s| own.as_deref().is_some_and(|t| s["tenant"] == t));
+                    }
+                }
                 encode(&TextReply {
                     text: doc.to_string(),
                 })
@@ -832,9 +943,9 @@ impl<'a> Connection<'a> {
                 let removed = session.regions.write().remove(&grant.region);
                 match removed {
                     Some(mapping) => {
-                        session
-                            .mapped_bytes
-                            .fetch_sub(mapping.len() as u64, Ordering::Relaxed);
+                        let len = mapping.len() as u64;
+                        session.mapped_bytes.fetch_sub(len, Ordering::AcqRel);
+                        self.shared.mapped_total.fetch_sub(len, Ordering::AcqRel);
                         Ok(Vec::new())
                     }
                     None => Err(Refusal::new(
@@ -907,7 +1018,7 @@ impl<'a> Connection<'a> {
             Opcode::Clear => {
                 empty(body, "clear")?;
                 let session = self.session()?;
-                session.store.client.clear();
+                clear_namespace(self.shared, session);
                 Ok(Vec::new())
             }
             Opcode::PeerHello
@@ -931,6 +1042,16 @@ impl<'a> Connection<'a> {
             }
             Opcode::Inspect => {
                 let query = InspectQuery::decode(body)?;
+                if !self.shared.config.is_operator(self.peer_uid) {
+                    return Err(Refusal::new(
+                        error_code::REGISTRATION,
+                        format!(
+                            "Inspect lists every tenant's keys: only an operator (the server's \
+                             uid, root or operator_uids) may ask; uid {} is not one",
+                            self.peer_uid
+                        ),
+                    ));
+                }
                 encode(&TextReply {
                     text: inspect_document(self.shared, &query).to_string(),
                 })
@@ -954,7 +1075,11 @@ impl<'a> Connection<'a> {
                 let sessions = self.shared.sessions.lock();
                 let session = sessions
                     .get(&ticket.session_id)
-                    .filter(|s| s.token == ticket.token)
+                    .filter(|s| {
+                        s.token == ticket.token
+                            && (s.uid == self.peer_uid
+                                || self.shared.config.is_operator(self.peer_uid))
+                    })
                     .cloned()
                     .ok_or_else(|| {
                         Refusal::new(
@@ -966,6 +1091,20 @@ impl<'a> Connection<'a> {
                 session
             }
             None => {
+                if !self
+                    .shared
+                    .config
+                    .may_open_tenant(&open.tenant, self.peer_uid, self.peer_gid)
+                {
+                    return Err(Refusal::new(
+                        error_code::NO_SESSION,
+                        format!(
+                            "tenant {:?} is bound to other credentials (tenant_access); \
+                             uid {} gid {} may not open it",
+                            open.tenant, self.peer_uid, self.peer_gid
+                        ),
+                    ));
+                }
                 if open.tenant.contains(['\0', '\x1f']) {
                     return Err(Refusal::new(
                         error_code::MALFORMED,
@@ -980,15 +1119,22 @@ impl<'a> Connection<'a> {
                     .clone();
                 let mut namespace = open.tenant.as_bytes().to_vec();
                 namespace.push(0x1f);
+                let token = random_token().map_err(|e| {
+                    Refusal::new(
+                        error_code::INTERNAL,
+                        format!("no random session token (getrandom: {e})"),
+                    )
+                })?;
                 let id = self.shared.next_session.fetch_add(1, Ordering::Relaxed);
                 let metrics = TenantMetrics::new(&open.tenant);
                 let session = Arc::new(Session {
                     id,
                     metrics,
-                    token: random_u64(),
+                    token,
                     tenant: open.tenant,
                     client_name: open.client_name,
                     pid: self.peer_pid,
+                    uid: self.peer_uid,
                     store,
                     namespace,
                     regions: RwLock::new(HashMap::new()),
@@ -1011,6 +1157,9 @@ impl<'a> Connection<'a> {
             token: session.token,
         };
         self.session = Some(session);
+        // A connection with a session may idle (a client's keeper connection does).
+        self.reader.deadline = None;
+        let _ = self.reader.stream.set_read_timeout(None);
         encode(&ticket)
     }
 
@@ -1035,10 +1184,13 @@ impl<'a> Connection<'a> {
                 ),
             ));
         }
-        let mapped = session.mapped_bytes.load(Ordering::Relaxed);
-        if settings.max_mapped_bytes_per_client > 0
-            && mapped.saturating_add(request.len) > settings.max_mapped_bytes_per_client
-        {
+        // Reserve first (atomically, session and server), map after: registrations running at
+        // once cannot all pass a check made before any of them is counted.
+        if !reserve(
+            &session.mapped_bytes,
+            request.len,
+            settings.max_mapped_bytes_per_client,
+        ) {
             return Err(Refusal::new(
                 error_code::REGISTRATION,
                 format!(
@@ -1047,6 +1199,30 @@ impl<'a> Connection<'a> {
                 ),
             ));
         }
+        if !reserve(
+            &self.shared.mapped_total,
+            request.len,
+            settings.max_mapped_bytes_total,
+        ) {
+            session
+                .mapped_bytes
+                .fetch_sub(request.len, Ordering::AcqRel);
+            return Err(Refusal::new(
+                error_code::REGISTRATION,
+                format!(
+                    "mapping {} more bytes would exceed max_mapped_bytes_total ({})",
+                    request.len, settings.max_mapped_bytes_total
+                ),
+            ));
+        }
+        let release = || {
+            session
+                .mapped_bytes
+                .fetch_sub(request.len, Ordering::AcqRel);
+            self.shared
+                .mapped_total
+                .fetch_sub(request.len, Ordering::AcqRel);
+        };
         let region = session.next_region.fetch_add(1, Ordering::Relaxed);
         let mapping = Mapping::map(
             fd,
@@ -1058,10 +1234,10 @@ impl<'a> Connection<'a> {
             &session.store.client,
             Arc::clone(&self.shared.live_mappings),
         )
-        .map_err(|e| Refusal::new(error_code::REGISTRATION, e.to_string()))?;
-        session
-            .mapped_bytes
-            .fetch_add(mapping.len() as u64, Ordering::Relaxed);
+        .map_err(|e| {
+            release();
+            Refusal::new(error_code::REGISTRATION, e.to_string())
+        })?;
         session.regions.write().insert(region, Arc::new(mapping));
         self.shared
             .counters
@@ -1082,8 +1258,29 @@ fn release_session(shared: &Shared, session: &Arc<Session>) {
                 .counters
                 .regions_unmapped_total
                 .fetch_add(regions.len() as u64, Ordering::Relaxed);
-            session.mapped_bytes.store(0, Ordering::Relaxed);
+            let bytes: u64 = regions.iter().map(|(_, m)| m.len() as u64).sum();
+            session.mapped_bytes.fetch_sub(bytes, Ordering::AcqRel);
+            shared.mapped_total.fetch_sub(bytes, Ordering::AcqRel);
         }
+    }
+}
+
+/// `Clear` from a session: only its tenant's namespace. A tenant with its own partition owns
+/// that whole store (cleared at once, segment headers included); in the shared main store,
+/// which also holds other tenants' objects and, on a cluster node, objects stored for other
+/// hosts, only the keys under `tenant 0x1f` are removed.
+fn clear_namespace(shared: &Shared, session: &Session) {
+    let own_partition = shared
+        .partitions
+        .get(&session.tenant)
+        .is_some_and(|p| Arc::ptr_eq(p, &session.store));
+    if own_partition {
+        session.store.client.clear();
+    } else {
+        session
+            .store
+            .client
+            .with_engine(|engine| engine.remove_prefix(&session.namespace));
     }
 }
 
@@ -1353,6 +1550,7 @@ fn stats_document(shared: &Shared, you: Option<&Session>) -> Value {
         mapped_regions += regions.len();
         mapped_bytes += s.mapped_bytes.load(Ordering::Relaxed);
         let unsealed = regions.values().filter(|m| !m.sealed()).count();
+        let revoked = regions.values().filter(|m| m.revoked()).count();
         let c = &s.counters;
         list.push(json!({
             "session": s.id,
@@ -1363,6 +1561,7 @@ fn stats_document(shared: &Shared, you: Option<&Session>) -> Value {
             "connections": s.connections.load(Ordering::Relaxed),
             "regions": regions.len(),
             "unsealed_regions": unsealed,
+            "revoked_regions": revoked,
             "mapped_bytes": s.mapped_bytes.load(Ordering::Relaxed),
             "requests": c.requests.load(Ordering::Relaxed),
             "pages_put": c.pages_put.load(Ordering::Relaxed),
@@ -1400,6 +1599,7 @@ fn stats_document(shared: &Shared, you: Option<&Session>) -> Value {
             "mapped_regions": mapped_regions,
             "mapped_bytes": mapped_bytes,
             "live_mappings": shared.live_mappings.load(Ordering::SeqCst),
+            "recovered_faults": crate::fault_guard::recovered_faults(),
             "regions_mapped_total": c.regions_mapped_total.load(Ordering::Relaxed),
             "regions_unmapped_total": c.regions_unmapped_total.load(Ordering::Relaxed),
             "shutting_down": shared.shutting_down.load(Ordering::Relaxed),

@@ -11,13 +11,18 @@
 //! registers its exact range in that client's region registry and unregisters it in `Drop`
 //! *before* unmapping, so the registry never holds a range that is not mapped.
 //!
+//! Only shared-memory files are accepted: `F_GET_SEALS` must succeed and the file system must
+//! be tmpfs or hugetlbfs (a memfd is either), so a client cannot make server threads block in
+//! page faults of a disk or FUSE file. Memfds that allow sealing are sealed against shrinking
+//! and growing *before* their size is checked, so the checked size is final. Memfds that
+//! cannot be sealed (SGLang's `ShmHostTensorAllocator` creates them without
+//! `MFD_ALLOW_SEALING`) are entered in the SIGBUS guard ([`crate::fault_guard`]): if the client
+//! truncates one, the server's fault on it revokes the region (its pages then fail) instead of
+//! killing the server; stats report such regions as `sealed: false`.
+//!
 //! What the checks cannot cover: the bytes are shared with the client process, which may
 //! write them while the server copies (it then gets torn bytes of its own pages, never another
-//! client's), and a client that shrinks its memfd after registration would make the server
-//! fault. Memfds that allow sealing are sealed against shrinking here; SGLang's
-//! `ShmHostTensorAllocator` creates memfds without `MFD_ALLOW_SEALING`, so for those the
-//! server relies on the socket's permissions (same user, mode 0600) — reported as
-//! `sealed: false` in stats.
+//! client's).
 
 use std::ffi::c_void;
 use std::os::fd::OwnedFd;
@@ -26,7 +31,14 @@ use std::sync::Arc;
 
 use kvtier_client::memory::RegionId;
 use kvtier_client::{Client, MemRef};
-use rustix::fs::{fcntl_add_seals, fcntl_get_seals, fstat, FileType, SealFlags};
+use rustix::fs::{fcntl_add_seals, fcntl_get_seals, fstat, fstatfs, FileType, SealFlags};
+
+use crate::fault_guard::{self, Guard, GuardError};
+
+/// `statfs` magic of tmpfs (memfds live on an internal tmpfs mount).
+const TMPFS_MAGIC: i64 = 0x0102_1994;
+/// `statfs` magic of hugetlbfs (`MFD_HUGETLB` memfds).
+const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
 use rustix::mm::{mmap, munmap, MapFlags, ProtFlags};
 
 /// Why a region could not be mapped, or a range is not inside it.
@@ -36,6 +48,10 @@ pub enum ShmError {
     Empty,
     #[error("the passed descriptor is not a regular shared-memory file (memfd or tmpfs)")]
     NotAFile,
+    #[error("the passed descriptor is not a memfd ({0}); only tmpfs/hugetlbfs memory is mapped")]
+    NotShared(&'static str),
+    #[error(transparent)]
+    Guard(#[from] GuardError),
     #[error("memfd range {offset}+{len} overflows")]
     Overflow { offset: u64, len: u64 },
     #[error("memfd is {size} bytes, smaller than the registered range {offset}+{len}")]
@@ -68,6 +84,8 @@ pub struct Mapping {
     data: usize,
     len: usize,
     sealed: bool,
+    /// The SIGBUS guard of an unsealed mapping (dropped before the unmap).
+    guard: Option<Guard>,
     label: String,
     region: u64,
     /// The embedded client whose registry holds `[data, data+len)`, and the id there.
@@ -120,6 +138,19 @@ impl Mapping {
         if FileType::from_raw_mode(stat.st_mode) != FileType::RegularFile {
             return Err(ShmError::NotAFile);
         }
+        let magic = fstatfs(&fd).map_err(|e| ShmError::Stat(e.into()))?.f_type as i64;
+        if magic != TMPFS_MAGIC && magic != HUGETLBFS_MAGIC {
+            return Err(ShmError::NotShared(
+                "its file system is not tmpfs or hugetlbfs",
+            ));
+        }
+        // Seal first, then check the size: once sealed, the size checked below is final.
+        let seals = fcntl_get_seals(&fd)
+            .map_err(|_| ShmError::NotShared("F_GET_SEALS is not supported on it"))?;
+        let sealed = seals.contains(SealFlags::SHRINK)
+            || (!seals.contains(SealFlags::SEAL)
+                && fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW).is_ok());
+        let stat = fstat(&fd).map_err(|e| ShmError::Stat(e.into()))?;
         let size = u64::try_from(stat.st_size).unwrap_or(0);
         if size < end {
             return Err(ShmError::TooShort {
@@ -128,14 +159,6 @@ impl Mapping {
                 len,
             });
         }
-        // Seal against shrinking where the memfd allows it, so no page can vanish under us.
-        let sealed = match fcntl_get_seals(&fd) {
-            Ok(seals) if seals.contains(SealFlags::SHRINK) => true,
-            Ok(seals) if !seals.contains(SealFlags::SEAL) => {
-                fcntl_add_seals(&fd, SealFlags::SHRINK).is_ok()
-            }
-            _ => false,
-        };
         let page = rustix::param::page_size() as u64;
         let aligned = fd_offset - fd_offset % page;
         let data = usize::try_from(fd_offset - aligned).map_err(|_| ShmError::Overflow {
@@ -147,8 +170,15 @@ impl Mapping {
             len,
         })?;
         let len = map_len - data;
+        // Pre-fault only memory the client has already allocated: populating a sparse memfd
+        // would make the server commit (and be charged for) memory the client never touched.
+        // hugetlbfs pages are reserved at mmap time, so prefaulting them commits nothing new.
+        let hugetlb = magic == HUGETLBFS_MAGIC;
+        let allocated = u64::try_from(stat.st_blocks)
+            .unwrap_or(0)
+            .saturating_mul(512);
         let mut flags = MapFlags::SHARED;
-        if prefault {
+        if prefault && (hugetlb || allocated >= size) {
             flags |= MapFlags::POPULATE;
         }
         // SAFETY: a new mapping at a kernel-chosen address (null hint), so it aliases nothing
@@ -172,15 +202,29 @@ impl Mapping {
             data: base + data,
             len,
             sealed,
+            guard: None,
             label: label.to_string(),
             region,
             registered: None,
             live,
         };
-        // SAFETY: `[data, data+len)` is inside the mapping created above, which stays mapped
-        // until Drop, and Drop unregisters it from `client` before unmapping.
-        let id = unsafe { client.register_region(mapping.data, len, label) }
-            .map_err(|e| ShmError::Register(e.to_string()))?;
+        // An unsealed memfd can shrink under us, and a hugetlbfs page can fail to materialise
+        // at its first fault (pool exhausted): either raises SIGBUS, so guard the whole mapping
+        // before any access (MAP_POPULATE faults it in from the kernel, not from user space).
+        if !sealed || hugetlb {
+            mapping.guard = Some(fault_guard::guard(base, map_len)?);
+        }
+        let id = match &mapping.guard {
+            // SAFETY: `[data, data+len)` is inside the mapping created above, which stays
+            // mapped until Drop (revoked memory is replaced in place, and the check says so),
+            // and Drop unregisters it from `client` before unmapping.
+            Some(guard) => unsafe {
+                client.register_region_checked(mapping.data, len, label, guard.intact_check())
+            },
+            // SAFETY: as above; a sealed memfd cannot lose pages, so no check is needed.
+            None => unsafe { client.register_region(mapping.data, len, label) },
+        }
+        .map_err(|e| ShmError::Register(e.to_string()))?;
         mapping.registered = Some((Arc::clone(client), id));
         Ok(mapping)
     }
@@ -195,6 +239,12 @@ impl Mapping {
 
     pub fn sealed(&self) -> bool {
         self.sealed
+    }
+
+    /// Whether the client revoked this region (truncated its unsealed memfd; the guard caught
+    /// the fault). Its pages fail from then on.
+    pub fn revoked(&self) -> bool {
+        self.guard.as_ref().is_some_and(|g| !g.intact())
     }
 
     pub fn label(&self) -> &str {
@@ -243,8 +293,10 @@ impl Drop for Mapping {
         if let Some((client, id)) = self.registered.take() {
             client.unregister_region(id);
         }
+        // Unguard before unmapping, so the handler never sees a range that is not ours.
+        drop(self.guard.take());
         // SAFETY: base/map_len are exactly what mmap returned; the range is no longer in any
-        // registry (above) and no request holds this Mapping (we are its last owner).
+        // registry or guard (above) and no request holds this Mapping (we are its last owner).
         let _ = unsafe { munmap(self.base as *mut c_void, self.map_len) };
         self.live.fetch_sub(1, Ordering::SeqCst);
     }

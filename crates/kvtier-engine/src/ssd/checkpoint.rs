@@ -142,8 +142,20 @@ impl<'a> Reader<'a> {
 /// Write atomically: temp file, fsync, rename, fsync the directory.
 pub(crate) fn write(dir: &Path, c: &Checkpoint) -> io::Result<()> {
     use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
     let tmp = dir.join("index.ckpt.tmp");
-    let mut f = std::fs::File::create(&tmp)?;
+    // A stale or planted temp entry (a symlink included) is removed, never written through.
+    match std::fs::remove_file(&tmp) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+        .open(&tmp)?;
     f.write_all(&c.encode())?;
     f.sync_all()?;
     drop(f);
@@ -153,7 +165,23 @@ pub(crate) fn write(dir: &Path, c: &Checkpoint) -> io::Result<()> {
 
 /// Read and decode `dir`'s checkpoint, if there is an intact one.
 pub(crate) fn read(dir: &Path) -> Option<Checkpoint> {
-    Checkpoint::decode(&std::fs::read(path(dir)).ok()?)
+    use std::io::Read;
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+        .open(path(dir))
+        .ok()?;
+    let meta = file.metadata().ok()?;
+    if !meta.file_type().is_file() || meta.uid() != rustix::process::geteuid().as_raw() {
+        tracing::warn!(
+            "kvtier: the SSD checkpoint is not a regular file of ours; ignored (scan instead)"
+        );
+        return None;
+    }
+    let mut bytes = Vec::new();
+    file.read_to_end(&mut bytes).ok()?;
+    Checkpoint::decode(&bytes)
 }
 
 /// Delete the checkpoint durably (no-op if absent).

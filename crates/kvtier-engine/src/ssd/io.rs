@@ -57,8 +57,10 @@ pub(crate) fn probe_direct(dir: &Path) -> bool {
             .write(true)
             .create(true)
             .truncate(true)
-            .custom_flags(libc_o_direct())
+            .mode(0o600)
+            .custom_flags(libc_o_direct() | o_nofollow())
             .open(&path)?;
+        check_own_file(&f, &path)?;
         let mut buf = AlignedBuf::zeroed(ALIGN);
         buf.as_mut_slice()[0] = 0x5A;
         f.write_all_at(buf.as_slice(), 0)?;
@@ -77,6 +79,62 @@ fn libc_o_direct() -> i32 {
     rustix::fs::OFlags::DIRECT.bits() as i32
 }
 
+/// `O_NOFOLLOW`: every file of the directory is opened without following a symlink, so an
+/// entry planted as a link to another file (`seg-000000.kvt -> /victim`) is an error, never
+/// a write through to the victim.
+fn o_nofollow() -> i32 {
+    rustix::fs::OFlags::NOFOLLOW.bits() as i32
+}
+
+/// An opened file of the SSD directory must be a regular file owned by this process's uid.
+fn check_own_file(file: &File, path: &Path) -> io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = file.metadata()?;
+    let uid = rustix::process::geteuid().as_raw();
+    if !meta.file_type().is_file() || meta.uid() != uid {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "{} is not a regular file owned by uid {uid}; refusing to use it",
+                path.display()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Create the SSD directory (mode 0700, parents included) if missing, then refuse it unless it
+/// is a real directory (not a symlink) owned by this uid and not writable by group or others:
+/// anyone who can write it could plant entries the tier would open.
+pub(crate) fn ensure_private_dir(dir: &Path) -> io::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)?;
+    let meta = std::fs::symlink_metadata(dir)?;
+    let uid = rustix::process::geteuid().as_raw();
+    let problem = if !meta.file_type().is_dir() {
+        Some("is not a directory (a symlink or a file is in the way)".to_string())
+    } else if meta.uid() != uid {
+        Some(format!("is owned by uid {}, not {uid}", meta.uid()))
+    } else if meta.mode() & 0o022 != 0 {
+        Some(format!(
+            "has mode {:o}: group or others may write it (chmod go-w, or use a private directory)",
+            meta.mode() & 0o7777
+        ))
+    } else {
+        None
+    };
+    match problem {
+        Some(why) => Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!("SSD directory {} {why}", dir.display()),
+        )),
+        None => Ok(()),
+    }
+}
+
 /// One open segment file.
 pub(crate) struct SegFile {
     file: File,
@@ -93,12 +151,16 @@ impl SegFile {
         faults: Arc<Faults>,
     ) -> io::Result<SegFile> {
         let mut o = OpenOptions::new();
-        o.read(true).write(true).create(create);
+        o.read(true).write(true).create(create).mode(0o600);
+        let mut flags = o_nofollow();
         if direct {
-            o.custom_flags(libc_o_direct());
+            flags |= libc_o_direct();
         }
+        o.custom_flags(flags);
+        let file = o.open(path)?;
+        check_own_file(&file, path)?;
         Ok(SegFile {
-            file: o.open(path)?,
+            file,
             faults,
             backend: SsdIoBackend::Posix,
         })
@@ -108,9 +170,11 @@ impl SegFile {
     pub(crate) fn open_read_only(path: &Path, direct: bool) -> io::Result<SegFile> {
         let mut o = OpenOptions::new();
         o.read(true);
+        let mut flags = o_nofollow();
         if direct {
-            o.custom_flags(libc_o_direct());
+            flags |= libc_o_direct();
         }
+        o.custom_flags(flags);
         Ok(SegFile {
             file: o.open(path)?,
             faults: Arc::default(),
@@ -262,7 +326,10 @@ pub(crate) fn lock_dir(dir: &Path) -> io::Result<File> {
         .write(true)
         .create(true)
         .truncate(false)
+        .mode(0o600)
+        .custom_flags(o_nofollow())
         .open(dir.join("LOCK"))?;
+    check_own_file(&f, &dir.join("LOCK"))?;
     rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockExclusive).map_err(|e| {
         if e == rustix::io::Errno::WOULDBLOCK {
             io::Error::new(
@@ -281,17 +348,34 @@ pub(crate) fn segment_path(dir: &Path, id: u32) -> PathBuf {
     dir.join(format!("seg-{id:06}.kvt"))
 }
 
-/// Segment ids present in `dir`, ascending.
+/// Segment ids present in `dir`, ascending. A segment-named entry that is not a regular file
+/// owned by this uid (a symlink, a device, another user's file) is foreign: it is skipped with
+/// a warning and its directory entry removed (never what it points to), so the id can be
+/// created afresh and nothing is ever written through it.
 pub(crate) fn list_segments(dir: &Path) -> io::Result<Vec<u32>> {
+    use std::os::unix::fs::MetadataExt;
+    let uid = rustix::process::geteuid().as_raw();
     let mut ids = Vec::new();
     for entry in std::fs::read_dir(dir)? {
-        let name = entry?.file_name();
+        let entry = entry?;
+        let name = entry.file_name();
         let Some(name) = name.to_str() else { continue };
         if let Some(id) = name
             .strip_prefix("seg-")
             .and_then(|s| s.strip_suffix(".kvt"))
             .and_then(|s| s.parse::<u32>().ok())
         {
+            let meta = std::fs::symlink_metadata(entry.path())?;
+            if !meta.file_type().is_file() || meta.uid() != uid {
+                tracing::warn!(
+                    entry = %entry.path().display(),
+                    owner = meta.uid(),
+                    "kvtier: foreign entry in the SSD directory (not a regular file of ours): \
+                     skipped and unlinked"
+                );
+                std::fs::remove_file(entry.path())?;
+                continue;
+            }
             ids.push(id);
         }
     }

@@ -957,7 +957,7 @@ impl SsdTier {
         progress: &mut dyn FnMut(&RecoveryProgress),
     ) -> Result<SsdTier, EngineError> {
         let dir = config.ssd_storage_dir.clone();
-        std::fs::create_dir_all(&dir).map_err(EngineError::SsdOpen)?;
+        sio::ensure_private_dir(&dir).map_err(EngineError::SsdOpen)?;
         let lock = sio::lock_dir(&dir).map_err(EngineError::SsdOpen)?;
         let direct = sio::probe_direct(&dir);
         if !direct {
@@ -1549,6 +1549,16 @@ fn recover(
                 // Every in-use segment must be listed, else it was written after the checkpoint.
                 !h.is_some_and(|h| h.in_use)
                     || c.segments.iter().any(|&(id, _, _)| id as usize == i)
+            })
+            // Every entry must describe a record inside its segment (a checkpoint is input:
+            // one out of range is damage, and the segments are scanned instead).
+            && c.entries.iter().all(|e| {
+                e.rec_len > 0
+                    && e.offset % ALIGN as u64 == 0
+                    && e.offset.checked_add(e.rec_len).is_some_and(|end| end <= seg_size)
+                    && u64::from(e.payload_offset)
+                        .checked_add(e.payload_len)
+                        .is_some_and(|end| end <= e.rec_len)
             })
     });
     if let (Some(c), true) = (&ckpt, ckpt_ok) {
