@@ -173,7 +173,7 @@ impl LocalCluster {
                 "--lease-ms".into(),
                 LEASE_MS.to_string(),
             ],
-            &[],
+            &[("KVTIER_CLUSTER_TOKEN", &token)],
         )?;
         let deadline = Instant::now() + Duration::from_secs(20);
         while TcpStream::connect(&master_addr).is_err() {

@@ -16,6 +16,23 @@ const RPC_TIMEOUT: Duration = Duration::from_secs(3);
 /// Separates the tenant from the key, as in every other mode.
 const TENANT_SEPARATOR: u8 = 0x1f;
 
+/// The cluster token, read the ways a node reads it (`KVTIER_CLUSTER_TOKEN`, or
+/// `cluster_token` in `KVTIER_CONFIG_FILE`); every master RPC must prove it.
+pub fn cluster_token() -> Result<Vec<u8>, String> {
+    let config = kvtier_client::KvtierConfig::load(
+        kvtier_client::config::ConfigSources::from_process(serde_json::Map::new()),
+    )
+    .map_err(|e| format!("reading the cluster token: {e}"))?;
+    match config.cluster_token {
+        Some(token) if !token.is_empty() => Ok(token.into_bytes()),
+        _ => Err(
+            "no cluster token: set KVTIER_CLUSTER_TOKEN (or cluster_token in \
+             KVTIER_CONFIG_FILE), the token of the cluster's nodes"
+                .into(),
+        ),
+    }
+}
+
 fn link(masters: &str) -> Result<(tokio::runtime::Runtime, MasterLink), String> {
     let addresses: Vec<String> = masters
         .split(',')
@@ -32,7 +49,7 @@ fn link(masters: &str) -> Result<(tokio::runtime::Runtime, MasterLink), String> 
         .map_err(|e| format!("tokio runtime: {e}"))?;
     Ok((
         runtime,
-        MasterLink::new(addresses, RPC_TIMEOUT, LEADER_SEARCH),
+        MasterLink::new(addresses, cluster_token()?, RPC_TIMEOUT, LEADER_SEARCH),
     ))
 }
 

@@ -65,7 +65,10 @@ enum Command {
     #[command(flatten)]
     Server(serve::ServerCommand),
     /// Run a cluster master (node registry, key directory, placement; etcd leader election
-    /// with --etcd) until SIGTERM/SIGINT.
+    /// with --etcd) until SIGTERM/SIGINT. Every RPC must prove the cluster token, read from
+    /// KVTIER_CLUSTER_TOKEN or cluster_token in KVTIER_CONFIG_FILE (required; never sent).
+    /// Limits: 16 MiB per message, 65,536 keys per call, 256 RPCs in flight (32 per
+    /// connection), existence queries within 2 s.
     Master(master::MasterArgs),
 }
 

@@ -8,7 +8,10 @@ use std::time::Duration;
 use kvtier_master::{run, MasterConfig};
 
 /// Run a master until SIGTERM/SIGINT. Without --etcd it is the single master of the cluster;
-/// with --etcd several masters elect a leader and the others stand by.
+/// with --etcd several masters elect a leader and the others stand by. Every RPC must prove
+/// the cluster token (never sent in clear), read like a node reads it: KVTIER_CLUSTER_TOKEN,
+/// or cluster_token in the TOML file KVTIER_CONFIG_FILE names; the master does not start
+/// without one.
 #[derive(Debug, Clone, clap::Args)]
 pub struct MasterArgs {
     /// RPC address to listen on.
@@ -62,7 +65,9 @@ pub fn master(args: MasterArgs) -> Result<ExitCode, String> {
     if args.lease_ms < 100 {
         return Err("--lease-ms must be at least 100".into());
     }
+    let token = crate::cluster_view::cluster_token()?;
     let config = MasterConfig {
+        token: token.clone(),
         listen: args.listen,
         advertise: args.advertise,
         lease: Duration::from_millis(args.lease_ms),
@@ -81,7 +86,7 @@ pub fn master(args: MasterArgs) -> Result<ExitCode, String> {
     // Started before the RPC port binds, so an address in use fails the start.
     let _metrics = match &args.metrics_addr {
         Some(addr) => {
-            let m = crate::master_metrics::start(addr, args.listen)
+            let m = crate::master_metrics::start(addr, args.listen, token.clone())
                 .map_err(|e| format!("metrics_addr {addr}: {e}"))?;
             eprintln!("kvtier master: metrics at {}", m.endpoint.url());
             Some(m)

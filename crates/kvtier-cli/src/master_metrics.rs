@@ -10,8 +10,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvtier_client::cluster::master::{connect, MasterCredential};
 use kvtier_client::metrics::{self, names, Collector, Endpoint, Samples};
-use kvtier_master::rpc::master_client::MasterClient;
 use kvtier_master::rpc::ClusterRequest;
 use parking_lot::Mutex;
 
@@ -19,17 +19,21 @@ use parking_lot::Mutex;
 const SCRAPE_RPC_TIMEOUT: Duration = Duration::from_secs(2);
 
 struct MasterCollector {
-    /// `http://HOST:PORT` of this master's RPC port.
-    url: String,
+    /// `HOST:PORT` of this master's RPC port.
+    address: String,
+    /// The cluster token's proof (the scrape's RPC is authenticated like any other).
+    credential: MasterCredential,
     runtime: Mutex<tokio::runtime::Runtime>,
 }
 
 impl Collector for MasterCollector {
     fn collect(&self, out: &mut Samples) {
-        let url = self.url.clone();
+        let (address, credential) = (self.address.clone(), self.credential.clone());
         let reply = self.runtime.lock().block_on(async move {
             let fetch = async {
-                let mut client = MasterClient::connect(url).await.ok()?;
+                let mut client = connect(&address, credential, SCRAPE_RPC_TIMEOUT)
+                    .await
+                    .ok()?;
                 client
                     .cluster(ClusterRequest {})
                     .await
@@ -103,7 +107,11 @@ pub struct MasterMetrics {
 
 /// Start the endpoint on `addr` for the master whose RPC port is `rpc` (an unspecified
 /// address such as `0.0.0.0` is reached on loopback).
-pub fn start(addr: &str, rpc: std::net::SocketAddr) -> Result<MasterMetrics, String> {
+pub fn start(
+    addr: &str,
+    rpc: std::net::SocketAddr,
+    token: Vec<u8>,
+) -> Result<MasterMetrics, String> {
     let endpoint = metrics::serve(addr).map_err(|e| e.to_string())?;
     let mut target = rpc;
     if target.ip().is_unspecified() {
@@ -114,7 +122,8 @@ pub fn start(addr: &str, rpc: std::net::SocketAddr) -> Result<MasterMetrics, Str
         .build()
         .map_err(|e| format!("metrics runtime: {e}"))?;
     let collector: Arc<dyn Collector> = Arc::new(MasterCollector {
-        url: format!("http://{target}"),
+        address: target.to_string(),
+        credential: MasterCredential::new(token),
         runtime: Mutex::new(runtime),
     });
     metrics::register_collector(Arc::downgrade(&collector));

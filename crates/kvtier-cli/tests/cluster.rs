@@ -2,7 +2,7 @@
 //! --master` nodes on different loopback addresses (127.0.0.2 and 127.0.0.3 stand in for two
 //! hosts), and cluster-mode clients in this process. Covers local-first placement, reads
 //! from the other node byte-exact, first-writer-wins, exists_v2 in one round trip, a wrong
-//! cluster token, an unknown node id, and a node kill (its objects become misses, the rest
+//! cluster token (the client cannot open), an unknown node id, and a node kill (its objects become misses, the rest
 //! keeps working).
 
 mod common;
@@ -132,18 +132,19 @@ fn two_nodes_share_pages_and_survive_a_node_kill() {
         "a second writer overwrote the first"
     );
 
-    // A client with a wrong token: puts fail cleanly, nothing stored, others unaffected.
-    let intruder = client(&cluster, "node-b", "wrong-token");
+    // A client with a wrong token cannot even open: the master refuses its first RPC.
+    let config = KvtierConfig {
+        master_address: Some(cluster.master_addr.clone()),
+        cluster_token: Some("wrong-token".into()),
+        cluster_request_timeout_ms: 500,
+        cluster_master_retry_ms: 1000,
+        ..KvtierConfig::default()
+    };
+    match Client::open(config) {
+        Ok(_) => panic!("a client with a wrong token opened"),
+        Err(e) => assert!(e.to_string().contains("credential"), "{e}"),
+    }
     let keys = [b"intruder-key".to_vec()];
-    let one = Pool::new(1, 4096);
-    one.register(&intruder);
-    let r = intruder.put_keys(&keys, &one.refs(), None);
-    assert_eq!(r.ok, vec![false]);
-    assert!(
-        r.errors.iter().any(|e| e.contains("token")),
-        "{:?}",
-        r.errors
-    );
     assert_eq!(decode.exists_keys(&keys), vec![false]);
 
     // An unknown node id still works (placement picks a live node).

@@ -14,6 +14,7 @@ use kvtier_client::{Client, KvtierConfig};
 fn kvtier(args: &[&str]) -> (i32, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
         .args(args)
+        .env("KVTIER_CLUSTER_TOKEN", TOKEN)
         .output()
         .expect("run kvtier");
     (

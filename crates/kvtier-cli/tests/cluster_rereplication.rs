@@ -47,6 +47,7 @@ fn holders(client: &Client, key: &str) -> BTreeSet<String> {
 fn stat_json(master: &str) -> serde_json::Value {
     let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
         .args(["stat", "--master", master, "--json"])
+        .env("KVTIER_CLUSTER_TOKEN", common::TOKEN)
         .output()
         .expect("run kvtier stat");
     assert!(
@@ -150,6 +151,7 @@ fn objects_that_lost_a_replica_get_it_back_and_survive_a_second_failure() {
     args.extend(keys.iter().cloned());
     let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
         .args(&args)
+        .env("KVTIER_CLUSTER_TOKEN", common::TOKEN)
         .output()
         .expect("run kvtier inspect");
     assert!(

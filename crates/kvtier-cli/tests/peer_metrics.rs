@@ -64,7 +64,11 @@ fn peer_transfer_bytes_count_remote_puts_and_gets_on_both_sides() {
         .enumerate()
         .map(|(i, &len)| (0..len).map(|b| (b * 7 + i) as u8).collect())
         .collect();
-    let total: u64 = values.iter().map(|v| v.len() as u64).sum();
+    // Objects as stored: each with its 8-byte end-to-end checksum trailer.
+    let total: u64 = values
+        .iter()
+        .map(|v| (v.len() + kvtier_proto::auth::CHECKSUM_LEN) as u64)
+        .sum();
     let keys: Vec<String> = (0..values.len()).map(|i| format!("pm/{i}")).collect();
     // The node sees this process by its IP; this process sees the node by its data address.
     let node_in = transfer(&node_metrics, "127.0.0.1", "in");

@@ -102,6 +102,13 @@ pub mod names {
     pub const TENANT_PAGES: &str = "kvtier_tenant_pages_total";
     /// Counter `{peer, direction}`: page bytes moved to / from a cluster peer (cluster mode).
     pub const PEER_TRANSFER_BYTES: &str = "kvtier_peer_transfer_bytes_total";
+    /// Counter `{peer}`: objects a cluster client read whose bytes failed their end-to-end
+    /// checksum (each a miss, never a hit).
+    pub const CLUSTER_INTEGRITY_FAILURES: &str = "kvtier_cluster_integrity_failures_total";
+    /// Counter `{reason}`: connections a node's data port refused or cut before they proved
+    /// the cluster token (`unauthorized`, `hello_timeout`, `too_many_unauthenticated`,
+    /// `too_many_connections`).
+    pub const DATA_PORT_REFUSED: &str = "kvtier_data_port_refused_total";
     /// Gauge: 1 when the scrape reached this `kvtier master`'s RPC port.
     pub const MASTER_UP: &str = "kvtier_master_up";
     /// Gauge: 1 while this master leads (single-master mode: always).

@@ -567,7 +567,30 @@ impl Directory {
             }
         };
         // Entries this node no longer reports may now be short of copies.
-        let mut dirty = self.drop_node_entries(index);
+        let dirty = self.drop_node_entries(index);
+        self.add_held_keys(index, keys, dirty);
+        Ok(index)
+    }
+
+    /// More keys registered node `index` holds (the rest of a registration too large for one
+    /// message).
+    pub fn add_keys(&self, index: u16, keys: &[Vec<u8>]) -> Result<(), DirectoryError> {
+        if !self
+            .nodes
+            .read()
+            .iter()
+            .any(|n| n.index == index && n.alive)
+        {
+            return Err(DirectoryError::UnknownNode(index));
+        }
+        let _registering = Registering::start(&self.registering);
+        self.add_held_keys(index, keys, 0);
+        Ok(())
+    }
+
+    /// Add `index` to the entries of `keys`; mark short entries (and the shards in `dirty`)
+    /// for re-replication.
+    fn add_held_keys(&self, index: u16, keys: &[Vec<u8>], mut dirty: u64) {
         let policy = self.policy.read().clone();
         for key in keys {
             let hash = key_hash(key);
@@ -585,7 +608,6 @@ impl Directory {
         if repair.stuck_since.take().is_some() {
             repair.dirty = ALL_SHARDS;
         }
-        Ok(index)
     }
 
     /// Renew a node's lease; `false` when the node is unknown (it must register again).

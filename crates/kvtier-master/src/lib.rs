@@ -24,8 +24,9 @@
 //!   exists only because a live node just reported it.
 //! - Rebuilding is cheap: `tests/rebuild_cost.rs` registers two nodes reporting the same 1 M
 //!   keys (2 M replica entries) in about 0.6 s on a shared 2-core machine (about 300 ns per
-//!   replica); each registration message then carries about 74 bytes per key (1 M keys: about
-//!   74 MB, within the 256 MiB RPC limit).
+//!   replica); registration carries about 74 bytes per key (1 M keys: about 74 MB), sent as a
+//!   `RegisterNode` with the first 65,536 keys and `AddNodeKeys` calls with the rest, each
+//!   within the 16 MiB RPC limit.
 //!
 //! What a failover (or a single master's restart) loses:
 //!
@@ -46,6 +47,7 @@
 //!   re-replication copies it after its start-up grace (see [`directory`]).
 //! - Pending claims and free-space estimates (rebuilt from the next heartbeats).
 
+pub mod auth;
 pub mod directory;
 pub mod election;
 pub mod service;

@@ -3,15 +3,27 @@
 //! Every RPC but `Cluster` is refused with `FAILED_PRECONDITION` on a master that is not the
 //! leader, so a client never reads or writes a follower's (empty) directory; clients find the
 //! leader with `Cluster` on each configured master address.
+//!
+//! Trust: every RPC passed [`crate::auth`] (a fresh proof of the cluster token) before it
+//! reaches a handler here. On top of that a node's identity is bound to its registration:
+//! registering a live node id from another data address is refused (`ALREADY_EXISTS`: the
+//! takeover of a live node), and each registration returns a fresh `node_secret` that the
+//! node-only calls must carry (`Heartbeat`: answered `known = false` otherwise, so a forged
+//! heartbeat never renews a lease; `LeaveNode` and a node's `ReportDropped`:
+//! `PERMISSION_DENIED`). Work is bounded: messages up to [`MAX_RPC_MESSAGE_BYTES`], keys per
+//! call, and the existence fold runs off the async workers within [`EXISTS_DEADLINE`].
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use parking_lot::Mutex;
+
 use kvtier_proto::{Decode, Encode, ExistsV2Query};
 use tonic::{Request, Response, Status};
 
+use crate::auth::{Authenticated, RpcAuthenticator, MAX_RPCS_PER_CONNECTION};
 use crate::directory::{
     Claim, Directory, NodeSpec, NodeState, PlaceRequest, ReplicationPolicy,
     MAX_REPAIR_TASKS_PER_HEARTBEAT,
@@ -40,6 +52,8 @@ pub struct MasterConfig {
     pub etcd_endpoints: Vec<String>,
     pub election_key: String,
     pub election_ttl: Duration,
+    /// The cluster token every RPC must prove (never empty: [`run`] refuses to start without).
+    pub token: Vec<u8>,
 }
 
 impl Default for MasterConfig {
@@ -54,6 +68,7 @@ impl Default for MasterConfig {
             etcd_endpoints: Vec::new(),
             election_key: "/kvtier/master/leader".into(),
             election_ttl: Duration::from_secs(2),
+            token: Vec::new(),
         }
     }
 }
@@ -68,6 +83,25 @@ pub enum MasterError {
     },
     #[error("rpc server failed: {0}")]
     Transport(#[from] tonic::transport::Error),
+    #[error(
+        "no cluster token: set KVTIER_CLUSTER_TOKEN (or cluster_token in KVTIER_CONFIG_FILE), \
+         the same token as the nodes'"
+    )]
+    NoToken,
+}
+
+/// Largest RPC message the master decodes.
+pub const MAX_RPC_MESSAGE_BYTES: usize = 16 << 20;
+/// How long one existence query may evaluate.
+pub const EXISTS_DEADLINE: Duration = Duration::from_secs(2);
+/// Existence queries evaluated at once (blocking threads).
+pub const EXISTS_WORKERS: usize = 2;
+/// Length of a node secret.
+const NODE_SECRET_LEN: usize = 16;
+
+fn secrets_equal(a: &[u8], b: &[u8]) -> bool {
+    // Constant time in the contents.
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// The state every RPC works on.
@@ -75,6 +109,10 @@ pub struct MasterService {
     directory: Arc<Directory>,
     leadership: Arc<Leadership>,
     config: MasterConfig,
+    /// Node id -> the secret its last registration was given.
+    node_secrets: Mutex<HashMap<String, Vec<u8>>>,
+    /// Existence evaluations running at once.
+    exists_slots: Arc<tokio::sync::Semaphore>,
 }
 
 impl MasterService {
@@ -87,7 +125,26 @@ impl MasterService {
             directory,
             leadership,
             config,
+            node_secrets: Mutex::new(HashMap::new()),
+            exists_slots: Arc::new(tokio::sync::Semaphore::new(EXISTS_WORKERS)),
         }
+    }
+
+    /// Whether `secret` is the one node `node_id`'s last registration was given.
+    fn node_secret_ok(&self, node_id: &str, secret: &[u8]) -> bool {
+        self.node_secrets
+            .lock()
+            .get(node_id)
+            .is_some_and(|s| secrets_equal(s, secret))
+    }
+
+    /// The id of the node registered under `index`.
+    fn node_id_of(&self, index: u16) -> Option<String> {
+        self.directory
+            .nodes()
+            .into_iter()
+            .find(|n| n.index == index)
+            .map(|n| n.spec.node_id)
     }
 
     fn lead(&self) -> Result<(), Status> {
@@ -194,11 +251,30 @@ impl Master for MasterService {
                 r.data_address
             )));
         }
-        if r.keys.len() > 16 << 20 {
-            return Err(Status::invalid_argument(
-                "too many keys in one registration",
-            ));
+        check_keys(&r.keys)?;
+        // A live node id keeps its address: another address is a takeover (or a second process
+        // configured with the same id) until the node leaves or its lease lapses.
+        if let Some(live) = self
+            .directory
+            .nodes()
+            .into_iter()
+            .find(|n| n.alive && n.spec.node_id == r.node_id)
+        {
+            if live.spec.data_address != r.data_address {
+                eprintln!(
+                    "kvtier master: refused registering node {:?} at {} (live at {})",
+                    r.node_id, r.data_address, live.spec.data_address
+                );
+                return Err(Status::already_exists(format!(
+                    "node {:?} is live at {}; a registration from {} is refused until it \
+                     leaves or its lease lapses",
+                    r.node_id, live.spec.data_address, r.data_address
+                )));
+            }
         }
+        let secret = kvtier_proto::auth::nonce::<NODE_SECRET_LEN>()
+            .map_err(|e| Status::internal(format!("no random bytes: {e}")))?
+            .to_vec();
         let spec = NodeSpec {
             node_id: r.node_id,
             data_address: r.data_address,
@@ -211,6 +287,7 @@ impl Master for MasterService {
             .directory
             .register(spec, &r.keys)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        self.node_secrets.lock().insert(id.clone(), secret.clone());
         eprintln!(
             "kvtier master: node {id:?} registered (index {index}, {} keys)",
             r.keys.len()
@@ -218,7 +295,35 @@ impl Master for MasterService {
         Ok(Response::new(RegisterNodeReply {
             index: u32::from(index),
             lease_ms: self.directory.lease().as_millis() as u64,
+            node_secret: secret,
         }))
+    }
+
+    async fn add_node_keys(
+        &self,
+        request: Request<AddNodeKeysRequest>,
+    ) -> Result<Response<AddNodeKeysReply>, Status> {
+        let _timer = RpcTimer::start("add_node_keys");
+        self.lead()?;
+        let r = request.into_inner();
+        check_keys(&r.keys)?;
+        if !self.node_secret_ok(&r.node_id, &r.node_secret) {
+            return Err(Status::permission_denied(format!(
+                "node {:?}: only the node itself may add its keys (its registration's secret)",
+                r.node_id
+            )));
+        }
+        let index = self
+            .directory
+            .nodes()
+            .into_iter()
+            .find(|n| n.alive && n.spec.node_id == r.node_id)
+            .map(|n| n.index)
+            .ok_or_else(|| Status::failed_precondition("the node is not registered"))?;
+        self.directory
+            .add_keys(index, &r.keys)
+            .map_err(|e| Status::failed_precondition(e.to_string()))?;
+        Ok(Response::new(AddNodeKeysReply {}))
     }
 
     async fn heartbeat(
@@ -228,7 +333,10 @@ impl Master for MasterService {
         let _timer = RpcTimer::start("heartbeat");
         self.lead()?;
         let r = request.into_inner();
-        let known = self.directory.heartbeat(&r.node_id, r.free_bytes);
+        // A heartbeat without this registration's secret renews nothing: the node (if it is
+        // the real one, after another registration took its secret) registers again.
+        let known = self.node_secret_ok(&r.node_id, &r.node_secret)
+            && self.directory.heartbeat(&r.node_id, r.free_bytes);
         let copy_tasks = if known {
             self.directory
                 .take_repair_tasks(&r.node_id, MAX_REPAIR_TASKS_PER_HEARTBEAT, Instant::now())
@@ -352,7 +460,31 @@ impl Master for MasterService {
         let r = request.into_inner();
         let query = ExistsV2Query::decode(&r.query)
             .map_err(|e| Status::invalid_argument(format!("exists query: {e}")))?;
-        let answer = kvtier_proto::query::evaluate(&query, self.directory.exists_fn())
+        // Off the async workers (a large query over a large directory takes milliseconds), at
+        // most EXISTS_WORKERS at once; a caller waits at most EXISTS_DEADLINE. An evaluation
+        // past the deadline still finishes on its blocking thread (the fold is bounded) but
+        // holds its slot meanwhile, so such queries cannot pile up.
+        let slot = tokio::time::timeout(
+            EXISTS_DEADLINE,
+            Arc::clone(&self.exists_slots).acquire_owned(),
+        )
+        .await
+        .map_err(|_| Status::resource_exhausted("existence queries are queued; retry"))?
+        .map_err(|_| Status::internal("existence slots closed"))?;
+        let directory = Arc::clone(&self.directory);
+        let evaluation = tokio::task::spawn_blocking(move || {
+            let answer = kvtier_proto::query::evaluate(&query, directory.exists_fn());
+            drop(slot);
+            answer
+        });
+        let answer = tokio::time::timeout(EXISTS_DEADLINE, evaluation)
+            .await
+            .map_err(|_| {
+                Status::deadline_exceeded(format!(
+                    "existence query not evaluated within {EXISTS_DEADLINE:?}"
+                ))
+            })?
+            .map_err(|e| Status::internal(format!("existence evaluation failed: {e}")))?
             .map_err(|e| Status::invalid_argument(format!("exists query: {e}")))?;
         let answer = answer
             .encode_to_vec()
@@ -369,6 +501,14 @@ impl Master for MasterService {
         let r = request.into_inner();
         check_keys(&r.keys)?;
         let node = node_index(r.node)?;
+        if !r.node_secret.is_empty() {
+            let owner = self.node_id_of(node);
+            if !owner.is_some_and(|id| self.node_secret_ok(&id, &r.node_secret)) {
+                return Err(Status::permission_denied(format!(
+                    "node {node}: the node secret is not this node's registration's"
+                )));
+            }
+        }
         Ok(Response::new(ReportDroppedReply {
             removed: self.directory.drop_keys(node, &r.keys),
         }))
@@ -381,6 +521,12 @@ impl Master for MasterService {
         let _timer = RpcTimer::start("leave_node");
         self.lead()?;
         let r = request.into_inner();
+        if !self.node_secret_ok(&r.node_id, &r.node_secret) {
+            return Err(Status::permission_denied(format!(
+                "node {:?}: only the node itself may leave (its registration's secret)",
+                r.node_id
+            )));
+        }
         let known = self.directory.leave(&r.node_id);
         if known {
             eprintln!("kvtier master: node {:?} left", r.node_id);
@@ -450,6 +596,9 @@ pub async fn run(
     config: MasterConfig,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), MasterError> {
+    if config.token.is_empty() {
+        return Err(MasterError::NoToken);
+    }
     let advertise = config
         .advertise
         .clone()
@@ -535,6 +684,7 @@ pub async fn run(
             format!("etcd election on {:?}", config.etcd_endpoints)
         }
     );
+    let authenticator = Arc::new(RpcAuthenticator::new(config.token.clone()));
     let service = MasterService::new(config, directory, leadership);
     // Accepted sockets do not get the builder's TCP_NODELAY: without it a reply written in
     // several pieces (a batch of more than about 32 keys) waits on Nagle and the client's
@@ -549,7 +699,11 @@ pub async fn run(
         },
     );
     let result = tonic::transport::Server::builder()
-        .add_service(MasterServer::new(service).max_decoding_message_size(256 << 20))
+        .concurrency_limit_per_connection(MAX_RPCS_PER_CONNECTION)
+        .add_service(Authenticated::new(
+            MasterServer::new(service).max_decoding_message_size(MAX_RPC_MESSAGE_BYTES),
+            authenticator,
+        ))
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await;
     sweeper.abort();

@@ -3,8 +3,10 @@
 //! This crate owns the plain data types that every mode of kvtier speaks — the embedded engine
 //! evaluates them directly, the local server and the cluster master receive them as frames —
 //! so that a whole SGLang v2 existence query (every pool, every hit policy, every verdict) is one
-//! value and therefore one round trip. It depends on nothing but `thiserror`.
+//! value and therefore one round trip. Besides `thiserror` it uses `hmac`/`sha2`/`getrandom`
+//! (credential proofs) and `xxhash-rust` (object checksums) in [`auth`].
 //!
+//! - [`auth`]: proofs of the cluster token (data ports, master RPCs), object checksums.
 //! - [`query`]: the v2 existence query model and its fold.
 //! - [`messages`]: the other request/reply bodies (batches, handshake, error reply).
 //! - [`codec`]: the binary encoding of every body ([`Encode`] / [`Decode`]).
@@ -19,6 +21,7 @@
 #![forbid(unsafe_code)]
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
+pub mod auth;
 pub mod codec;
 pub mod error;
 pub mod frame;

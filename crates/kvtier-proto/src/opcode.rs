@@ -57,9 +57,10 @@ pub enum Opcode {
     /// session: it is the operator's view of every store, keys as stored (tenant prefixes
     /// included).
     Inspect = 18,
-    /// Peer data port, first frame of a connection. Request: [`crate::peer::PeerHello`].
-    /// Response: empty body; a wrong cluster token is answered with an error and the
-    /// connection is closed.
+    /// Peer data port, the challenge-response that opens a connection ([`crate::peer`]):
+    /// first request [`crate::peer::PeerHello`], answered [`crate::peer::PeerChallenge`];
+    /// second request [`crate::peer::PeerAuth`], answered with an empty body. A peer that does
+    /// not prove the cluster token is answered with an error and the connection is closed.
     PeerHello = 19,
     /// Peer data port. Request: [`crate::peer::PeerPutMeta`] followed by the object's bytes up
     /// to the end of the body. Response: empty body, or an error.

@@ -1,23 +1,40 @@
 //! Bodies of the peer data port: what a cluster client sends a node (`kvtier serve --master`)
 //! over TCP, and the error codes the node answers with.
 //!
-//! Every connection starts with [`PeerHello`] carrying the cluster's shared secret; nothing
-//! else is served before the node accepted it. Page bytes travel inside frames, right after a
-//! small metadata prefix ([`PeerPutMeta`]) or as the whole response body (`PeerGet`), so a
-//! reader can take them straight into the destination buffer once it has checked the length.
+//! Every connection starts with a mutual challenge-response over the cluster token
+//! ([`crate::auth`]); the token itself never crosses the wire, and nothing else is served
+//! before both sides proved it:
+//!
+//! 1. client -> node: `PeerHello` frame, body [`PeerHello`] (a fresh client nonce, a name);
+//! 2. node -> client: `PeerHello` response, body [`PeerChallenge`] (a fresh node nonce and the
+//!    node's proof over its data address, as the master lists it and the client dialled it,
+//!    and both nonces: a relay at another address cannot pass a real node's proof on). The client checks the proof before it sends anything
+//!    derived from the token: a process that does not hold the token (a fake node, a
+//!    redirected address) learns nothing and is refused;
+//! 3. client -> node: a second `PeerHello` frame, body [`PeerAuth`] (the client's proof over
+//!    both nonces, under another label); the node answers with an empty body, or
+//!    `UNAUTHORIZED` and closes the connection.
+//!
+//! Page bytes travel inside frames, right after a small metadata prefix ([`PeerPutMeta`]) or as
+//! the whole response body (`PeerGet`), so a reader can take them straight into the
+//! destination buffer once it has checked the length. Cluster objects end with an 8-byte
+//! checksum trailer ([`crate::auth::object_checksum`]) that every reader verifies.
 //!
 //! Wire forms (same primitives as [`crate::codec`]):
 //! ```text
-//! PeerHello   := bytes(token) str(name)
-//! PeerPutMeta := bytes(key) (0x00 | 0x01 varint(depth))      ; the object's bytes follow
-//! PeerGet     := bytes(key) varint(expected_len)
+//! PeerHello     := bytes(client_nonce) str(name)
+//! PeerChallenge := bytes(node_nonce) bytes(node_proof)
+//! PeerAuth      := bytes(client_proof)
+//! PeerPutMeta   := bytes(key) (0x00 | 0x01 varint(depth))      ; the object's bytes follow
+//! PeerGet       := bytes(key) varint(expected_len)
 //! ```
 
+use crate::auth::{NONCE_LEN, PROOF_LEN};
 use crate::codec::{put_bytes, put_varint, Decode, Encode, Reader};
 use crate::error::ProtoError;
 use crate::limits::{MAX_KEY_LEN, MAX_NAME_LEN};
 
-/// Longest cluster token accepted.
+/// Longest cluster token accepted (configuration; the token itself never crosses the wire).
 pub const MAX_TOKEN_LEN: usize = 1024;
 
 /// Most keys one `PeerClear` reply lists: a reply of the longest keys stays within 36 MiB, well
@@ -29,7 +46,7 @@ const _: () = assert!(MAX_CLEARED_KEYS * (MAX_KEY_LEN + 8) <= 36 << 20);
 /// Codes of [`crate::ErrorReply`] sent by a node's data port (beyond
 /// [`crate::server::error_code`]).
 pub mod peer_error_code {
-    /// The cluster token is wrong (or missing): the connection is closed.
+    /// The peer did not prove the cluster token: the connection is closed.
     pub const UNAUTHORIZED: u16 = 20;
     /// The object is not stored on this node.
     pub const NOT_FOUND: u16 = 21;
@@ -39,12 +56,29 @@ pub mod peer_error_code {
     pub const STORE: u16 = 23;
 }
 
-/// The first frame on a peer connection.
+/// The first frame on a peer connection: the client's challenge.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PeerHello {
-    pub token: Vec<u8>,
+    /// [`NONCE_LEN`] fresh random bytes.
+    pub nonce: Vec<u8>,
     /// Free-form name of the connecting process, for logs.
     pub name: String,
+}
+
+/// The node's answer to [`PeerHello`]: its own challenge and its proof of the token.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PeerChallenge {
+    /// [`NONCE_LEN`] fresh random bytes.
+    pub nonce: Vec<u8>,
+    /// `proof(token, PEER_NODE_LABEL, [node data address, client nonce, node nonce])`.
+    pub proof: Vec<u8>,
+}
+
+/// The client's proof of the token, the second frame on a peer connection.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PeerAuth {
+    /// `proof(token, PEER_CLIENT_LABEL, [node data address, client nonce, node nonce])`.
+    pub proof: Vec<u8>,
 }
 
 /// The metadata in front of a `PeerPut` body's object bytes.
@@ -62,18 +96,63 @@ pub struct PeerGet {
     pub expected_len: u64,
 }
 
+/// Read a field that must be exactly `len` bytes long.
+fn read_exact_field(
+    reader: &mut Reader<'_>,
+    what: &'static str,
+    len: usize,
+) -> Result<Vec<u8>, ProtoError> {
+    let bytes = reader.read_bytes(what, len)?;
+    if bytes.len() != len {
+        return Err(ProtoError::Truncated {
+            what,
+            needed: len as u64,
+            available: bytes.len(),
+        });
+    }
+    Ok(bytes.to_vec())
+}
+
 impl Encode for PeerHello {
     fn encode_fields(&self, out: &mut Vec<u8>) -> Result<(), ProtoError> {
-        put_bytes(out, "cluster token", &self.token, MAX_TOKEN_LEN)?;
+        put_bytes(out, "client nonce", &self.nonce, NONCE_LEN)?;
         put_bytes(out, "peer name", self.name.as_bytes(), MAX_NAME_LEN)
     }
 }
 
 impl Decode for PeerHello {
     fn read_from(reader: &mut Reader<'_>) -> Result<Self, ProtoError> {
-        let token = reader.read_bytes("cluster token", MAX_TOKEN_LEN)?.to_vec();
+        let nonce = read_exact_field(reader, "client nonce", NONCE_LEN)?;
         let name = reader.read_string("peer name", MAX_NAME_LEN)?;
-        Ok(PeerHello { token, name })
+        Ok(PeerHello { nonce, name })
+    }
+}
+
+impl Encode for PeerChallenge {
+    fn encode_fields(&self, out: &mut Vec<u8>) -> Result<(), ProtoError> {
+        put_bytes(out, "node nonce", &self.nonce, NONCE_LEN)?;
+        put_bytes(out, "node proof", &self.proof, PROOF_LEN)
+    }
+}
+
+impl Decode for PeerChallenge {
+    fn read_from(reader: &mut Reader<'_>) -> Result<Self, ProtoError> {
+        let nonce = read_exact_field(reader, "node nonce", NONCE_LEN)?;
+        let proof = read_exact_field(reader, "node proof", PROOF_LEN)?;
+        Ok(PeerChallenge { nonce, proof })
+    }
+}
+
+impl Encode for PeerAuth {
+    fn encode_fields(&self, out: &mut Vec<u8>) -> Result<(), ProtoError> {
+        put_bytes(out, "client proof", &self.proof, PROOF_LEN)
+    }
+}
+
+impl Decode for PeerAuth {
+    fn read_from(reader: &mut Reader<'_>) -> Result<Self, ProtoError> {
+        let proof = read_exact_field(reader, "client proof", PROOF_LEN)?;
+        Ok(PeerAuth { proof })
     }
 }
 
@@ -141,12 +220,32 @@ mod tests {
     #[test]
     fn bodies_round_trip_and_reject_trailing_bytes() {
         let hello = PeerHello {
-            token: b"secret".to_vec(),
+            nonce: vec![1; NONCE_LEN],
             name: "client".into(),
         };
         assert_eq!(
             PeerHello::decode(&hello.encode_to_vec().unwrap()).unwrap(),
             hello
+        );
+        let short = PeerHello {
+            nonce: vec![1; 8],
+            name: String::new(),
+        };
+        assert!(PeerHello::decode(&short.encode_to_vec().unwrap()).is_err());
+        let challenge = PeerChallenge {
+            nonce: vec![2; NONCE_LEN],
+            proof: vec![3; PROOF_LEN],
+        };
+        assert_eq!(
+            PeerChallenge::decode(&challenge.encode_to_vec().unwrap()).unwrap(),
+            challenge
+        );
+        let auth = PeerAuth {
+            proof: vec![4; PROOF_LEN],
+        };
+        assert_eq!(
+            PeerAuth::decode(&auth.encode_to_vec().unwrap()).unwrap(),
+            auth
         );
         let get = PeerGet {
             key: b"k".to_vec(),

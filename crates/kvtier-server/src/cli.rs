@@ -67,7 +67,10 @@ pub struct ServeArgs {
     #[arg(long = "engine", value_name = "KEY=VALUE")]
     pub engine: Vec<String>,
     /// Cluster mode: the `kvtier master` address(es), host:port, comma-separated (engine key
-    /// master_address). Needs --data-addr and a cluster_token (KVTIER_CLUSTER_TOKEN).
+    /// master_address). Needs --data-addr and a cluster_token (KVTIER_CLUSTER_TOKEN), which the
+    /// node proves to the masters and to peers without sending it. Its data port cuts a
+    /// connection that has not finished the handshake within 5 s, and keeps at most 1024
+    /// connections open, 128 of them handshaking (fewer under a low RLIMIT_NOFILE).
     #[arg(long)]
     pub master: Option<String>,
     /// Cluster mode: the data port peers reach this node on, HOST:PORT (engine key
@@ -95,7 +98,8 @@ pub struct StatArgs {
     #[arg(long)]
     pub socket: Option<PathBuf>,
     /// A cluster instead of one server: the `kvtier master` address(es), comma-separated
-    /// (nodes, leases, leader, directory size as the leader sees them).
+    /// (nodes, leases, leader, directory size as the leader sees them). Needs the cluster
+    /// token: KVTIER_CLUSTER_TOKEN, or cluster_token in KVTIER_CONFIG_FILE.
     #[arg(long, conflicts_with = "socket")]
     pub master: Option<String>,
     /// Print the whole JSON document instead of the summary.
@@ -125,7 +129,8 @@ pub struct InspectArgs {
     #[arg(long)]
     pub socket: Option<PathBuf>,
     /// A cluster instead of one server: ask the `kvtier master` (comma-separated addresses)
-    /// which nodes hold each KEY (exact keys only).
+    /// which nodes hold each KEY (exact keys only). Needs the cluster token:
+    /// KVTIER_CLUSTER_TOKEN, or cluster_token in KVTIER_CONFIG_FILE.
     #[arg(long, conflicts_with = "socket")]
     pub master: Option<String>,
     /// Print the server's JSON document instead of the table.

@@ -2,7 +2,8 @@
 //! master and its lease renewed.
 //!
 //! - Registration carries the data address (never a registration without one) and every key
-//!   the node still holds, so a master that restarted, or a new leader after a failover,
+//!   the node still holds (the first 65,536 in `RegisterNode`, the rest in `AddNodeKeys`
+//!   calls, each within the master's message limit), so a master that restarted, or a new leader after a failover,
 //!   rebuilds this node's part of the directory from it.
 //! - Heartbeats every third of the lease report free space; a heartbeat answered
 //!   `known = false` (new leader, master restart, lease lapsed during a partition) makes the
@@ -31,7 +32,8 @@ use std::time::Duration;
 use kvtier_client::cluster::master::MasterLink;
 use kvtier_client::Client;
 use kvtier_master::rpc::{
-    HeartbeatRequest, LeaveNodeRequest, RegisterNodeRequest, ReportDroppedRequest,
+    AddNodeKeysRequest, HeartbeatRequest, LeaveNodeRequest, RegisterNodeRequest,
+    ReportDroppedRequest,
 };
 
 use crate::peer::HeldKeys;
@@ -45,7 +47,7 @@ pub struct NodeAgentConfig {
     pub data_address: String,
     pub tags: Vec<String>,
     pub request_timeout: Duration,
-    /// The cluster token, presented to other nodes' data ports when copying to them.
+    /// The cluster token: proven (never sent) to the masters and to other nodes' data ports.
     pub token: Vec<u8>,
 }
 
@@ -110,9 +112,10 @@ fn free_bytes(store: &Client) -> (u64, u64) {
 /// Tell the master this node is going (one attempt per master, each bounded by the request
 /// timeout): its objects become misses at once instead of after the lease, and the master
 /// stops placing puts here. A failure only means the lease does it later.
-async fn leave(link: &MasterLink, node_id: &str) {
+async fn leave(link: &MasterLink, node_id: &str, node_secret: &[u8]) {
     let request = LeaveNodeRequest {
         node_id: node_id.to_string(),
+        node_secret: node_secret.to_vec(),
     };
     match link
         .call(|mut c| {
@@ -144,6 +147,32 @@ async fn sleep_unless_stopped(total: Duration, stop: &AtomicBool) -> bool {
 
 /// Most keys one registration carries (the master refuses more).
 const MAX_REGISTERED_KEYS: usize = 16 << 20;
+/// Most keys, and most key bytes, one master call carries (the master's per-call key limit, and
+/// well inside its 16 MiB message limit with the encoding's few bytes per key).
+const KEYS_PER_CALL: usize = kvtier_master::service::MAX_KEYS_PER_CALL;
+const KEY_BYTES_PER_CALL: usize = 8 << 20;
+
+/// `keys` cut into runs a master call carries.
+fn in_calls(mut keys: Vec<Vec<u8>>) -> Vec<Vec<Vec<u8>>> {
+    let mut calls = Vec::new();
+    while !keys.is_empty() {
+        let mut bytes = 0;
+        let take = keys
+            .iter()
+            .take(KEYS_PER_CALL)
+            .take_while(|k| {
+                bytes += k.len() + 8;
+                bytes <= KEY_BYTES_PER_CALL
+            })
+            .count()
+            .max(1);
+        let rest = keys.split_off(take);
+        calls.push(keys);
+        keys = rest;
+    }
+    calls
+}
+
 /// Registrations in a row while keys keep arriving during them (then the next heartbeat
 /// cycle carries on).
 const MAX_REREGISTER_ROUNDS: usize = 4;
@@ -212,6 +241,7 @@ async fn agent_loop(
     // One attempt per call: the loop below does the retrying.
     let link = MasterLink::new(
         config.masters.clone(),
+        config.token.clone(),
         config.request_timeout,
         Duration::from_millis(1),
     );
@@ -228,15 +258,18 @@ async fn agent_loop(
     let mut rounds = 0usize;
     while !stop.load(Ordering::SeqCst) {
         let (capacity, free) = free_bytes(&store);
+        let all_keys = held_now(&store, &held, &mut recovered);
+        let keys = all_keys.len();
+        let sent: HashSet<Vec<u8>> = all_keys.iter().cloned().collect();
+        let mut calls = in_calls(all_keys).into_iter();
         let request = RegisterNodeRequest {
             node_id: config.node_id.clone(),
             data_address: config.data_address.clone(),
             capacity_bytes: capacity,
             free_bytes: free,
             tags: config.tags.clone(),
-            keys: held_now(&store, &held, &mut recovered),
+            keys: calls.next().unwrap_or_default(),
         };
-        let keys = request.keys.len();
         let reply = match link
             .call(|mut c| {
                 let request = request.clone();
@@ -253,6 +286,32 @@ async fn agent_loop(
                 continue;
             }
         };
+        // The rest of the keys, in calls the master accepts; a failure means registering again.
+        let mut complete = true;
+        for chunk in calls {
+            let add = AddNodeKeysRequest {
+                node_id: config.node_id.clone(),
+                node_secret: reply.node_secret.clone(),
+                keys: chunk,
+            };
+            if let Err(e) = link
+                .call(|mut c| {
+                    let add = add.clone();
+                    async move { c.add_node_keys(add).await }
+                })
+                .await
+            {
+                eprintln!("kvtier serve: registering the held keys failed: {e}");
+                complete = false;
+                break;
+            }
+        }
+        if !complete {
+            if !sleep_unless_stopped(Duration::from_millis(300), &stop).await {
+                return;
+            }
+            continue;
+        }
         eprintln!(
             "kvtier serve: {} node {:?} (index {}, data {}, {} keys) with master {}",
             if registered_once {
@@ -270,11 +329,7 @@ async fn agent_loop(
         // Keys stored while the registration was on its way are not in it: register again.
         rounds += 1;
         if rounds < MAX_REREGISTER_ROUNDS {
-            let sent: HashSet<&[u8]> = request.keys.iter().map(Vec::as_slice).collect();
-            let arrived = held
-                .snapshot(&store)
-                .iter()
-                .any(|k| !sent.contains(k.as_slice()));
+            let arrived = held.snapshot(&store).iter().any(|k| !sent.contains(k));
             if arrived {
                 continue;
             }
@@ -283,13 +338,14 @@ async fn agent_loop(
         let every = Duration::from_millis((reply.lease_ms / 3).max(50));
         loop {
             if !sleep_unless_stopped(every, &stop).await {
-                leave(&link, &config.node_id).await;
+                leave(&link, &config.node_id, &reply.node_secret).await;
                 return;
             }
             let (_, free) = free_bytes(&store);
             let heartbeat = HeartbeatRequest {
                 node_id: config.node_id.clone(),
                 free_bytes: free,
+                node_secret: reply.node_secret.clone(),
             };
             match link
                 .call(|mut c| {
@@ -307,10 +363,11 @@ async fn agent_loop(
             }
             let mut dropped = held.take_dropped(&store);
             dropped.extend(recovered_dropped(&store, &mut recovered));
-            if !dropped.is_empty() {
+            for chunk in in_calls(dropped) {
                 let report = ReportDroppedRequest {
                     node: reply.index,
-                    keys: dropped,
+                    keys: chunk,
+                    node_secret: reply.node_secret.clone(),
                 };
                 if let Err(e) = link
                     .call(|mut c| {
@@ -320,8 +377,30 @@ async fn agent_loop(
                     .await
                 {
                     eprintln!("kvtier serve: reporting dropped keys failed: {e}");
+                    break;
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_cut_into_calls_the_master_accepts() {
+        assert!(in_calls(Vec::new()).is_empty());
+        let small: Vec<Vec<u8>> = (0..KEYS_PER_CALL + 5).map(|i| vec![i as u8; 10]).collect();
+        let calls = in_calls(small.clone());
+        assert_eq!(calls.len(), 2);
+        assert_eq!(calls[0].len(), KEYS_PER_CALL);
+        assert_eq!(calls.concat(), small);
+        let long: Vec<Vec<u8>> = (0..5000).map(|_| vec![7u8; 4096]).collect();
+        let calls = in_calls(long);
+        assert!(calls
+            .iter()
+            .all(|c| c.iter().map(|k| k.len() + 8).sum::<usize>() <= KEY_BYTES_PER_CALL));
+        assert_eq!(calls.iter().map(Vec::len).sum::<usize>(), 5000);
     }
 }

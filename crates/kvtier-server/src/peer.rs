@@ -1,9 +1,19 @@
 //! The peer data port of a cluster node (`kvtier serve --master ... --data-addr HOST:PORT`):
 //! cluster clients on any host put and get objects of this node's store over TCP.
 //!
-//! - Authentication: the first frame must be `PeerHello` with the cluster token (compared in
-//!   constant time). Anything else is answered `UNAUTHORIZED`, logged with the peer's address,
-//!   and the connection is closed; nothing is served before.
+//! - Authentication: a mutual challenge-response over the cluster token
+//!   ([`kvtier_proto::peer`]): the node proves the token on the client's nonce and its own data
+//!   address, then the client proves it on both nonces. Anything else is answered
+//!   `UNAUTHORIZED`, logged with the peer's address, and the connection is closed; nothing is
+//!   served before, and the token never crosses the wire.
+//! - Resources: a connection must finish the handshake within [`HELLO_TIMEOUT`] (a reaper
+//!   thread cuts it otherwise, however slowly it trickles bytes); at most
+//!   [`MAX_UNAUTHENTICATED`] connections may be in the handshake (a new one cuts the oldest) and
+//!   at most [`MAX_CONNECTIONS`] open in all (more are closed at accept), both lowered to fit
+//!   the process's `RLIMIT_NOFILE` (a third of it open, an eighth handshaking); the accept loop backs
+//!   off when the process or system is out of file descriptors (`EMFILE` / `ENFILE`) instead
+//!   of spinning; each connection's entry in the registry (and its descriptor) is freed when
+//!   its thread ends. Refusals are counted in `kvtier_data_port_refused_total{reason}`.
 //! - Two threads per connection (clients keep a few pooled connections per node): a reader
 //!   that serves requests in order and a writer that sends the replies in the same order, so
 //!   clients may pipeline. The reader reads through a small buffer and hands the writer the
@@ -21,21 +31,24 @@
 //!   direction}` (`peer` = the client's IP address, `direction="in"` for puts received,
 //!   `"out"` for gets sent), besides the port-wide [`DataPortCounters`].
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::io::{self, BufReader, IoSlice, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvtier_client::metrics::names;
 use kvtier_client::transport::tcp::write_all_vectored;
 use kvtier_client::Client;
 use kvtier_engine::PinnedObject;
+use kvtier_proto::auth::{proof, verify, NONCE_LEN, PEER_CLIENT_LABEL, PEER_NODE_LABEL};
 use kvtier_proto::frame::{FLAG_ERROR, FLAG_RESPONSE, HEADER_LEN};
 use kvtier_proto::peer::MAX_CLEARED_KEYS;
-use kvtier_proto::peer::{peer_error_code, PeerGet, PeerHello, PeerPutMeta};
+use kvtier_proto::peer::{
+    peer_error_code, PeerAuth, PeerChallenge, PeerGet, PeerHello, PeerPutMeta,
+};
 use kvtier_proto::server::error_code;
 use kvtier_proto::{
     encode_frame, read_frame_limited, BatchResult as WireResult, Decode, ErrorReply, FrameHeader,
@@ -43,8 +56,33 @@ use kvtier_proto::{
 };
 use parking_lot::Mutex;
 
-/// Largest body accepted before the hello.
+/// Largest body accepted before the handshake is done.
 const PRE_HELLO_MAX_BODY: u32 = 4 << 10;
+/// How long a connection may take to finish the handshake.
+pub const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+/// Connections in the handshake at once; a new one cuts the oldest.
+pub const MAX_UNAUTHENTICATED: usize = 128;
+/// Connections open at once (each authenticated one runs two threads); more are closed at
+/// accept.
+pub const MAX_CONNECTIONS: usize = 1024;
+/// The caps in force for a process allowed `descriptors` open files: the constants, lowered so
+/// that open connections (three descriptors each once authenticated: the socket, the writer's
+/// clone, the registry's clone) cannot exhaust the process.
+fn connection_caps(descriptors: Option<u64>) -> (usize, usize) {
+    let Some(limit) = descriptors else {
+        return (MAX_CONNECTIONS, MAX_UNAUTHENTICATED);
+    };
+    let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+    (
+        MAX_CONNECTIONS.min(limit / 3).max(4),
+        MAX_UNAUTHENTICATED.min(limit / 8).max(2),
+    )
+}
+
+/// How long the accept loop pauses when no file descriptor is left (`EMFILE` / `ENFILE`).
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+/// How often the reaper looks for connections past their handshake deadline.
+const REAPER_PERIOD: Duration = Duration::from_millis(100);
 
 /// Whether `key` is in the cluster namespace `namespace` (`tag 0x1f`, or empty for a client
 /// without `extra_backend_tag`). Keys of the untagged namespace carry no 0x1f; every key a
@@ -75,6 +113,25 @@ fn clear_prefix(shared: &PortShared, prefix: &[u8]) -> Vec<Vec<u8>> {
 }
 
 /// Keys this node stored for the cluster.
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn caps_fit_the_descriptor_limit() {
+        assert_eq!(
+            connection_caps(None),
+            (MAX_CONNECTIONS, MAX_UNAUTHENTICATED)
+        );
+        assert_eq!(
+            connection_caps(Some(1 << 20)),
+            (MAX_CONNECTIONS, MAX_UNAUTHENTICATED)
+        );
+        assert_eq!(connection_caps(Some(256)), (85, 32));
+        assert_eq!(connection_caps(Some(3)), (4, 2));
+    }
+}
+
 #[derive(Debug, Default)]
 pub struct HeldKeys {
     keys: Mutex<HashSet<Vec<u8>>>,
@@ -132,6 +189,10 @@ impl HeldKeys {
 pub struct DataPortCounters {
     pub connections: AtomicU64,
     pub refused_unauthorized: AtomicU64,
+    /// Connections cut at the handshake deadline, or to make room for a newer handshake.
+    pub hello_timeouts: AtomicU64,
+    /// Connections closed at accept: the port was at [`MAX_CONNECTIONS`].
+    pub refused_full: AtomicU64,
     pub puts: AtomicU64,
     pub gets: AtomicU64,
     pub misses: AtomicU64,
@@ -139,13 +200,56 @@ pub struct DataPortCounters {
     pub bytes_out: AtomicU64,
 }
 
+/// One open connection, as the registry holds it.
+struct Connection {
+    /// A clone of the socket, to cut it (handshake deadline, shutdown).
+    stream: TcpStream,
+    /// Until the handshake is done: when it must be.
+    deadline: Option<Instant>,
+}
+
+/// The open connections, by id. An entry is removed by its connection's thread when it ends
+/// ([`Registered`]), which closes the clone.
+#[derive(Default)]
+struct Connections {
+    open: HashMap<u64, Connection>,
+    next_id: u64,
+}
+
+impl Connections {
+    fn unauthenticated(&self) -> usize {
+        self.open.values().filter(|c| c.deadline.is_some()).count()
+    }
+}
+
 struct PortShared {
+    /// Connections open at once, and in the handshake at once ([`connection_caps`]).
+    max_connections: usize,
+    max_unauthenticated: usize,
     store: Arc<Client>,
     token: Vec<u8>,
+    /// This port's address as peers dial it (bound into the handshake proofs).
+    address: String,
     held: Arc<HeldKeys>,
     counters: DataPortCounters,
     stopping: AtomicBool,
-    conns: Mutex<Vec<TcpStream>>,
+    conns: Mutex<Connections>,
+}
+
+/// Removes a connection's registry entry when its thread ends, however it ends.
+struct Registered<'a> {
+    shared: &'a PortShared,
+    id: u64,
+}
+
+impl Drop for Registered<'_> {
+    fn drop(&mut self) {
+        self.shared.conns.lock().open.remove(&self.id);
+    }
+}
+
+fn count_refused(reason: &'static str) {
+    metrics::counter!(names::DATA_PORT_REFUSED, "reason" => reason).increment(1);
 }
 
 /// A running data port.
@@ -153,14 +257,7 @@ pub struct DataPort {
     shared: Arc<PortShared>,
     addr: SocketAddr,
     accept: Option<JoinHandle<()>>,
-}
-
-fn tokens_equal(a: &[u8], b: &[u8]) -> bool {
-    // Constant time in the contents (the length of the secret is not a secret worth hiding).
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    reaper: Option<JoinHandle<()>>,
 }
 
 impl DataPort {
@@ -168,13 +265,18 @@ impl DataPort {
     pub fn start(addr: SocketAddr, store: Arc<Client>, token: Vec<u8>) -> io::Result<DataPort> {
         let listener = TcpListener::bind(addr)?;
         let addr = listener.local_addr()?;
+        let descriptors = rustix::process::getrlimit(rustix::process::Resource::Nofile).current;
+        let (max_connections, max_unauthenticated) = connection_caps(descriptors);
         let shared = Arc::new(PortShared {
+            max_connections,
+            max_unauthenticated,
             store,
             token,
+            address: addr.to_string(),
             held: Arc::new(HeldKeys::default()),
             counters: DataPortCounters::default(),
             stopping: AtomicBool::new(false),
-            conns: Mutex::new(Vec::new()),
+            conns: Mutex::new(Connections::default()),
         });
         let accept = {
             let shared = Arc::clone(&shared);
@@ -182,10 +284,17 @@ impl DataPort {
                 .name("kvtier-data-accept".into())
                 .spawn(move || accept_loop(&shared, listener))?
         };
+        let reaper = {
+            let shared = Arc::clone(&shared);
+            std::thread::Builder::new()
+                .name("kvtier-data-reaper".into())
+                .spawn(move || reap_handshakes(&shared))?
+        };
         Ok(DataPort {
             shared,
             addr,
             accept: Some(accept),
+            reaper: Some(reaper),
         })
     }
 
@@ -201,6 +310,11 @@ impl DataPort {
         &self.shared.counters
     }
 
+    /// Connections open now (handshaking or authenticated).
+    pub fn open_connections(&self) -> usize {
+        self.shared.conns.lock().open.len()
+    }
+
     /// Stop accepting and close every connection.
     pub fn shutdown(mut self) {
         self.stop();
@@ -212,8 +326,11 @@ impl DataPort {
         if let Some(h) = self.accept.take() {
             let _ = h.join();
         }
-        for c in self.shared.conns.lock().drain(..) {
-            let _ = c.shutdown(Shutdown::Both);
+        if let Some(h) = self.reaper.take() {
+            let _ = h.join();
+        }
+        for c in self.shared.conns.lock().open.values() {
+            let _ = c.stream.shutdown(Shutdown::Both);
         }
     }
 }
@@ -226,30 +343,123 @@ impl Drop for DataPort {
     }
 }
 
+/// Whether an accept error means no file descriptor (or kernel memory) is left: the loop
+/// must wait for connections to close rather than spin.
+fn out_of_descriptors(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(code) if code == rustix::io::Errno::MFILE.raw_os_error()
+            || code == rustix::io::Errno::NFILE.raw_os_error()
+            || code == rustix::io::Errno::NOBUFS.raw_os_error()
+            || code == rustix::io::Errno::NOMEM.raw_os_error()
+    )
+}
+
 fn accept_loop(shared: &Arc<PortShared>, listener: TcpListener) {
-    for stream in listener.incoming() {
+    let mut last_fd_warning: Option<Instant> = None;
+    loop {
+        let accepted = listener.accept();
         if shared.stopping.load(Ordering::SeqCst) {
             break;
         }
-        let Ok(stream) = stream else { continue };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(e) if out_of_descriptors(&e) => {
+                if last_fd_warning.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
+                    eprintln!(
+                        "kvtier serve: data port cannot accept ({e}); pausing accepts until \
+                         connections close"
+                    );
+                    last_fd_warning = Some(Instant::now());
+                }
+                count_refused("out_of_descriptors");
+                std::thread::sleep(ACCEPT_BACKOFF);
+                continue;
+            }
+            // A connection reset before it was accepted, and the like.
+            Err(_) => continue,
+        };
         let _ = stream.set_nodelay(true);
-        if let Ok(clone) = stream.try_clone() {
-            let mut conns = shared.conns.lock();
-            conns.retain(|c| c.peer_addr().is_ok());
-            conns.push(clone);
-        }
+        let Some(id) = register(shared, &stream) else {
+            continue; // closed: `stream` drops here
+        };
         shared.counters.connections.fetch_add(1, Ordering::Relaxed);
-        let shared = Arc::clone(shared);
-        let _ = std::thread::Builder::new()
+        let thread_shared = Arc::clone(shared);
+        let spawned = std::thread::Builder::new()
             .name("kvtier-data-conn".into())
             .spawn(move || {
+                let _registered = Registered {
+                    shared: &thread_shared,
+                    id,
+                };
                 let peer = stream
                     .peer_addr()
                     .map(|a| a.to_string())
                     .unwrap_or_else(|_| "?".into());
                 // A connection ending with an i/o error (peer gone, timeout) needs no log line.
-                let _ = serve_connection(&shared, stream, &peer);
+                let _ = serve_connection(&thread_shared, id, stream, &peer);
             });
+        if spawned.is_err() {
+            // No thread: the closure (and `stream`) is gone; drop the entry too.
+            shared.conns.lock().open.remove(&id);
+        }
+    }
+}
+
+/// Admit an accepted connection into the registry (under the caps), or refuse it (`None`).
+fn register(shared: &PortShared, stream: &TcpStream) -> Option<u64> {
+    let mut conns = shared.conns.lock();
+    if conns.open.len() >= shared.max_connections {
+        shared.counters.refused_full.fetch_add(1, Ordering::Relaxed);
+        count_refused("too_many_connections");
+        return None;
+    }
+    if conns.unauthenticated() >= shared.max_unauthenticated {
+        // Cut the oldest handshake: a legitimate one takes a round trip or two, so a flood
+        // must outpace that to starve it, where refusing the newest would starve every
+        // legitimate connection for as long as the flood holds its slots.
+        let oldest = conns
+            .open
+            .iter()
+            .filter_map(|(id, c)| c.deadline.map(|d| (d, *id)))
+            .min();
+        if let Some((_, id)) = oldest {
+            if let Some(c) = conns.open.remove(&id) {
+                let _ = c.stream.shutdown(Shutdown::Both);
+                shared
+                    .counters
+                    .hello_timeouts
+                    .fetch_add(1, Ordering::Relaxed);
+                count_refused("too_many_unauthenticated");
+            }
+        }
+    }
+    let clone = stream.try_clone().ok()?;
+    let id = conns.next_id;
+    conns.next_id += 1;
+    conns.open.insert(
+        id,
+        Connection {
+            stream: clone,
+            deadline: Some(Instant::now() + HELLO_TIMEOUT),
+        },
+    );
+    Some(id)
+}
+
+/// Cut connections past their handshake deadline (a peer trickling bytes would otherwise
+/// reset a per-read timeout for ever).
+fn reap_handshakes(shared: &PortShared) {
+    while !shared.stopping.load(Ordering::SeqCst) {
+        std::thread::sleep(REAPER_PERIOD);
+        let now = Instant::now();
+        let conns = shared.conns.lock();
+        for c in conns.open.values() {
+            if c.deadline.is_some_and(|d| d <= now) {
+                // The connection's thread fails its read and removes the entry.
+                let _ = c.stream.shutdown(Shutdown::Both);
+            }
+        }
     }
 }
 
@@ -285,37 +495,109 @@ fn proto_io(e: ProtoError) -> io::Error {
     }
 }
 
-fn serve_connection(shared: &PortShared, mut stream: TcpStream, peer: &str) -> io::Result<()> {
-    let mut body = Vec::new();
-    // The hello, with a small body limit: nothing large is read from an unauthenticated peer.
-    let header =
-        read_frame_limited(&mut stream, &mut body, PRE_HELLO_MAX_BODY).map_err(proto_io)?;
+/// Why a handshake failed (logged, counted, answered `UNAUTHORIZED`).
+fn refuse_handshake(
+    shared: &PortShared,
+    stream: &mut TcpStream,
+    header: &FrameHeader,
+    peer: &str,
+    why: &str,
+) {
+    shared
+        .counters
+        .refused_unauthorized
+        .fetch_add(1, Ordering::Relaxed);
+    count_refused("unauthorized");
+    eprintln!("kvtier serve: data port refused {peer}: {why}");
+    let _ = send_error(
+        stream,
+        header.opcode,
+        header.request_id,
+        peer_error_code::UNAUTHORIZED,
+        "the cluster token was not proven".into(),
+    );
+}
+
+/// The node side of the challenge-response ([`kvtier_proto::peer`]); `Ok(false)`: refused.
+fn handshake(
+    shared: &PortShared,
+    stream: &mut TcpStream,
+    body: &mut Vec<u8>,
+    peer: &str,
+) -> io::Result<bool> {
+    // Nothing large is read from an unauthenticated peer.
+    let header = read_frame_limited(stream, body, PRE_HELLO_MAX_BODY).map_err(proto_io)?;
     let hello = match header.opcode() {
-        Ok(Opcode::PeerHello) => PeerHello::decode(&body).ok(),
+        Ok(Opcode::PeerHello) => PeerHello::decode(body).ok(),
         _ => None,
     };
-    match hello {
-        Some(h) if tokens_equal(&h.token, &shared.token) => {
-            let ok = FrameHeader::new(Opcode::PeerHello, header.request_id, FLAG_RESPONSE, 0);
-            stream.write_all(&ok.encode())?;
-        }
-        other => {
-            shared
-                .counters
-                .refused_unauthorized
-                .fetch_add(1, Ordering::Relaxed);
-            let name = other.map(|h| h.name).unwrap_or_default();
-            eprintln!("kvtier serve: data port refused {peer} ({name:?}): wrong cluster token");
-            let _ = send_error(
-                &mut stream,
-                header.opcode,
-                header.request_id,
-                peer_error_code::UNAUTHORIZED,
-                "wrong cluster token".into(),
-            );
-            return Ok(());
-        }
+    let Some(hello) = hello else {
+        refuse_handshake(shared, stream, &header, peer, "not a hello");
+        return Ok(false);
+    };
+    let node_nonce = kvtier_proto::auth::nonce::<NONCE_LEN>()
+        .map_err(|e| io::Error::other(format!("no random bytes: {e}")))?;
+    let address = shared.address.as_bytes();
+    let challenge = PeerChallenge {
+        nonce: node_nonce.to_vec(),
+        proof: proof(
+            &shared.token,
+            PEER_NODE_LABEL,
+            &[address, &hello.nonce, &node_nonce],
+        )
+        .to_vec(),
+    };
+    let mut frame = Vec::new();
+    encode_frame(
+        &mut frame,
+        Opcode::PeerHello,
+        header.request_id,
+        FLAG_RESPONSE,
+        &challenge,
+    )
+    .map_err(io::Error::other)?;
+    stream.write_all(&frame)?;
+    let header = read_frame_limited(stream, body, PRE_HELLO_MAX_BODY).map_err(proto_io)?;
+    let auth = match header.opcode() {
+        Ok(Opcode::PeerHello) => PeerAuth::decode(body).ok(),
+        _ => None,
+    };
+    let proven = auth.is_some_and(|a| {
+        verify(
+            &shared.token,
+            PEER_CLIENT_LABEL,
+            &[address, &hello.nonce, &node_nonce],
+            &a.proof,
+        )
+    });
+    if !proven {
+        let why = format!("{:?} did not prove the cluster token", hello.name);
+        refuse_handshake(shared, stream, &header, peer, &why);
+        return Ok(false);
     }
+    let ok = FrameHeader::new(Opcode::PeerHello, header.request_id, FLAG_RESPONSE, 0);
+    stream.write_all(&ok.encode())?;
+    Ok(true)
+}
+
+fn serve_connection(
+    shared: &PortShared,
+    id: u64,
+    mut stream: TcpStream,
+    peer: &str,
+) -> io::Result<()> {
+    let mut body = Vec::new();
+    // Per read; the reaper enforces the whole handshake's deadline.
+    stream.set_read_timeout(Some(HELLO_TIMEOUT))?;
+    if !handshake(shared, &mut stream, &mut body, peer)? {
+        return Ok(());
+    }
+    match shared.conns.lock().open.get_mut(&id) {
+        Some(c) => c.deadline = None,
+        // Cut meanwhile (deadline, room for a newer handshake).
+        None => return Ok(()),
+    }
+    stream.set_read_timeout(None)?;
     let host = stream
         .peer_addr()
         .map(|a| a.ip().to_string())

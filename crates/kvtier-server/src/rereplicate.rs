@@ -157,12 +157,15 @@ impl Worker {
     ) -> Worker {
         let link = MasterLink::new(
             config.masters.clone(),
+            config.token.clone(),
             config.request_timeout,
             // A commit may span a master failover: look for the leader a while.
             config.request_timeout * 2,
         );
         let transport = TcpTransport::new(TcpTransportConfig {
             token: config.token.clone(),
+            // Stored objects already end with their checksum trailer: copied as they are.
+            end_to_end_checksums: false,
             name: format!("kvtier node {} re-replication", config.node_id),
             connections_per_peer: 2,
             request_timeout: config.request_timeout,

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use kvtier_client::cluster::master::{connect, MasterCredential};
 use kvtier_client::{Client, KvtierConfig, MemRef};
-use kvtier_master::rpc::master_client::MasterClient;
 use kvtier_master::rpc::{ClusterReply, ClusterRequest};
 
 pub const TOKEN: &str = "test-cluster-secret";
@@ -161,6 +161,12 @@ impl NodeOpts {
     }
 
     pub fn spawn(&self) -> Proc {
+        self.spawn_under(&[])
+    }
+
+    /// Spawn the node through `wrapper` (a command that runs the rest of its arguments, e.g.
+    /// `["prlimit", "--nofile=256"]`); empty: directly.
+    pub fn spawn_under(&self, wrapper: &[&str]) -> Proc {
         let socket = self.dir.join(format!("{}.sock", self.id));
         let _ = std::fs::remove_file(&socket);
         let ssd_dir = self.dir.join(format!("{}-ssd", self.id));
@@ -199,7 +205,16 @@ impl NodeOpts {
         if let Some(addr) = &self.metrics_addr {
             args.extend(["--metrics-addr", addr.as_str()]);
         }
-        Proc::spawn(&self.id, &args, &[("KVTIER_CLUSTER_TOKEN", TOKEN)])
+        let env = [("KVTIER_CLUSTER_TOKEN", TOKEN)];
+        match wrapper.split_first() {
+            None => Proc::spawn(&self.id, &args, &env),
+            Some((program, rest)) => {
+                let mut all: Vec<&str> = rest.to_vec();
+                all.push(env!("CARGO_BIN_EXE_kvtier"));
+                all.extend(args);
+                Proc::spawn_program(program, &self.id, &all, &env)
+            }
+        }
     }
 }
 
@@ -208,7 +223,11 @@ pub fn spawn_master(addr: &str, lease_ms: u64, extra: &[&str]) -> Proc {
     let lease = lease_ms.to_string();
     let mut args = vec!["master", "--listen", addr, "--lease-ms", &lease];
     args.extend_from_slice(extra);
-    Proc::spawn(&format!("master {addr}"), &args, &[])
+    Proc::spawn(
+        &format!("master {addr}"),
+        &args,
+        &[("KVTIER_CLUSTER_TOKEN", TOKEN)],
+    )
 }
 
 /// A real etcd (the Debian etcd-server binary) on free loopback ports, data in a temp dir;
@@ -314,7 +333,8 @@ pub fn cluster_of(address: &str) -> Option<ClusterReply> {
         .unwrap();
     runtime.block_on(async {
         let call = async {
-            let mut client = MasterClient::connect(format!("http://{address}"))
+            let credential = MasterCredential::new(TOKEN.as_bytes().to_vec());
+            let mut client = connect(address, credential, Duration::from_millis(500))
                 .await
                 .ok()?;
             client

@@ -3,27 +3,106 @@
 //! It knows every master address, keeps a channel to the one that last answered as leader,
 //! and retries a call on another master when the current one stops answering or says it is
 //! not the leader (failover), until `retry` has passed. Errors that are the caller's (a bad
-//! argument) are returned at once.
+//! argument, a refused credential) are returned at once.
+//!
+//! Every call carries a fresh proof of the cluster token bound to the RPC's path
+//! ([`MasterCredential`], checked by the master's `auth` module); the token itself is never
+//! sent.
 
 use std::future::Future;
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kvtier_master::rpc::master_client::MasterClient;
 use kvtier_master::rpc::ClusterRequest;
+use kvtier_proto::auth::{rpc_credential, RPC_AUTH_HEADER, RPC_NONCE_LEN};
 use parking_lot::Mutex;
+use tonic::codegen::{GrpcMethod, InterceptedService};
+use tonic::metadata::MetadataValue;
+use tonic::service::Interceptor;
 use tonic::transport::{Channel, Endpoint};
-use tonic::{Code, Response, Status};
+use tonic::{Code, Request, Response, Status};
 
 use super::ClusterError;
 
-/// Largest RPC message accepted (a lookup of a whole batch of long keys).
-const MAX_MESSAGE_BYTES: usize = 256 << 20;
+/// Largest RPC message sent or accepted: the master's own limit, so an oversized request fails
+/// here with a clear error.
+const MAX_MESSAGE_BYTES: usize = kvtier_master::service::MAX_RPC_MESSAGE_BYTES;
 
-pub type MasterRpc = MasterClient<Channel>;
+pub type MasterRpc = MasterClient<InterceptedService<Channel, MasterCredential>>;
+
+/// Adds the [`RPC_AUTH_HEADER`] proof to every request of a [`MasterRpc`].
+#[derive(Clone)]
+pub struct MasterCredential {
+    token: Arc<Vec<u8>>,
+}
+
+impl std::fmt::Debug for MasterCredential {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MasterCredential").finish_non_exhaustive()
+    }
+}
+
+impl MasterCredential {
+    pub fn new(token: Vec<u8>) -> MasterCredential {
+        MasterCredential {
+            token: Arc::new(token),
+        }
+    }
+}
+
+impl Interceptor for MasterCredential {
+    fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
+        // The generated client names the method of every call.
+        let path = request
+            .extensions()
+            .get::<GrpcMethod>()
+            .map(|m| format!("/{}/{}", m.service(), m.method()))
+            .ok_or_else(|| Status::internal("kvtier: an RPC without its method name"))?;
+        let nonce = kvtier_proto::auth::nonce::<RPC_NONCE_LEN>()
+            .map_err(|e| Status::internal(format!("kvtier: no random bytes: {e}")))?;
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        let value = MetadataValue::try_from(rpc_credential(&self.token, &path, now, &nonce))
+            .map_err(|_| Status::internal("kvtier: credential is not a header value"))?;
+        request.metadata_mut().insert(RPC_AUTH_HEADER, value);
+        Ok(request)
+    }
+}
+
+/// An authenticated client of the master at `address` (host:port), with `timeout` on connect
+/// and on each call.
+pub async fn connect(
+    address: &str,
+    credential: MasterCredential,
+    timeout: Duration,
+) -> Result<MasterRpc, ClusterError> {
+    let endpoint = Endpoint::from_shared(format!("http://{address}"))
+        .map_err(|e| ClusterError::Connect {
+            address: address.to_string(),
+            reason: e.to_string(),
+        })?
+        .connect_timeout(timeout)
+        .timeout(timeout)
+        .tcp_nodelay(true);
+    let channel = endpoint
+        .connect()
+        .await
+        .map_err(|e| ClusterError::Connect {
+            address: address.to_string(),
+            reason: e.to_string(),
+        })?;
+    Ok(MasterClient::with_interceptor(channel, credential)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES))
+}
 
 #[derive(Debug)]
 pub struct MasterLink {
     addresses: Vec<String>,
+    credential: MasterCredential,
     timeout: Duration,
     retry: Duration,
     leader: Mutex<Option<(String, MasterRpc)>>,
@@ -38,13 +117,21 @@ fn retryable(status: &Status) -> bool {
             | Code::DeadlineExceeded
             | Code::Cancelled
             | Code::Aborted
+            | Code::ResourceExhausted
     )
 }
 
 impl MasterLink {
-    pub fn new(addresses: Vec<String>, timeout: Duration, retry: Duration) -> MasterLink {
+    /// A link to the masters at `addresses` proving `token` on every call.
+    pub fn new(
+        addresses: Vec<String>,
+        token: Vec<u8>,
+        timeout: Duration,
+        retry: Duration,
+    ) -> MasterLink {
         MasterLink {
             addresses,
+            credential: MasterCredential::new(token),
             timeout,
             retry,
             leader: Mutex::new(None),
@@ -57,24 +144,7 @@ impl MasterLink {
     }
 
     async fn connect(&self, address: &str) -> Result<MasterRpc, ClusterError> {
-        let endpoint = Endpoint::from_shared(format!("http://{address}"))
-            .map_err(|e| ClusterError::Connect {
-                address: address.to_string(),
-                reason: e.to_string(),
-            })?
-            .connect_timeout(self.timeout)
-            .timeout(self.timeout)
-            .tcp_nodelay(true);
-        let channel = endpoint
-            .connect()
-            .await
-            .map_err(|e| ClusterError::Connect {
-                address: address.to_string(),
-                reason: e.to_string(),
-            })?;
-        Ok(MasterClient::new(channel)
-            .max_decoding_message_size(MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(MAX_MESSAGE_BYTES))
+        connect(address, self.credential.clone(), self.timeout).await
     }
 
     /// Ask every master who leads; the first that says itself wins.

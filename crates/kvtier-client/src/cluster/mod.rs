@@ -10,6 +10,10 @@
 //!   from another; an unreachable node's replica is tried next. A node that answers "not
 //!   found" (it evicted the object) is reported (`ReportDropped`), so the entry heals.
 //! - Exists v2: one `ExistsV2` round trip; the master evaluates the whole query.
+//! - Integrity: every object carries an end-to-end checksum trailer written by its first
+//!   writer and checked by every reader ([`crate::transport::tcp`]); bytes that fail it are a
+//!   miss (the next replica is tried), counted in [`ClusterStore::integrity_failures`] and
+//!   [`names::CLUSTER_INTEGRITY_FAILURES`]`{peer}`, never a hit.
 //! - Failures are per item: a dead node costs at most one request timeout, after which the
 //!   transport fails it fast (marked down) and the master drops it when its lease lapses.
 
@@ -31,6 +35,7 @@ use parking_lot::RwLock;
 use crate::batch::{BatchResult, MemRef};
 use crate::config::KvtierConfig;
 use crate::memory::RegionRegistry;
+use crate::metrics::names;
 use crate::transport::tcp::{TcpTransport, TcpTransportConfig};
 use crate::transport::{GetItem, PutItem, Transport, TransportError};
 use master::MasterLink;
@@ -74,6 +79,8 @@ pub struct ClusterStore {
     required_tags: Vec<String>,
     cache_remote_fetches: bool,
     nodes: RwLock<HashMap<u32, NodeInfo>>,
+    /// Objects read whose bytes failed their end-to-end checksum.
+    integrity_failures: std::sync::atomic::AtomicU64,
 }
 
 /// One node's part of a put: (object index, its result) per object sent there.
@@ -100,6 +107,7 @@ impl ClusterStore {
                 .clone()
                 .unwrap_or_default()
                 .into_bytes(),
+            end_to_end_checksums: true,
             name: format!("kvtier-client pid {}", std::process::id()),
             connections_per_peer: usize::try_from(config.cluster_connections_per_peer).unwrap_or(4),
             request_timeout: timeout,
@@ -117,6 +125,11 @@ impl ClusterStore {
             runtime,
             master: MasterLink::new(
                 config.master_addresses(),
+                config
+                    .cluster_token
+                    .clone()
+                    .unwrap_or_default()
+                    .into_bytes(),
                 timeout,
                 Duration::from_millis(config.cluster_master_retry_ms),
             ),
@@ -128,6 +141,7 @@ impl ClusterStore {
             required_tags: config.node_tag_list(),
             cache_remote_fetches: config.cache_remote_fetches,
             nodes: RwLock::new(HashMap::new()),
+            integrity_failures: Default::default(),
         };
         // Fail at open when no master answers, as server mode fails on a wrong socket.
         store.cluster_info()?;
@@ -496,6 +510,20 @@ impl ClusterStore {
                             if matches!(e, TransportError::NotFound { .. }) {
                                 dropped.entry(node).or_default().push(keys[i].clone());
                             }
+                            if let TransportError::Integrity { peer, message } = &e {
+                                self.integrity_failures
+                                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                metrics::counter!(
+                                    names::CLUSTER_INTEGRITY_FAILURES,
+                                    "peer" => peer.clone()
+                                )
+                                .increment(1);
+                                tracing::warn!(
+                                    peer,
+                                    reason = %message,
+                                    "kvtier cluster: an object failed its checksum; a miss"
+                                );
+                            }
                             out[i] = Err(e.to_string());
                         }
                     }
@@ -505,7 +533,11 @@ impl ClusterStore {
         }
         for (node, keys) in dropped {
             // Heal the directory: that node no longer holds these.
-            let request = ReportDroppedRequest { node, keys };
+            let request = ReportDroppedRequest {
+                node,
+                keys,
+                node_secret: Vec::new(),
+            };
             let _ = self.runtime.block_on(self.master.call(|mut c| {
                 let request = request.clone();
                 async move { c.report_dropped(request).await }
@@ -793,6 +825,12 @@ impl ClusterStore {
         }
         self.learn_nodes(&reply.nodes);
         Ok(reply)
+    }
+
+    /// Objects this client read whose bytes failed their end-to-end checksum (each a miss).
+    pub fn integrity_failures(&self) -> u64 {
+        self.integrity_failures
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The namespace of whole keys (single-key calls prefix it themselves).

@@ -42,6 +42,15 @@ pub enum TransportError {
     },
     #[error("peer {peer} refused the cluster token: {message}")]
     Unauthorized { peer: String, message: String },
+    /// The peer did not prove the cluster token in the data-port handshake: not a node of
+    /// this cluster (a fake node, a redirected address). Nothing derived from the token was
+    /// sent to it.
+    #[error("peer {peer} did not prove the cluster token ({message}): not a node of this cluster")]
+    NotAuthentic { peer: String, message: String },
+    /// An object's bytes do not match its end-to-end checksum (forged, torn, or another key's):
+    /// a miss, never a hit.
+    #[error("peer {peer}: object failed its end-to-end checksum ({message})")]
+    Integrity { peer: String, message: String },
     #[error("peer {peer} is marked down for {remaining_ms} ms more after a failure")]
     PeerDown { peer: String, remaining_ms: u64 },
     #[error("not found on peer {peer}")]
@@ -82,6 +91,7 @@ impl TransportError {
         matches!(
             self,
             TransportError::Connect { .. }
+                | TransportError::NotAuthentic { .. }
                 | TransportError::Io { .. }
                 | TransportError::PeerDown { .. }
                 | TransportError::BatchAborted { .. }

@@ -1,7 +1,14 @@
 //! The TCP transport: KVT1 frames over pooled, authenticated connections.
 //!
-//! - Every connection opens with `PeerHello` carrying the cluster token; a refusal is an
-//!   [`TransportError::Unauthorized`] and the connection is dropped.
+//! - Every connection opens with the data port's mutual challenge-response
+//!   ([`kvtier_proto::peer`]): the node must prove the cluster token first (otherwise
+//!   [`TransportError::NotAuthentic`], and nothing derived from the token was sent), then this
+//!   side proves it (a refusal is [`TransportError::Unauthorized`]). The token is never sent.
+//! - With `end_to_end_checksums` (cluster clients) every object put carries an 8-byte trailer,
+//!   [`kvtier_proto::auth::object_checksum`] of its key and bytes, stored with it on the node;
+//!   every get reads the trailer after the bytes and checks it: a mismatch fails that item
+//!   ([`TransportError::Integrity`]), never a hit. Without it (a node copying stored objects,
+//!   trailer included, to another node) the bytes go as they are.
 //! - Up to `connections_per_peer` idle connections are kept per peer. A large batch is spread
 //!   over several connections in parallel (each gets at least `MIN_BYTES_PER_CONNECTION`),
 //!   all taking the next object from one queue as they go, so a connection whose thread
@@ -18,7 +25,8 @@
 //!   is read, straight into the destination. Anything else fails that item closed (the body
 //!   is drained so the stream stays in sync).
 //! - Page bytes moved are counted per peer in [`names::PEER_TRANSFER_BYTES`] (`peer` = the
-//!   node's data address; `direction="out"` for puts, `"in"` for gets), once per batch.
+//!   node's data address; `direction="out"` for puts, `"in"` for gets), once per batch, as
+//!   objects are stored (checksum trailers included, as the node counts them).
 //! - Every socket has read/write timeouts (`request_timeout`); a peer that fails to connect or
 //!   times out is marked down for `down_backoff`, during which calls to it fail at once, so a
 //!   dead peer costs a caller one timeout, not one per call.
@@ -28,8 +36,13 @@ use std::io::{self, IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
+use kvtier_proto::auth::{
+    object_checksum, proof, verify, CHECKSUM_LEN, NONCE_LEN, PEER_CLIENT_LABEL, PEER_NODE_LABEL,
+};
 use kvtier_proto::frame::{FrameHeader, FLAG_ERROR, HEADER_LEN};
-use kvtier_proto::peer::{peer_error_code, PeerGet, PeerHello, PeerPutMeta};
+use kvtier_proto::peer::{
+    peer_error_code, PeerAuth, PeerChallenge, PeerGet, PeerHello, PeerPutMeta,
+};
 use kvtier_proto::{
     encode_frame, read_frame_limited, BatchResult as WireResult, Decode, Encode, ErrorReply,
     KeyBatch, Opcode, ProtoError,
@@ -59,10 +72,16 @@ const MAX_KEY_REPLY: u32 = 40 << 20;
 /// Largest error body read.
 const MAX_ERROR_BODY: u32 = 64 << 10;
 
+/// Largest handshake reply read (a [`PeerChallenge`] is under 100 bytes).
+const MAX_CHALLENGE_BODY: u32 = 1 << 10;
+
 /// Settings of a [`TcpTransport`].
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct TcpTransportConfig {
+    /// The cluster token, proven to each node (never sent).
     pub token: Vec<u8>,
+    /// Append and verify the end-to-end checksum trailer of each object (see the module doc).
+    pub end_to_end_checksums: bool,
     /// Name sent in the hello, for the peer's logs.
     pub name: String,
     pub connections_per_peer: usize,
@@ -74,11 +93,25 @@ impl Default for TcpTransportConfig {
     fn default() -> Self {
         TcpTransportConfig {
             token: Vec::new(),
+            end_to_end_checksums: true,
             name: "kvtier-client".into(),
             connections_per_peer: 4,
             request_timeout: Duration::from_secs(2),
             down_backoff: Duration::from_secs(1),
         }
+    }
+}
+
+impl std::fmt::Debug for TcpTransportConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the token.
+        f.debug_struct("TcpTransportConfig")
+            .field("end_to_end_checksums", &self.end_to_end_checksums)
+            .field("name", &self.name)
+            .field("connections_per_peer", &self.connections_per_peer)
+            .field("request_timeout", &self.request_timeout)
+            .field("down_backoff", &self.down_backoff)
+            .finish_non_exhaustive()
     }
 }
 
@@ -119,8 +152,9 @@ fn write_request(
     request_id: u64,
     prefix: &[u8],
     payload: &[u8],
+    trailer: &[u8],
 ) -> Result<(), ProtoError> {
-    let body_len = prefix.len() + payload.len();
+    let body_len = prefix.len() + payload.len() + trailer.len();
     let body_len = u32::try_from(body_len).map_err(|_| ProtoError::BodyTooLarge {
         len: body_len as u64,
         max: kvtier_proto::frame::MAX_FRAME_BODY,
@@ -135,7 +169,14 @@ fn write_request(
     let mut head = Vec::with_capacity(HEADER_LEN + prefix.len());
     head.extend_from_slice(&header);
     head.extend_from_slice(prefix);
-    write_all_vectored(stream, &mut [IoSlice::new(&head), IoSlice::new(payload)])?;
+    write_all_vectored(
+        stream,
+        &mut [
+            IoSlice::new(&head),
+            IoSlice::new(payload),
+            IoSlice::new(trailer),
+        ],
+    )?;
     Ok(())
 }
 
@@ -231,6 +272,15 @@ impl TcpTransport {
         }
     }
 
+    /// Bytes of checksum trailer per object on the wire.
+    fn trailer_len(&self) -> usize {
+        if self.config.end_to_end_checksums {
+            CHECKSUM_LEN
+        } else {
+            0
+        }
+    }
+
     fn check_down(&self, peer: &str) -> Result<(), TransportError> {
         let mut down = self.down_until.lock();
         if let Some(until) = down.get(peer) {
@@ -280,8 +330,17 @@ impl TcpTransport {
         stream
             .set_write_timeout(Some(timeout))
             .map_err(connect_err)?;
+        self.handshake(&mut stream, peer)?;
+        Ok(stream)
+    }
+
+    /// The data port's mutual challenge-response on a fresh connection ([`kvtier_proto::peer`]).
+    fn handshake(&self, stream: &mut TcpStream, peer: &str) -> Result<(), TransportError> {
+        let token = &self.config.token;
+        let client_nonce = kvtier_proto::auth::nonce::<NONCE_LEN>()
+            .map_err(|e| Self::io_error(peer, io::Error::other(e.to_string())))?;
         let hello = PeerHello {
-            token: self.config.token.clone(),
+            nonce: client_nonce.to_vec(),
             name: self.config.name.clone(),
         };
         let mut frame = Vec::new();
@@ -290,9 +349,52 @@ impl TcpTransport {
         stream
             .write_all(&frame)
             .map_err(|e| Self::io_error(peer, e))?;
-        let header = read_header(&mut stream).map_err(|e| Self::proto_error(peer, e))?;
+        let body = Self::handshake_reply(stream, peer)?;
+        let challenge = PeerChallenge::decode(&body).map_err(|e| TransportError::NotAuthentic {
+            peer: peer.to_string(),
+            message: format!("malformed challenge: {e}"),
+        })?;
+        // The node proves the token before this side sends anything derived from it.
+        // Bound to the address this side dialled (the node's data address as the master lists
+        // it): a relay listening elsewhere cannot pass a real node's proof on.
+        if !verify(
+            token,
+            PEER_NODE_LABEL,
+            &[peer.as_bytes(), &client_nonce, &challenge.nonce],
+            &challenge.proof,
+        ) {
+            tracing::warn!(
+                peer,
+                "kvtier: a data port failed to prove the cluster token"
+            );
+            return Err(TransportError::NotAuthentic {
+                peer: peer.to_string(),
+                message: "wrong proof".into(),
+            });
+        }
+        let auth = PeerAuth {
+            proof: proof(
+                token,
+                PEER_CLIENT_LABEL,
+                &[peer.as_bytes(), &client_nonce, &challenge.nonce],
+            )
+            .to_vec(),
+        };
+        frame.clear();
+        encode_frame(&mut frame, Opcode::PeerHello, 1, 0, &auth)
+            .map_err(|e| Self::proto_error(peer, e))?;
+        stream
+            .write_all(&frame)
+            .map_err(|e| Self::io_error(peer, e))?;
+        Self::handshake_reply(stream, peer)?;
+        Ok(())
+    }
+
+    /// The body of a handshake reply (small, bounded); an error reply is the node's refusal.
+    fn handshake_reply(stream: &mut TcpStream, peer: &str) -> Result<Vec<u8>, TransportError> {
+        let header = read_header(stream).map_err(|e| Self::proto_error(peer, e))?;
         if header.is_error() {
-            let reply = read_error(&mut stream, &header).map_err(|e| Self::proto_error(peer, e))?;
+            let reply = read_error(stream, &header).map_err(|e| Self::proto_error(peer, e))?;
             if reply.code == peer_error_code::UNAUTHORIZED {
                 return Err(TransportError::Unauthorized {
                     peer: peer.to_string(),
@@ -305,8 +407,20 @@ impl TcpTransport {
                 message: reply.message,
             });
         }
-        drain(&mut stream, u64::from(header.body_len)).map_err(|e| Self::io_error(peer, e))?;
-        Ok(stream)
+        if header.opcode != Opcode::PeerHello as u16 || header.body_len > MAX_CHALLENGE_BODY {
+            return Err(TransportError::NotAuthentic {
+                peer: peer.to_string(),
+                message: format!(
+                    "handshake reply of opcode {} and {} bytes",
+                    header.opcode, header.body_len
+                ),
+            });
+        }
+        let mut body = vec![0u8; header.body_len as usize];
+        stream
+            .read_exact(&mut body)
+            .map_err(|e| Self::io_error(peer, e))?;
+        Ok(body)
     }
 
     /// A connection to `peer`: an idle pooled one (`true`) or a new one (`false`).
@@ -633,6 +747,8 @@ trait Exchange<T>: Sync {
 
 struct PutExchange<'p> {
     peer: &'p str,
+    /// Append the end-to-end checksum trailer.
+    checksums: bool,
 }
 
 impl<'a> Exchange<&'a PutItem<'a>> for PutExchange<'_> {
@@ -660,8 +776,10 @@ impl<'a> Exchange<&'a PutItem<'a>> for PutExchange<'_> {
         }
         .encode_to_vec()
         .map_err(|e| TcpTransport::proto_error(peer, e))?;
+        let trailer = object_checksum(item.key, item.value).to_le_bytes();
+        let trailer: &[u8] = if self.checksums { &trailer } else { &[] };
         // The payload goes out from the caller's memory (vectored, no copy).
-        write_request(stream, Opcode::PeerPut, id, &meta, item.value)
+        write_request(stream, Opcode::PeerPut, id, &meta, item.value, trailer)
             .map_err(|e| TcpTransport::proto_error(peer, e))
     }
 
@@ -680,6 +798,8 @@ impl<'a> Exchange<&'a PutItem<'a>> for PutExchange<'_> {
 
 struct GetExchange<'p> {
     peer: &'p str,
+    /// Expect and verify the end-to-end checksum trailer.
+    checksums: bool,
     /// Page bytes read into destinations.
     received: std::sync::atomic::AtomicU64,
 }
@@ -697,9 +817,10 @@ impl<'a, 'b> Exchange<&'a mut GetItem<'b>> for GetExchange<'_> {
         item: &&'a mut GetItem<'b>,
     ) -> Result<(), TransportError> {
         // A get request is small: queued, so the requests of a window go out in one write.
+        let trailer = if self.checksums { CHECKSUM_LEN } else { 0 };
         let request = PeerGet {
             key: item.key.to_vec(),
-            expected_len: item.dst.len() as u64,
+            expected_len: (item.dst.len() + trailer) as u64,
         }
         .encode_to_vec()
         .map_err(|e| TcpTransport::proto_error(self.peer, e))?;
@@ -718,15 +839,21 @@ impl<'a, 'b> Exchange<&'a mut GetItem<'b>> for GetExchange<'_> {
         let peer = self.peer;
         let header = TcpTransport::reply_header(stream, peer, id)?;
         let dst = &mut *item.dst;
-        if header.body_len as usize != dst.len() {
+        let trailer = if self.checksums { CHECKSUM_LEN } else { 0 };
+        if header.body_len as usize != dst.len() + trailer {
             drain(stream, u64::from(header.body_len))
                 .map_err(|e| ItemFailure::Connection(TcpTransport::io_error(peer, e)))?;
             return Err(ItemFailure::Item(TransportError::SizeMismatch {
                 peer: peer.to_string(),
                 message: format!(
-                    "{} bytes sent for a {}-byte buffer",
+                    "{} bytes sent for a {}-byte buffer{}",
                     header.body_len,
-                    dst.len()
+                    dst.len(),
+                    if self.checksums {
+                        " and its checksum"
+                    } else {
+                        ""
+                    }
                 ),
             }));
         }
@@ -734,8 +861,24 @@ impl<'a, 'b> Exchange<&'a mut GetItem<'b>> for GetExchange<'_> {
         stream
             .read_exact(dst)
             .map_err(|e| ItemFailure::Connection(TcpTransport::io_error(peer, e)))?;
+        if self.checksums {
+            let mut stored = [0u8; CHECKSUM_LEN];
+            stream
+                .read_exact(&mut stored)
+                .map_err(|e| ItemFailure::Connection(TcpTransport::io_error(peer, e)))?;
+            let stored = u64::from_le_bytes(stored);
+            let computed = object_checksum(item.key, dst);
+            if stored != computed {
+                // The destination holds bytes that are not the object's: the caller treats the
+                // item as a miss and never uses them.
+                return Err(ItemFailure::Item(TransportError::Integrity {
+                    peer: peer.to_string(),
+                    message: format!("stored {stored:016x}, computed {computed:016x}"),
+                }));
+            }
+        }
         self.received
-            .fetch_add(dst.len() as u64, std::sync::atomic::Ordering::Relaxed);
+            .fetch_add(header.body_len as u64, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
 }
@@ -746,14 +889,21 @@ impl Transport for TcpTransport {
             return Vec::new();
         }
         let bytes = items.iter().map(|i| i.value.len()).sum();
-        let (results, written) =
-            self.spread(peer, &PutExchange { peer }, items.iter().collect(), bytes);
+        let (results, written) = self.spread(
+            peer,
+            &PutExchange {
+                peer,
+                checksums: self.config.end_to_end_checksums,
+            },
+            items.iter().collect(),
+            bytes,
+        );
         // Bytes written to a socket (a request sent again after a stale connection counts once).
         let mut counted = vec![false; items.len()];
         let sent = written
             .into_iter()
             .filter(|&i| !std::mem::replace(&mut counted[i], true))
-            .map(|i| items[i].value.len() as u64)
+            .map(|i| (items[i].value.len() + self.trailer_len()) as u64)
             .sum();
         count_transfer(peer, "out", sent);
         results
@@ -766,6 +916,7 @@ impl Transport for TcpTransport {
         let bytes = items.iter().map(|i| i.dst.len()).sum();
         let x = GetExchange {
             peer,
+            checksums: self.config.end_to_end_checksums,
             received: Default::default(),
         };
         let (results, _) = self.spread(peer, &x, items.iter_mut().collect(), bytes);
