@@ -462,18 +462,7 @@ fn accept_loop(shared: &Arc<Shared>, listener: UnixListener) -> Vec<JoinHandle<(
             .fetch_add(1, Ordering::Relaxed);
         if shared.open_conns.load(Ordering::SeqCst) as u64 >= shared.config.settings.max_connections
         {
-            shared
-                .counters
-                .connections_refused
-                .fetch_add(1, Ordering::Relaxed);
-            let mut stream = stream;
-            let _ = send_error(
-                &mut stream,
-                Opcode::Handshake,
-                0,
-                error_code::TOO_MANY_CLIENTS,
-                "too many connections",
-            );
+            refuse(shared, stream, "too many connections");
             continue;
         }
         let uid = rustix::net::sockopt::socket_peercred(&stream)
@@ -491,21 +480,11 @@ fn accept_loop(shared: &Arc<Shared>, listener: UnixListener) -> Vec<JoinHandle<(
             }
         };
         if !admitted {
-            shared
-                .counters
-                .connections_refused
-                .fetch_add(1, Ordering::Relaxed);
-            let mut stream = stream;
-            let _ = send_error(
-                &mut stream,
-                Opcode::Handshake,
-                0,
-                error_code::TOO_MANY_CLIENTS,
-                &format!(
-                    "uid {uid} already has {} connections (max_connections_per_uid)",
-                    shared.config.settings.max_connections_per_uid
-                ),
+            let message = format!(
+                "uid {uid} already has {} connections (max_connections_per_uid)",
+                shared.config.settings.max_connections_per_uid
             );
+            refuse(shared, stream, &message);
             continue;
         }
         let release_uid = move |shared: &Shared| {
@@ -544,6 +523,22 @@ fn accept_loop(shared: &Arc<Shared>, listener: UnixListener) -> Vec<JoinHandle<(
         }
     }
     workers
+}
+
+/// Count a connection refused before its handshake and tell the peer why (best effort: it
+/// may already be gone); dropping the stream closes it.
+fn refuse(shared: &Shared, mut stream: UnixStream, message: &str) {
+    shared
+        .counters
+        .connections_refused
+        .fetch_add(1, Ordering::Relaxed);
+    let _ = send_error(
+        &mut stream,
+        Opcode::Handshake,
+        0,
+        error_code::TOO_MANY_CLIENTS,
+        message,
+    );
 }
 
 fn send_error(
