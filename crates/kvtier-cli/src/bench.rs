@@ -541,9 +541,9 @@ pub(crate) fn recovery(dir: Option<PathBuf>, objects: u64, json: bool) -> Result
         write_s,
         checkpoint_open_s: ckpt.as_secs_f64(),
         scan_open_s: scan.as_secs_f64(),
-        scan_bytes: rs.bytes_scanned,
+        scan_bytes: rs.scan.bytes_scanned,
         scan_gb_per_s: rs.scan_gb_per_s(),
-        large_scan_bytes: rl.bytes_scanned,
+        large_scan_bytes: rl.scan.bytes_scanned,
         large_scan_gb_per_s: rl.scan_gb_per_s(),
     };
     if json {

@@ -163,23 +163,23 @@ fn fsck(dir: &std::path::Path, json: bool) -> Result<ExitCode, String> {
                 s.id,
                 s.state,
                 s.generation.map_or("-".into(), |g| g.to_string()),
-                s.good,
-                s.torn,
-                s.corrupt,
-                s.stale,
-                s.removed
+                s.counts.good,
+                s.counts.torn,
+                s.counts.corrupt,
+                s.counts.stale,
+                s.counts.removed
             );
         }
         println!(
             "total: {} segments, {} good, {} torn, {} corrupt, {} stale, {} removed; \
              {:.1} MB scanned in {:.2} s; checkpoint {}",
             r.segments.len(),
-            r.good,
-            r.torn,
-            r.corrupt,
-            r.stale,
-            r.removed,
-            r.bytes_scanned as f64 / 1e6,
+            r.counts.good,
+            r.counts.torn,
+            r.counts.corrupt,
+            r.counts.stale,
+            r.counts.removed,
+            r.counts.bytes_scanned as f64 / 1e6,
             r.elapsed_s,
             if r.checkpoint_present {
                 "present"

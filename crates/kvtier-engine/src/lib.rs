@@ -9,7 +9,8 @@
 //! - `object` — stored objects and read pins ([`PinnedObject`]);
 //! - [`eviction`] — the [`EvictionPolicy`] trait with [`Lru`] and [`PrefixDepth`];
 //! - `ssd` — the SSD tier: segment log, copy pipeline, warm restart, [`fsck`];
-//! - `engine` — [`Engine`], which ties them together.
+//! - `engine` — [`Engine`], which ties them together;
+//! - [`private_dir`] — the private-directory check of the SSD tier and `kvtier serve`.
 //!
 //! Guarantees: put-if-absent, nothing visible before it is fully written, a read either gets
 //! the exact stored bytes or fails cleanly, and eviction never frees memory under a reader.
@@ -26,6 +27,7 @@ pub mod error;
 pub mod eviction;
 mod index;
 mod object;
+pub mod private_dir;
 mod ssd;
 pub mod stats;
 
@@ -37,5 +39,5 @@ pub use engine::{Engine, Placement, PutMeta, PutOutcome};
 pub use error::EngineError;
 pub use eviction::{EvictionPolicy, Lru, PrefixDepth};
 pub use object::PinnedObject;
-pub use ssd::{fsck, FsckReport, FsckSegment, RecoveryProgress, RecoveryReport};
+pub use ssd::{fsck, FsckReport, FsckSegment, RecoveryProgress, RecoveryReport, ScanCounts};
 pub use stats::EngineStats;

@@ -205,9 +205,9 @@ fn acknowledged_strict_puts_survive_sigkill() {
         eprintln!(
             "round {round}: killed after {run_for:?}; fsck good {} torn {} corrupt {}; \
              recovered {} objects in {:?} ({:.2} GB/s scan)",
-            report.good,
-            report.torn,
-            report.corrupt,
+            report.counts.good,
+            report.counts.torn,
+            report.counts.corrupt,
             r.objects,
             r.elapsed,
             r.scan_gb_per_s()

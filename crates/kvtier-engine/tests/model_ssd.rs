@@ -111,7 +111,7 @@ fn run(ops: Vec<Op>, mode: SsdDurabilityMode) -> Result<(), TestCaseError> {
                 }
                 e = Some(Engine::open(config.clone()).unwrap());
                 let r = e.as_ref().unwrap().recovery_report().unwrap();
-                prop_assert_eq!((r.torn, r.corrupt), (0, 0));
+                prop_assert_eq!((r.scan.torn, r.scan.corrupt), (0, 0));
                 prop_assert_eq!(r.used_checkpoint, !drop_checkpoint);
             }
         }

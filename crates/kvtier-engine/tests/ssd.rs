@@ -203,10 +203,10 @@ fn warm_restart_scenario(backend: SsdIoBackend) {
         assert_eq!(r.used_checkpoint, round == 0, "{r:?}");
         // Round 1 also finds the object put after round 0's restart.
         assert_eq!(r.objects, 199 + round, "{r:?}");
-        assert_eq!((r.torn, r.corrupt), (0, 0), "{r:?}");
+        assert_eq!((r.scan.torn, r.scan.corrupt), (0, 0), "{r:?}");
         if round == 1 {
-            assert!(r.segments_scanned > 0 && r.bytes_scanned > 0, "{r:?}");
-            assert_eq!(r.removed, 1, "{r:?}");
+            assert!(r.segments_scanned > 0 && r.scan.bytes_scanned > 0, "{r:?}");
+            assert_eq!(r.scan.removed, 1, "{r:?}");
         }
         for k in (0..200).filter(|&k| k != 7) {
             assert_k(&e, k);
@@ -254,7 +254,7 @@ fn strict_puts_are_on_disk_when_they_return() {
     assert!(s.ssd_syncs > 0 && s.ssd_copy_queue_depth == 0, "{s:?}");
     // Without flush or close: the on-disk records already verify.
     let report = fsck(dir.path()).unwrap();
-    assert_eq!(report.good, 20, "{report:?}");
+    assert_eq!(report.counts.good, 20, "{report:?}");
     assert!(report.is_clean());
     std::mem::forget(e); // like a crash: no flush, no checkpoint
 }
@@ -318,7 +318,11 @@ fn corrupt_record_scenario(backend: SsdIoBackend) {
 
     let report = fsck(dir.path()).unwrap();
     assert_eq!(
-        (report.good, report.corrupt, report.torn),
+        (
+            report.counts.good,
+            report.counts.corrupt,
+            report.counts.torn
+        ),
         (27, 3, 0),
         "{report:?}"
     );
@@ -344,7 +348,7 @@ fn corrupt_record_scenario(backend: SsdIoBackend) {
     std::fs::remove_file(dir.path().join("index.ckpt")).unwrap();
     let e = open(&c);
     let r = e.recovery_report().unwrap();
-    assert_eq!((r.objects, r.corrupt), (27, 3), "{r:?}");
+    assert_eq!((r.objects, r.scan.corrupt), (27, 3), "{r:?}");
     for k in (0..30).filter(|k| ![3, 10, 20].contains(k)) {
         assert_k(&e, k);
     }
@@ -394,7 +398,7 @@ fn truncated_segments_lose_only_their_tail() {
         let e = open(&c);
         let r = e.recovery_report().unwrap();
         assert_eq!(r.objects, whole, "round {round}, cut {cut}: {r:?}");
-        assert!(r.torn <= 1 && r.corrupt == 0, "{r:?}");
+        assert!(r.scan.torn <= 1 && r.scan.corrupt == 0, "{r:?}");
         for k in 0..40u64 {
             if kept.contains(&k) {
                 assert_k(&e, k);
@@ -556,7 +560,7 @@ fn reclaim_evicts_whole_segments_and_never_serves_wrong_bytes() {
     std::fs::remove_file(dir.path().join("index.ckpt")).unwrap();
     let e = open(&c);
     let r = e.recovery_report().unwrap();
-    assert_eq!((r.torn, r.corrupt), (0, 0), "{r:?}");
+    assert_eq!((r.scan.torn, r.scan.corrupt), (0, 0), "{r:?}");
     for k in 0..400 {
         if let Some(v) = read(&e, &key(k)) {
             assert_eq!(v, value_for(&key(k), len_for(k)));
@@ -576,11 +580,19 @@ fn fsck_reports_segments() {
     e.close().unwrap();
     let r = fsck(dir.path()).unwrap();
     assert_eq!(
-        (r.good, r.removed, r.torn, r.corrupt),
+        (
+            r.counts.good,
+            r.counts.removed,
+            r.counts.torn,
+            r.counts.corrupt
+        ),
         (49, 1, 0, 0),
         "{r:?}"
     );
     assert!(r.checkpoint_present);
-    assert!(r.segments.iter().any(|s| s.state == "in_use" && s.good > 0));
+    assert!(r
+        .segments
+        .iter()
+        .any(|s| s.state == "in_use" && s.counts.good > 0));
     assert!(fsck(&dir.path().join("missing")).is_err());
 }

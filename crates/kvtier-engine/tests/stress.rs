@@ -67,7 +67,10 @@ fn concurrent_workload_with_ssd_never_returns_wrong_bytes() {
         // What survives the restart is intact.
         let e = Engine::open(c).unwrap();
         let r = e.recovery_report().unwrap();
-        assert!(r.used_checkpoint && r.torn + r.corrupt == 0, "{r:?}");
+        assert!(
+            r.used_checkpoint && r.scan.torn + r.scan.corrupt == 0,
+            "{r:?}"
+        );
         for k in 0..KEYS {
             let key = key_of(k);
             if let Some(len) = e.object_len(&key) {

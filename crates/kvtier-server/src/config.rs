@@ -301,33 +301,8 @@ pub fn private_runtime_dir() -> PathBuf {
 /// Create `dir` with mode 0700 if it is missing, then check it is a real directory (not a
 /// symlink) owned by this uid and not accessible to group or others.
 pub fn ensure_private_dir(dir: &Path) -> std::io::Result<()> {
-    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
-    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(e),
-    }
-    let meta = std::fs::symlink_metadata(dir)?;
-    let uid = rustix::process::geteuid().as_raw();
-    let problem = if !meta.file_type().is_dir() {
-        Some("is not a directory (a symlink or file is in the way)".to_string())
-    } else if meta.uid() != uid {
-        Some(format!("is owned by uid {}, not {uid}", meta.uid()))
-    } else if meta.mode() & 0o077 != 0 {
-        Some(format!(
-            "has mode {:o}; it must not be accessible to group or others (0700)",
-            meta.mode() & 0o7777
-        ))
-    } else {
-        None
-    };
-    match problem {
-        Some(why) => Err(std::io::Error::new(
-            std::io::ErrorKind::PermissionDenied,
-            format!("{} {why}", dir.display()),
-        )),
-        None => Ok(()),
-    }
+    // Issue 16: the check is shared with the SSD tier's directory; 0o077 = no access at all.
+    kvtier_engine::private_dir::ensure_private_dir(dir, 0o077)
 }
 
 impl ServerConfig {

@@ -18,7 +18,7 @@
 use std::io;
 use std::path::{Path, PathBuf};
 
-use super::format::crc32c;
+use super::format::{crc32c, RecordLoc};
 
 const MAGIC: &[u8; 8] = b"KVTCKPT1";
 const VERSION: u32 = 1;
@@ -32,12 +32,7 @@ pub(crate) fn path(dir: &Path) -> PathBuf {
 pub(crate) struct CkptEntry {
     pub key: std::sync::Arc<[u8]>,
     pub seg: u32,
-    pub offset: u64,
-    pub rec_len: u64,
-    pub payload_len: u64,
-    pub payload_offset: u32,
-    pub seq: u64,
-    pub depth: Option<u32>,
+    pub loc: RecordLoc,
 }
 
 /// A decoded checkpoint.
@@ -67,13 +62,14 @@ impl Checkpoint {
         for e in &self.entries {
             b.extend_from_slice(&(e.key.len() as u32).to_le_bytes());
             b.extend_from_slice(&e.key);
+            let l = &e.loc;
             b.extend_from_slice(&e.seg.to_le_bytes());
-            b.extend_from_slice(&e.offset.to_le_bytes());
-            b.extend_from_slice(&e.rec_len.to_le_bytes());
-            b.extend_from_slice(&e.payload_len.to_le_bytes());
-            b.extend_from_slice(&e.payload_offset.to_le_bytes());
-            b.extend_from_slice(&e.seq.to_le_bytes());
-            b.extend_from_slice(&e.depth.map_or(0, |d| d.saturating_add(1)).to_le_bytes());
+            b.extend_from_slice(&l.offset.to_le_bytes());
+            b.extend_from_slice(&l.rec_len.to_le_bytes());
+            b.extend_from_slice(&l.payload_len.to_le_bytes());
+            b.extend_from_slice(&l.payload_offset.to_le_bytes());
+            b.extend_from_slice(&l.seq.to_le_bytes());
+            b.extend_from_slice(&l.depth.map_or(0, |d| d.saturating_add(1)).to_le_bytes());
         }
         let crc = crc32c(&b);
         b.extend_from_slice(&crc.to_le_bytes());
@@ -108,12 +104,14 @@ impl Checkpoint {
             c.entries.push(CkptEntry {
                 key: std::sync::Arc::from(r.bytes(klen)?),
                 seg: r.u32()?,
-                offset: r.u64()?,
-                rec_len: r.u64()?,
-                payload_len: r.u64()?,
-                payload_offset: r.u32()?,
-                seq: r.u64()?,
-                depth: r.u32()?.checked_sub(1),
+                loc: RecordLoc {
+                    offset: r.u64()?,
+                    rec_len: r.u64()?,
+                    payload_len: r.u64()?,
+                    payload_offset: r.u32()?,
+                    seq: r.u64()?,
+                    depth: r.u32()?.checked_sub(1),
+                },
             });
         }
         (r.at == body.len()).then_some(c)
@@ -206,12 +204,14 @@ mod tests {
             entries: vec![CkptEntry {
                 key: std::sync::Arc::from(&b"k1"[..]),
                 seg: 0,
-                offset: 4096,
-                rec_len: 4096,
-                payload_len: 10,
-                payload_offset: 66,
-                seq: 6,
-                depth: Some(2),
+                loc: RecordLoc {
+                    offset: 4096,
+                    rec_len: 4096,
+                    payload_len: 10,
+                    payload_offset: 66,
+                    seq: 6,
+                    depth: Some(2),
+                },
             }],
         };
         let b = c.encode();

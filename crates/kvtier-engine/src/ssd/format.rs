@@ -37,6 +37,21 @@ pub(crate) const DEAD_MAGIC: u32 = u32::from_le_bytes(*b"KVTD");
 pub(crate) const RECORD_VERSION: u16 = 1;
 pub(crate) const FLAG_DEAD: u16 = 1;
 pub(crate) const HEADER_LEN: usize = 64;
+/// Where one record lives inside its segment and what its header says about it: the one
+/// declaration shared by a scan's records, checkpoint entries and the tier's index entries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RecordLoc {
+    /// Offset of the record's header in the segment file.
+    pub offset: u64,
+    /// Whole record length (header, key, payload, padding), a multiple of 4 KiB.
+    pub rec_len: u64,
+    pub payload_len: u64,
+    /// Payload offset from the record start.
+    pub payload_offset: u32,
+    pub seq: u64,
+    pub depth: Option<u32>,
+}
+
 /// Payloads at least this large start on the record's second 4 KiB block.
 pub(crate) const ALIGNED_PAYLOAD_MIN: u64 = 16 << 10;
 /// Largest key a record may carry (keeps a header block readable in one 64 KiB read).

@@ -4,7 +4,7 @@ use std::path::Path;
 
 use super::aligned::AlignedBuf;
 use super::io::{list_segments, probe_direct, segment_path, SegFile};
-use super::scan::scan_segment;
+use super::scan::{scan_segment, ScanCounts};
 use crate::error::EngineError;
 
 /// Counts for one segment file.
@@ -16,12 +16,9 @@ pub struct FsckSegment {
     /// `in_use`, `free`, or `no_header` (never written, or its header is damaged).
     pub state: String,
     pub generation: Option<u64>,
-    pub good: u64,
-    pub torn: u64,
-    pub corrupt: u64,
-    pub stale: u64,
-    pub removed: u64,
-    pub bytes_scanned: u64,
+    /// What the scan found (flattened into the JSON report).
+    #[serde(flatten)]
+    pub counts: ScanCounts,
     /// Offset after the last current-generation record.
     pub end: u64,
 }
@@ -31,12 +28,9 @@ pub struct FsckSegment {
 pub struct FsckReport {
     pub dir: String,
     pub segments: Vec<FsckSegment>,
-    pub good: u64,
-    pub torn: u64,
-    pub corrupt: u64,
-    pub stale: u64,
-    pub removed: u64,
-    pub bytes_scanned: u64,
+    /// The sum over all segments (flattened into the JSON report).
+    #[serde(flatten)]
+    pub counts: ScanCounts,
     /// An `index.ckpt` is present (a clean shutdown left it).
     pub checkpoint_present: bool,
     pub elapsed_s: f64,
@@ -45,7 +39,7 @@ pub struct FsckReport {
 impl FsckReport {
     /// No torn or corrupt record anywhere.
     pub fn is_clean(&self) -> bool {
-        self.torn == 0 && self.corrupt == 0
+        self.counts.torn == 0 && self.counts.corrupt == 0
     }
 }
 
@@ -87,20 +81,10 @@ pub fn fsck(dir: &Path) -> Result<FsckReport, EngineError> {
             file_len: len,
             state: state.to_string(),
             generation: scan.header.map(|h| h.generation),
-            good: scan.good,
-            torn: scan.torn,
-            corrupt: scan.corrupt,
-            stale: scan.stale,
-            removed: scan.removed,
-            bytes_scanned: scan.bytes_scanned,
+            counts: scan.counts,
             end: scan.end,
         };
-        report.good += seg.good;
-        report.torn += seg.torn;
-        report.corrupt += seg.corrupt;
-        report.stale += seg.stale;
-        report.removed += seg.removed;
-        report.bytes_scanned += seg.bytes_scanned;
+        report.counts.add(&seg.counts);
         report.segments.push(seg);
     }
     report.elapsed_s = t0.elapsed().as_secs_f64();

@@ -105,34 +105,11 @@ fn check_own_file(file: &File, path: &Path) -> io::Result<()> {
 
 /// Create the SSD directory (mode 0700, parents included) if missing, then refuse it unless it
 /// is a real directory (not a symlink) owned by this uid and not writable by group or others:
-/// anyone who can write it could plant entries the tier would open.
+/// anyone who can write it could plant entries the tier would open. The check itself is
+/// [`crate::private_dir::ensure_private_dir`], shared with `kvtier serve`'s socket directory.
 pub(crate) fn ensure_private_dir(dir: &Path) -> io::Result<()> {
-    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(dir)?;
-    let meta = std::fs::symlink_metadata(dir)?;
-    let uid = rustix::process::geteuid().as_raw();
-    let problem = if !meta.file_type().is_dir() {
-        Some("is not a directory (a symlink or a file is in the way)".to_string())
-    } else if meta.uid() != uid {
-        Some(format!("is owned by uid {}, not {uid}", meta.uid()))
-    } else if meta.mode() & 0o022 != 0 {
-        Some(format!(
-            "has mode {:o}: group or others may write it (chmod go-w, or use a private directory)",
-            meta.mode() & 0o7777
-        ))
-    } else {
-        None
-    };
-    match problem {
-        Some(why) => Err(io::Error::new(
-            io::ErrorKind::PermissionDenied,
-            format!("SSD directory {} {why}", dir.display()),
-        )),
-        None => Ok(()),
-    }
+    crate::private_dir::ensure_private_dir(dir, 0o022)
+        .map_err(|e| io::Error::new(e.kind(), format!("SSD directory {e}")))
 }
 
 /// One open segment file.

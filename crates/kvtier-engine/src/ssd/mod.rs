@@ -105,6 +105,7 @@ mod uring;
 use std::time::Duration;
 
 pub use fsck::{fsck, FsckReport, FsckSegment};
+pub use scan::ScanCounts;
 
 /// Progress of a warm restart, reported while `Engine::open_with_progress` runs.
 #[derive(Clone, Debug, Default)]
@@ -125,14 +126,12 @@ pub struct RecoveryReport {
     pub used_checkpoint: bool,
     pub objects_from_checkpoint: u64,
     pub segments_scanned: u64,
-    pub bytes_scanned: u64,
+    /// What the scan of the segments the checkpoint did not vouch for found (`removed`: dead
+    /// markers seen, i.e. removed objects); flattened into the JSON report.
+    #[serde(flatten)]
+    pub scan: ScanCounts,
     /// Objects in the index after recovery.
     pub objects: u64,
-    pub torn: u64,
-    pub corrupt: u64,
-    pub stale: u64,
-    /// Dead markers seen (removed objects).
-    pub removed: u64,
     pub elapsed: Duration,
 }
 
@@ -140,10 +139,10 @@ impl RecoveryReport {
     /// Scan throughput in GB/s (0 if nothing was scanned).
     pub fn scan_gb_per_s(&self) -> f64 {
         let s = self.elapsed.as_secs_f64();
-        if self.bytes_scanned == 0 || s == 0.0 {
+        if self.scan.bytes_scanned == 0 || s == 0.0 {
             0.0
         } else {
-            self.bytes_scanned as f64 / s / 1e9
+            self.scan.bytes_scanned as f64 / s / 1e9
         }
     }
 }

@@ -17,7 +17,9 @@
 use std::io;
 
 use super::aligned::{AlignedBuf, ALIGN};
-use super::format::{HeaderParse, RecordHeader, SegmentHeader, FIRST_RECORD, HEADER_LEN};
+use super::format::{
+    HeaderParse, RecordHeader, RecordLoc, SegmentHeader, FIRST_RECORD, HEADER_LEN,
+};
 use super::io::SegFile;
 
 /// Read size of a scan: large enough for sequential disk speed.
@@ -29,12 +31,32 @@ const HEADER_PROBE: usize = 64 << 10;
 #[derive(Clone, Debug)]
 pub(crate) struct ScannedRecord {
     pub key: Box<[u8]>,
-    pub offset: u64,
-    pub rec_len: u64,
-    pub payload_len: u64,
-    pub payload_offset: u32,
-    pub seq: u64,
-    pub depth: Option<u32>,
+    pub loc: RecordLoc,
+}
+
+/// What scans found, per class of the module docs: the one declaration of these counters,
+/// shared by a segment's scan, [`crate::FsckReport`] (per segment and in total) and
+/// [`crate::RecoveryReport`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ScanCounts {
+    pub good: u64,
+    pub torn: u64,
+    pub corrupt: u64,
+    pub stale: u64,
+    pub removed: u64,
+    pub bytes_scanned: u64,
+}
+
+impl ScanCounts {
+    /// Add `other`'s counts to these.
+    pub fn add(&mut self, other: &ScanCounts) {
+        self.good += other.good;
+        self.torn += other.torn;
+        self.corrupt += other.corrupt;
+        self.stale += other.stale;
+        self.removed += other.removed;
+        self.bytes_scanned += other.bytes_scanned;
+    }
 }
 
 /// What a scan of one segment found.
@@ -42,12 +64,7 @@ pub(crate) struct ScannedRecord {
 pub(crate) struct SegmentScan {
     pub header: Option<SegmentHeader>,
     pub records: Vec<ScannedRecord>,
-    pub good: u64,
-    pub torn: u64,
-    pub corrupt: u64,
-    pub stale: u64,
-    pub removed: u64,
-    pub bytes_scanned: u64,
+    pub counts: ScanCounts,
     /// End offset of the last current-generation item (where a writer could append).
     pub end: u64,
     /// Highest sequence number / generation in any intact header (also stale ones).
@@ -130,12 +147,12 @@ pub(crate) fn scan_segment(
             HeaderParse::Ok(h) => {
                 out.max_seq = out.max_seq.max(h.seq).max(h.generation);
                 if Some(h.generation) != generation {
-                    out.stale += u64::from(generation.is_some());
+                    out.counts.stale += u64::from(generation.is_some());
                     pos += ALIGN as u64;
                     continue;
                 }
                 if h.dead {
-                    out.removed += 1;
+                    out.counts.removed += 1;
                     pos += h.rec_len;
                     out.end = pos;
                     continue;
@@ -146,18 +163,20 @@ pub(crate) fn scan_segment(
                     && super::format::crc32c(&rec[po..po + h.payload_len as usize])
                         == h.payload_crc;
                 if payload_ok {
-                    out.corrupt += pending_bad;
+                    out.counts.corrupt += pending_bad;
                     pending_bad = 0;
-                    out.good += 1;
+                    out.counts.good += 1;
                     if collect {
                         out.records.push(ScannedRecord {
                             key: Box::from(&rec[HEADER_LEN..HEADER_LEN + h.key_len as usize]),
-                            offset: pos,
-                            rec_len: h.rec_len,
-                            payload_len: h.payload_len,
-                            payload_offset: h.payload_offset,
-                            seq: h.seq,
-                            depth: h.depth,
+                            loc: RecordLoc {
+                                offset: pos,
+                                rec_len: h.rec_len,
+                                payload_len: h.payload_len,
+                                payload_offset: h.payload_offset,
+                                seq: h.seq,
+                                depth: h.depth,
+                            },
                         });
                     }
                     pos += h.rec_len;
@@ -177,9 +196,9 @@ pub(crate) fn scan_segment(
             HeaderParse::NotAHeader => pos += ALIGN as u64,
         }
     }
-    out.torn += pending_bad;
+    out.counts.torn += pending_bad;
     if generation.is_none() {
-        out.good = 0;
+        out.counts.good = 0;
         out.records.clear();
     }
     progress(w.read - reported);
@@ -187,6 +206,6 @@ pub(crate) fn scan_segment(
 }
 
 fn finish(mut out: SegmentScan, w: &Window<'_>) -> SegmentScan {
-    out.bytes_scanned = w.read;
+    out.counts.bytes_scanned = w.read;
     out
 }
