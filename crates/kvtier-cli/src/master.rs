@@ -51,19 +51,7 @@ pub fn master(args: MasterArgs) -> Result<ExitCode, String> {
             .trim()
             .parse()
             .map_err(|_| format!("--replication {item:?}: N is not a number"))?;
-        if !(1..=kvtier_master::directory::MAX_REPLICAS).contains(&n) {
-            return Err(format!(
-                "--replication {item:?}: N must be from 1 to {}",
-                kvtier_master::directory::MAX_REPLICAS
-            ));
-        }
         replication.insert(ns.trim().to_string(), n);
-    }
-    if !(1..=kvtier_master::directory::MAX_REPLICAS).contains(&args.default_replication) {
-        return Err("--default-replication must be from 1 to 3".into());
-    }
-    if args.lease_ms < 100 {
-        return Err("--lease-ms must be at least 100".into());
     }
     let token = crate::cluster_view::cluster_token()?;
     let config = MasterConfig {
@@ -83,6 +71,8 @@ pub fn master(args: MasterArgs) -> Result<ExitCode, String> {
         election_ttl: Duration::from_secs(args.election_ttl_s.max(1)),
         ..MasterConfig::default()
     };
+    // The bounds (replication factors, lease) are the master's own check (issue 16).
+    config.validate().map_err(|e| e.to_string())?;
     // Started before the RPC port binds, so an address in use fails the start.
     let _metrics = match &args.metrics_addr {
         Some(addr) => {

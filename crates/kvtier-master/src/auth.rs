@@ -14,7 +14,7 @@
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use kvtier_proto::auth::{RpcCredential, RPC_AUTH_HEADER, RPC_NONCE_LEN};
 use parking_lot::Mutex;
@@ -23,15 +23,10 @@ use tonic::codegen::{http, BoxFuture, Context, Poll, Service};
 use tonic::server::NamedService;
 use tonic::Status;
 
-/// How far a proof's time may be from the master's clock, either way.
-pub const FRESHNESS_WINDOW: Duration = Duration::from_secs(30);
-/// Most nonces remembered (each for twice the window); a master seeing more fresh proofs than
-/// this within a minute refuses further ones (`RESOURCE_EXHAUSTED`) rather than forget.
-pub const MAX_REMEMBERED_NONCES: usize = 1 << 20;
-/// RPCs running at once over every connection.
-pub const MAX_RPCS_IN_FLIGHT: usize = 256;
-/// RPCs running at once on one connection (tonic's per-connection limit; more wait).
-pub const MAX_RPCS_PER_CONNECTION: usize = 32;
+// The bounds are declared in `crate::limits` (with their cross-checks).
+pub use crate::limits::{
+    FRESHNESS_WINDOW, MAX_REMEMBERED_NONCES, MAX_RPCS_IN_FLIGHT, MAX_RPCS_PER_CONNECTION,
+};
 
 fn unix_ms() -> u64 {
     SystemTime::now()

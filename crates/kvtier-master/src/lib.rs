@@ -50,7 +50,9 @@
 pub mod auth;
 pub mod directory;
 pub mod election;
+pub mod limits;
 pub mod service;
+mod validate;
 
 /// The generated protobuf messages and tonic client/server of `kvtier.master.v1`, from the
 /// `kvtier-rpc` crate (callers that only talk to a master depend on that crate alone).
@@ -59,3 +61,4 @@ pub use kvtier_rpc as rpc;
 pub use directory::{Directory, NodeSpec};
 pub use election::Leadership;
 pub use service::{run, MasterConfig, MasterError};
+pub use validate::MasterConfigError;

@@ -32,8 +32,10 @@ use crate::election::{campaign, ElectionConfig, Leadership};
 use crate::rpc::master_server::{Master, MasterServer};
 use crate::rpc::*;
 
-/// Most keys one RPC may carry.
-pub const MAX_KEYS_PER_CALL: usize = kvtier_proto::limits::MAX_KEYS_PER_BATCH;
+// The bounds are declared in `crate::limits` (with their cross-checks).
+pub use crate::limits::{
+    EXISTS_DEADLINE, EXISTS_WORKERS, MAX_KEYS_PER_CALL, MAX_RPC_MESSAGE_BYTES,
+};
 
 /// Settings of one master process.
 #[derive(Clone, Debug)]
@@ -88,14 +90,10 @@ pub enum MasterError {
          the same token as the nodes'"
     )]
     NoToken,
+    #[error("invalid master settings: {0}")]
+    Config(#[from] crate::validate::MasterConfigError),
 }
 
-/// Largest RPC message the master decodes (declared once, in `kvtier-rpc`, for both ends).
-pub const MAX_RPC_MESSAGE_BYTES: usize = kvtier_rpc::MAX_RPC_MESSAGE_BYTES;
-/// How long one existence query may evaluate.
-pub const EXISTS_DEADLINE: Duration = Duration::from_secs(2);
-/// Existence queries evaluated at once (blocking threads).
-pub const EXISTS_WORKERS: usize = 2;
 /// Length of a node secret.
 const NODE_SECRET_LEN: usize = 16;
 
@@ -599,6 +597,7 @@ pub async fn run(
     if config.token.is_empty() {
         return Err(MasterError::NoToken);
     }
+    config.validate()?;
     let advertise = config
         .advertise
         .clone()

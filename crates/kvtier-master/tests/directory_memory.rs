@@ -54,4 +54,6 @@ fn one_million_objects_cost_at_most_64_bytes_each() {
         directory.locate(format!("{:064x}_k_dp0_tp0", 7).as_bytes()),
         vec![1]
     );
+    // Issue 16: the directory invariants hold at the end (after the timing).
+    directory.check_invariants().unwrap();
 }

@@ -40,4 +40,6 @@ fn rebuilding_one_million_objects_from_two_nodes() {
         took.as_secs_f64() * 1e9 / (2 * OBJECTS) as f64
     );
     assert!(took < Duration::from_secs(20), "rebuild took {took:?}");
+    // Issue 16: the directory invariants hold at the end (after the timing).
+    directory.check_invariants().unwrap();
 }

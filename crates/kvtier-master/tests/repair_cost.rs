@@ -95,4 +95,6 @@ fn planning_ticks_over_one_million_short_objects_stay_cheap() {
         "one full reply per tick"
     );
     assert!(worst < Duration::from_secs(2), "a tick took {worst:?}");
+    // Issue 16: the directory invariants hold at the end (after the timing).
+    d.check_invariants().unwrap();
 }
