@@ -833,6 +833,17 @@ impl Engine {
         s
     }
 
+    /// Check every invariant this module's docs state that can be checked from outside an
+    /// operation: [`Self::verify_accounting`] (allocator, blocks, counters, the policy
+    /// tracking exactly the index) and the policy's own bookkeeping
+    /// ([`EvictionPolicy::check_invariants`]). Quiescence only, as for `verify_accounting`.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        self.verify_accounting()?;
+        self.policy
+            .check_invariants()
+            .map_err(|e| format!("eviction policy: {e}"))
+    }
+
     /// Check the engine's accounting: allocator invariants, free + used blocks == capacity,
     /// `objects` / `bytes_used` equal to the index, policy tracking exactly the index.
     ///

@@ -138,7 +138,8 @@ fn run(ops: Vec<Op>, policy: EvictionPolicyKind) -> Result<(), TestCaseError> {
         prop_assert_eq!(s.objects, objects);
         prop_assert_eq!(s.bytes_used, bytes_used);
         prop_assert!(s.bytes_allocated <= s.capacity_bytes);
-        if let Err(msg) = e.verify_accounting() {
+        // Issue 16: accounting plus the eviction policy's own invariants.
+        if let Err(msg) = e.check_invariants() {
             return Err(TestCaseError::fail(msg));
         }
     }

@@ -118,6 +118,10 @@ fn run(ops: Vec<Op>, mode: SsdDurabilityMode) -> Result<(), TestCaseError> {
         let eng = e.as_ref().unwrap();
         let evicted_now = ssd_evicted + eng.stats().ssd_evicted_segments;
         eng.flush().unwrap();
+        // Issue 16: the engine's invariants (accounting, eviction policy) after every step.
+        if let Err(msg) = eng.check_invariants() {
+            return Err(TestCaseError::fail(msg));
+        }
         for k in 0..KEYS {
             let got = read(eng, &key(k));
             match (&got, model.get(&k)) {

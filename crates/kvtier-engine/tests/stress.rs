@@ -57,7 +57,7 @@ fn concurrent_workload_with_ssd_never_returns_wrong_bytes() {
         let e = Arc::new(Engine::open(c.clone()).unwrap());
         let (ops, e) = run_workers(e, Duration::from_millis(700));
         e.flush().unwrap();
-        e.verify_accounting().unwrap();
+        e.check_invariants().unwrap(); // issue 16: accounting + policy invariants
         let s = e.stats();
         assert_eq!(s.put_failures, 0, "{s:?}");
         assert_eq!(s.ssd_checksum_failures, 0, "{s:?}");
@@ -221,7 +221,7 @@ fn stress(policy: EvictionPolicyKind) {
         ops += h.join().expect("worker panicked");
     }
 
-    e.verify_accounting().unwrap();
+    e.check_invariants().unwrap(); // issue 16: accounting + policy invariants
     let s = e.stats();
     assert_eq!(
         s.objects,

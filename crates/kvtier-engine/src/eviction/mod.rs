@@ -32,6 +32,7 @@
 //! index lock.
 
 pub mod events;
+mod invariants;
 mod lru;
 mod prefix_depth;
 
@@ -109,6 +110,11 @@ pub trait EvictionPolicy: Send + Sync {
     /// Whether no object is tracked.
     fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+    /// Check the policy's own bookkeeping (for tests; issue 16): the invariants its docs
+    /// state. A policy without checkable state keeps this default.
+    fn check_invariants(&self) -> Result<(), String> {
+        Ok(())
     }
 }
 
@@ -410,6 +416,10 @@ impl<P: GroupPolicy> EvictionPolicy for P {
 
     fn groups(&self) -> usize {
         self.list().lock().group_count()
+    }
+
+    fn check_invariants(&self) -> Result<(), String> {
+        self.list().lock().check_invariants()
     }
 }
 
