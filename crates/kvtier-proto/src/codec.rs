@@ -352,7 +352,39 @@ pub(crate) fn read_key_list(
     read_key_items(reader, item_what, count, key_limit)
 }
 
-fn longest(keys: &[Vec<u8>]) -> usize {
+/// A request's page keys as the wire carries them: the key prefix, then the page-key list
+/// (each key and the prefix within [`MAX_KEY_LEN`]). One encoding, declared once, for the
+/// existence query and for page batches ([`crate::server::PageKeys`]); only the count bound
+/// differs.
+pub(crate) fn put_page_keys(
+    out: &mut Vec<u8>,
+    prefix: &[u8],
+    page_keys: &[Vec<u8>],
+    max_pages: usize,
+) -> Result<(), ProtoError> {
+    put_bytes(out, "key prefix", prefix, MAX_KEY_LEN)?;
+    put_key_list(
+        out,
+        "page count",
+        "page key",
+        page_keys,
+        max_pages,
+        MAX_KEY_LEN,
+    )
+}
+
+/// Read what [`put_page_keys`] wrote: `(prefix, page_keys)`.
+pub(crate) fn read_page_keys(
+    reader: &mut Reader<'_>,
+    max_pages: usize,
+) -> Result<(Vec<u8>, Vec<Vec<u8>>), ProtoError> {
+    let prefix = reader.read_bytes("key prefix", MAX_KEY_LEN)?.to_vec();
+    let page_keys = read_key_list(reader, "page count", "page key", max_pages, MAX_KEY_LEN)?;
+    Ok((prefix, page_keys))
+}
+
+/// Length of the longest key of `keys` (0 for none).
+pub(crate) fn longest(keys: &[Vec<u8>]) -> usize {
     keys.iter().map(Vec::len).max().unwrap_or(0)
 }
 
@@ -504,15 +536,7 @@ impl Encode for ExistsV2Query {
     fn encode_fields(&self, out: &mut Vec<u8>) -> Result<(), ProtoError> {
         check_composed_key_len(self)?;
         self.check_work()?;
-        put_bytes(out, "key prefix", &self.key_prefix, MAX_KEY_LEN)?;
-        put_key_list(
-            out,
-            "page count",
-            "page key",
-            &self.page_keys,
-            MAX_PAGES_PER_QUERY,
-            MAX_KEY_LEN,
-        )?;
+        put_page_keys(out, &self.key_prefix, &self.page_keys, MAX_PAGES_PER_QUERY)?;
         self.kv.encode_fields(out)?;
         put_len(out, "pool count", self.pools.len(), MAX_POOLS)?;
         self.pools
@@ -523,14 +547,7 @@ impl Encode for ExistsV2Query {
 
 impl Decode for ExistsV2Query {
     fn read_from(reader: &mut Reader<'_>) -> Result<Self, ProtoError> {
-        let key_prefix = reader.read_bytes("key prefix", MAX_KEY_LEN)?.to_vec();
-        let page_keys = read_key_list(
-            reader,
-            "page count",
-            "page key",
-            MAX_PAGES_PER_QUERY,
-            MAX_KEY_LEN,
-        )?;
+        let (key_prefix, page_keys) = read_page_keys(reader, MAX_PAGES_PER_QUERY)?;
         let kv = KvComponents::read_from(reader)?;
         let pool_count = reader.read_count("pool count", MAX_POOLS, MIN_POOL_LEN)?;
         let mut pools = Vec::with_capacity(pool_count);

@@ -26,8 +26,8 @@
 //! tags and over-limit counts are errors), symmetric limits, allocation bounded by input size.
 
 use crate::codec::{
-    check_limit, put_bytes, put_key_list, put_len, put_varint, read_key_list, Decode, Encode,
-    Reader,
+    check_limit, longest, put_bytes, put_key_list, put_len, put_page_keys, put_varint,
+    read_key_list, read_page_keys, Decode, Encode, Reader,
 };
 use crate::error::ProtoError;
 use crate::limits::{
@@ -305,10 +305,6 @@ impl Decode for ShmRef {
     }
 }
 
-fn longest(keys: &[Vec<u8>]) -> usize {
-    keys.iter().map(Vec::len).max().unwrap_or(0)
-}
-
 fn check_page_keys(keys: &PageKeys) -> Result<(), ProtoError> {
     // Every composed key obeys the one key-length rule (only when there is a key to compose).
     if !keys.page_keys.is_empty() && !keys.suffixes.is_empty() {
@@ -325,15 +321,7 @@ fn check_page_keys(keys: &PageKeys) -> Result<(), ProtoError> {
 impl Encode for PageKeys {
     fn encode_fields(&self, out: &mut Vec<u8>) -> Result<(), ProtoError> {
         check_page_keys(self)?;
-        put_bytes(out, "key prefix", &self.prefix, MAX_KEY_LEN)?;
-        put_key_list(
-            out,
-            "page count",
-            "page key",
-            &self.page_keys,
-            MAX_KEYS_PER_BATCH,
-            MAX_KEY_LEN,
-        )?;
+        put_page_keys(out, &self.prefix, &self.page_keys, MAX_KEYS_PER_BATCH)?;
         put_key_list(
             out,
             "component count",
@@ -347,14 +335,7 @@ impl Encode for PageKeys {
 
 impl Decode for PageKeys {
     fn read_from(reader: &mut Reader<'_>) -> Result<Self, ProtoError> {
-        let prefix = reader.read_bytes("key prefix", MAX_KEY_LEN)?.to_vec();
-        let page_keys = read_key_list(
-            reader,
-            "page count",
-            "page key",
-            MAX_KEYS_PER_BATCH,
-            MAX_KEY_LEN,
-        )?;
+        let (prefix, page_keys) = read_page_keys(reader, MAX_KEYS_PER_BATCH)?;
         let suffixes = read_key_list(
             reader,
             "component count",
