@@ -12,6 +12,9 @@
 //! - [`client`] is the [`Client`]: it resolves memory, composes keys and calls the mode's store.
 //!   Embedded mode runs the engine in this process; server mode ([`remote`]) talks to a local
 //!   `kvtier serve` (selected by `server_socket`) behind the same methods.
+//!
+//! Cluster mode ([`cluster`]) reaches the master through the stubs of `kvtier-rpc` only: this
+//! crate (and so the Python module) does not link `kvtier-master` or `etcd-client`.
 
 pub mod batch;
 pub mod client;

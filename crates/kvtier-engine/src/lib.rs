@@ -8,15 +8,19 @@
 //! - `index` — the sharded key → object map;
 //! - `object` — stored objects and read pins ([`PinnedObject`]);
 //! - [`eviction`] — the [`EvictionPolicy`] trait with [`Lru`] and [`PrefixDepth`];
-//! - `ssd` — the SSD tier: segment log, copy pipeline, warm restart, [`fsck`];
+//! - `ssd` — the SSD tier: segment log, copy pipeline, warm restart, [`fsck`]; `ssd/tier/` is
+//!   split by owned state (index, segments, pipeline, read, reclaim, recovery);
 //! - `engine` — [`Engine`], which ties them together;
 //! - [`private_dir`] — the private-directory check of the SSD tier and `kvtier serve`.
+//!
+//! [`Engine::check_invariants`] and [`EvictionPolicy::check_invariants`] check the invariants
+//! the module docs state (the model and stress tests call them).
 //!
 //! Guarantees: put-if-absent, nothing visible before it is fully written, a read either gets
 //! the exact stored bytes or fails cleanly, and eviction never frees memory under a reader.
 
 // Every `unsafe` block lives in `dram/arena.rs`, `ssd/aligned.rs` and `ssd/uring.rs`, the three
-// modules allowed to opt out.
+// modules allowed to opt out (the workspace lints deny it too).
 #![deny(unsafe_code)]
 #![deny(unsafe_op_in_unsafe_fn)]
 

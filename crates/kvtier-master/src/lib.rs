@@ -47,6 +47,14 @@
 //!   re-replication copies it after its start-up grace (see [`directory`]).
 //! - Pending claims and free-space estimates (rebuilt from the next heartbeats).
 
+//! # Floor plan
+//!
+//! [`directory`] (split by owned state: entries and claims, the node registry, re-replication,
+//! and `check_invariants`), [`service`] (the RPC handlers and the process), [`auth`],
+//! [`election`], [`limits`] (every bound, cross-checked at compile time) and
+//! [`MasterConfig::validate`]. The generated stubs are the `kvtier-rpc` crate, re-exported as
+//! [`rpc`]: clients depend on that crate, not on this one.
+
 pub mod auth;
 pub mod directory;
 pub mod election;

@@ -3,7 +3,8 @@
 //! - [`config`]: [`ServerConfig`] (TOML file, `KVTIER_SERVE_*` / `KVTIER_*` env, flags; strict).
 //! - [`server`]: listener, sessions, dispatch of the wire protocol (`kvtier_proto`).
 //! - [`shm`]: client memfds mapped into the server, and [`fault_guard`]: the SIGBUS guard of
-//!   unsealed ones — the crate's only `unsafe`.
+//!   unsealed ones — the crate's only `unsafe` (each opens with `#![allow(unsafe_code)]`
+//!   under the workspace lints).
 //! - [`cli`]: `serve`, `stat` and `bench server`, called by the `kvtier` binary.
 //! - [`node`], [`peer`], [`rereplicate`]: a cluster node's agent, data port, and the copy
 //!   tasks of re-replication.
