@@ -1,14 +1,19 @@
 """kvtier as a secondary tier of vLLM 0.34.0's OffloadingConnector (issue 19).
 
-Real vLLM objects throughout (see _vllm_engine): ``OffloadingSpecFactory`` builds
-``TieringOffloadingSpec`` from the config a user writes, whose ``SecondaryTierFactory`` imports
-``kvtier.vllm`` by ``module_path`` and constructs ``KvtierTier`` with the primary region's
-memoryview; the ``TieringOffloadingManager`` with its CPU primary tier over a real
-``/dev/shm/vllm_offload_*`` region drives every store cascade, lookup (RETRY while the async
-probe runs, then HIT), promotion (``submit_load``) and reset. Substituted because there is no
-GPU: the GPU->CPU copy worker and the model forward (deterministic bytes per chunk, written into
-the chunks vLLM's manager allocated). Real kvtier: embedded stores, a real ``kvtier serve``
-shared by two vLLM instances, a real ``kvtier master`` with two nodes.
+Real vLLM objects throughout (see _vllm_engine). Engine-level tests run the v1 ``Scheduler``
+(KV cache manager, prefix hashing, ``OffloadingConnector`` in the scheduler role with
+``TieringOffloadingSpec``, its tiering manager, CPU primary tier over a real
+``/dev/shm/vllm_offload_*`` region and ``KvtierTier``) and the ``OffloadingConnector`` in the
+worker role (deferred stores, loads into the registered KV cache): a request's blocks are
+offloaded, the GPU prefix cache, GPU blocks and CPU primary tier are wiped, and the same prompt
+loads them back from kvtier byte-exact while the forward computes only the tail. Manager-level
+tests drive ``TieringOffloadingManager`` directly (store cascade, lookup RETRY then HIT,
+promotion, reset) for the cluster, eviction and failure cases.
+
+Substituted, because there is no GPU, and only these: the copy worker (``MemcpyTieringSpec``
+gives the worker role a memcpy worker; the stock one refuses non-CUDA devices) and the model
+forward (deterministic bytes per block hash). Real kvtier: embedded stores, a real
+``kvtier serve`` shared by two vLLM instances, a real ``kvtier master`` with two nodes.
 """
 
 from __future__ import annotations
@@ -104,20 +109,65 @@ def test_lookup_is_asynchronous_retry_then_hit(engines):
     tier.on_request_finished(ctx)
 
 
-def test_two_vllm_instances_share_one_kvtier_serve(engines, kvtier_bin, tmp_path):
+# ------------------------------------------------------------------ the v1 Scheduler, both roles
+
+# 6 full blocks and 4 more tokens: vLLM can load at most 96 tokens, the forward computes 4.
+PROMPT = list(range(1, 16 * 6 + 5))
+FULL_BLOCKS = 6
+
+
+@pytest.fixture
+def instances(tmp_path):
+    made = []
+
+    def make(tiers, **kw):
+        v = ve.VllmInstance(tmp_path, tiers, **kw)
+        made.append(v)
+        return v
+
+    yield make
+    for v in made:
+        v.close()
+
+
+def check_loaded_from_kvtier(v, req, seen):
+    """Every full block holds its bytes, and the forward computed only the tail: the blocks
+    came through the connector (vLLM's load path), not from recomputation."""
+    want = v.expected(req)
+    assert [i for i in range(FULL_BLOCKS) if seen.get(i) != want[i]] == []
+    assert v.computed[req.request_id] == len(PROMPT) - FULL_BLOCKS * 16
+
+
+def test_scheduler_offloads_to_kvtier_and_loads_back_byte_exact(instances):
+    v = instances([dict(TIER, dram_capacity_bytes=32 << 20)])
+    req, seen = v.run(PROMPT)
+    assert v.computed[req.request_id] == len(PROMPT)  # cold: all computed
+    assert all(seen[i] == v.expected(req)[i] for i in range(FULL_BLOCKS))
+    assert v.tier.stats()["puts"] == FULL_BLOCKS
+    v.wipe()  # GPU prefix cache, GPU blocks and the CPU primary tier are gone
+    hits = v.tier.stats()["hits"]
+    req2, seen2 = v.run(PROMPT)
+    check_loaded_from_kvtier(v, req2, seen2)
+    assert v.tier.stats()["hits"] - hits == FULL_BLOCKS
+
+
+def test_two_vllm_instances_share_one_kvtier_serve(instances, kvtier_bin, tmp_path):
     served = sm.Served(kvtier_bin, tmp_path)
     try:
         cfg = dict(TIER, server_socket=served.socket)
-        a = engines([cfg])
-        b = engines([cfg])
+        a = instances([cfg])
+        b = instances([cfg])
         assert a.tier._store.mode == "server" and b.tier._store.mode == "server"
-        keys = ve.request_keys("shared", 16)
-        a.offload(keys)
-        got = b.fetch(keys)  # B never computed these chunks
-        assert not exact(b, got, keys)
-        stores = served.stat()["stores"]
-        assert sum(s["objects"] for s in stores.values()) == 16
+        a.run(PROMPT)
+        wait_objects = time.monotonic() + 10
+        while sum(s["objects"] for s in served.stat()["stores"].values()) < FULL_BLOCKS:
+            assert time.monotonic() < wait_objects
+            time.sleep(0.01)
+        req, seen = b.run(PROMPT)  # B never computed this prompt
+        check_loaded_from_kvtier(b, req, seen)
     finally:
+        for v in (a, b):
+            v.close()
         served.stop()
 
 
