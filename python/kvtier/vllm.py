@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Iterable
 from typing import Any, ClassVar
@@ -91,6 +92,48 @@ def key_namespace(offloading_spec: Any, stride: int) -> str:
     return f"vllm/{str(fields['model_name']).replace('/', '_')}_{digest}"
 
 
+def _mapped_file(addr: int) -> str | None:
+    """The file whose offset 0 is mapped at ``addr`` in this process (``/proc/self/maps``)."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                if lo <= addr < hi:
+                    if lo != addr or int(parts[2], 16) != 0 or len(parts) < 6:
+                        return None
+                    return parts[5].strip()
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _register_region_file(store, offloading_spec, base: int, size: int, label: str):
+    """Server mode: hand ``kvtier serve`` vLLM's shared region file itself
+    (``/dev/shm/vllm_offload_<engine_id>.mmap``), so the server copies chunks straight in and
+    out of it (no staging copy). Only when that file is exactly what is mapped at ``base``
+    and large enough; otherwise ``None`` and the caller registers the range as plain memory."""
+    engine_id = getattr(getattr(offloading_spec, "config", None), "engine_id", None)
+    if engine_id is None:
+        return None
+    path = f"/dev/shm/vllm_offload_{engine_id}.mmap"
+    if _mapped_file(base) != path:
+        return None
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if os.fstat(fd).st_size < size:
+            return None
+        return store.register_memfd(base, size, fd, 0, label)
+    except Exception as e:  # the server refused it: the staging path still works
+        logger.info("kvtier: %s not shared with the server (%s); copying through staging", path, e)
+        return None
+    finally:
+        os.close(fd)
+
+
 class _KvtierLookup(AsyncLookupManager):
     """vLLM's per-tier async lookup (a pending probe answers RETRY); the probe is one
     ``exists_keys`` batch, run without the GIL."""
@@ -136,9 +179,14 @@ class KvtierTier(SecondaryTierManager):
             self._base = int(flat.ctypes.data)
             self._region_bytes = int(flat.nbytes)
             del flat
-            self._region_id = self._store.register_region(
-                self._base, self._region_bytes, f"vllm-primary-{tier_type}"
-            )
+            label = f"vllm-primary-{tier_type}"
+            self._region_id = None
+            if self._store.mode == "server":
+                self._region_id = _register_region_file(
+                    self._store, offloading_spec, self._base, self._region_bytes, label
+                )
+            if self._region_id is None:
+                self._region_id = self._store.register_region(self._base, self._region_bytes, label)
             self._queue = _native.BatchQueue(self._store, threads, queue_capacity)
         except Exception:
             self._store.close()

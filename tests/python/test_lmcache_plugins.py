@@ -327,3 +327,32 @@ def test_lmcache_engine_store_lookup_retrieve_from_kvtier():
         assert eng.lookup(torch.arange(1000, 1064)) == 0
     finally:
         LMCacheEngineBuilder.destroy(name)
+
+
+def test_batch_queue_is_bounded_and_every_submit_completes_once():
+    """kvtier's BatchQueue (both integrations run on it): beyond its capacity a batch fails at
+    once with a named error instead of blocking the engine; close() fails what is queued; every
+    submitted id completes exactly once."""
+    from kvtier import _native
+
+    store = _native.Store('{"dram_capacity_bytes": 268435456}')
+    q = _native.BatchQueue(store, 1, 1)
+    bufs = [bytearray(4 << 20) for _ in range(16)]
+    ids = [q.submit_put([f"k{i}"], [bufs[i]]) for i in range(16)]
+    assert len(set(ids)) == 16
+    q.close()  # running batch finishes, queued ones fail
+    assert q.closed
+    late = q.submit_exists(["k0"])  # after close: completes at once, failed
+    done = {}
+    for fid, ok, err, bools in q.drain():
+        assert fid not in done
+        done[fid] = (ok, err)
+    assert set(done) == set(ids) | {late}
+    errors = [e for ok, e in done.values() if not ok]
+    assert any("queue full" in e for e in errors), errors
+    assert any("closed" in e for e in errors)
+    # Nothing else failed: each batch ran, was refused as full, or was failed by close().
+    assert all(ok or "queue full" in e or "closed" in e for ok, e in done.values())
+    with pytest.raises(ValueError, match="threads"):
+        _native.BatchQueue(store, 0)
+    store.close()

@@ -158,6 +158,8 @@ def test_two_vllm_instances_share_one_kvtier_serve(instances, kvtier_bin, tmp_pa
         a = instances([cfg])
         b = instances([cfg])
         assert a.tier._store.mode == "server" and b.tier._store.mode == "server"
+        # Each instance's shared region file is mapped by the server: no staging copy.
+        assert a.tier._store.zero_copy_regions() == 1 and b.tier._store.zero_copy_regions() == 1
         a.run(PROMPT)
         wait_objects = time.monotonic() + 10
         while sum(s["objects"] for s in served.stat()["stores"].values()) < FULL_BLOCKS:

@@ -104,13 +104,18 @@ def main(argv=None) -> dict:
     from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
     n, stride = args.chunks, args.chunk_kib * 1024
-    # Page-aligned like vLLM's mmap region (the fs tier uses O_DIRECT where it can).
-    backing = mmap.mmap(-1, 2 * n * stride)
+    # Like vLLM's primary region: a MAP_SHARED file /dev/shm/vllm_offload_<engine_id>.mmap
+    # (page-aligned: the fs tier uses O_DIRECT where it can; kvtier serve maps the file).
+    spec = _spec(stride, n)
+    region_path = f"/dev/shm/vllm_offload_{spec.config.engine_id}.mmap"
+    fd = os.open(region_path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.ftruncate(fd, 2 * n * stride)
+    backing = mmap.mmap(fd, 2 * n * stride)
+    os.close(fd)
     region = np.frombuffer(backing, dtype=np.int8).reshape(2 * n, stride)
     rng = np.random.default_rng(7)
     region[:n] = rng.integers(-128, 127, size=(n, stride), dtype=np.int8)
     view = memoryview(region)
-    spec = _spec(stride, n)
     nbytes = n * stride
     fs_root = tempfile.mkdtemp(prefix="kvtier-bench-fs-", dir=args.fs_dir)
     kvtier_cfg = {"type": "KvtierTier", "module_path": "kvtier.vllm"}
@@ -156,6 +161,11 @@ def main(argv=None) -> dict:
             tier.shutdown()
         shutil.rmtree(fs_root, ignore_errors=True)
         del view, region
+        try:
+            backing.close()
+        except BufferError:  # a tier still holds a view; the process exit unmaps it
+            pass
+        os.unlink(region_path)
     for k, v in samples.items():
         results["runs"][k] = {"median_gbps": statistics.median(v), "samples_gbps": v}
     r = results["runs"]
