@@ -1,4 +1,4 @@
-"""``python -m kvtier.bench.vllm_tier``: kvtier as a vLLM 0.34.0 secondary tier, store and load
+"""``python -m kvtier_dev.bench.vllm_tier``: kvtier as a vLLM 0.34.0 secondary tier, store and load
 GB/s against the same run's memcpy and vLLM's in-tree ``fs`` tier (issue 19).
 
 Both tiers are built by vLLM's own ``SecondaryTierFactory`` over one primary region (an int8
@@ -90,7 +90,7 @@ def _run_jobs(tier, keys, chunk_ids, job_chunks, load, first_id):
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m kvtier.bench.vllm_tier", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m kvtier_dev.bench.vllm_tier", description=__doc__)
     p.add_argument("--chunks", type=int, default=256)
     p.add_argument("--chunk-kib", type=int, default=1024)
     p.add_argument("--job-chunks", type=int, default=32, help="chunks per TransferJob")
