@@ -186,19 +186,20 @@ def test_models_do_not_share_chunks(engines, kvtier_bin, tmp_path):
         served.stop()
 
 
-def test_cluster_read_on_another_node(engines, cluster):
+def test_cluster_read_on_another_node(instances, cluster):
+    """Two vLLM hosts on a kvtier cluster: the prompt computed on host A (node-a) is loaded on
+    host B (node-b) through vLLM's scheduler, from node-a's store."""
     c = cluster()
     node_a = c.add_node("node-a", "127.0.0.2")
     c.add_node("node-b", "127.0.0.3")
     c.master.wait_nodes(["node-a", "node-b"])
-    a = engines([dict(TIER, **c.store_config("node-a"))])
-    b = engines([dict(TIER, **c.store_config("node-b"))])
+    a = instances([dict(TIER, **c.store_config("node-a"))])
+    b = instances([dict(TIER, **c.store_config("node-b"))])
     assert a.tier._store.mode == "cluster"
-    keys = ve.request_keys("cluster", 8)
-    a.offload(keys)
-    assert len(node_a.keys()) == 8  # stored on the writer's node
-    got = b.fetch(keys)
-    assert not exact(b, got, keys)
+    a.run(PROMPT)
+    assert len(node_a.keys()) == FULL_BLOCKS  # stored on the writer's node
+    req, seen = b.run(PROMPT)
+    check_loaded_from_kvtier(b, req, seen)
 
 
 def test_eviction_under_load_misses_cleanly_and_serves_the_rest(engines):
