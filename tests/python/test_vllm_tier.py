@@ -6,9 +6,10 @@ Real vLLM objects throughout (see _vllm_engine). Engine-level tests run the v1 `
 ``/dev/shm/vllm_offload_*`` region and ``KvtierTier``) and the ``OffloadingConnector`` in the
 worker role (deferred stores, loads into the registered KV cache): a request's blocks are
 offloaded, the GPU prefix cache, GPU blocks and CPU primary tier are wiped, and the same prompt
-loads them back from kvtier byte-exact while the forward computes only the tail. Manager-level
+loads them back from kvtier byte-exact while the forward computes only the tail; the same across
+two instances sharing a ``kvtier serve`` and across two cluster nodes. Manager-level
 tests drive ``TieringOffloadingManager`` directly (store cascade, lookup RETRY then HIT,
-promotion, reset) for the cluster, eviction and failure cases.
+promotion, reset) for the eviction and failure cases.
 
 Substituted, because there is no GPU, and only these: the copy worker (``MemcpyTieringSpec``
 gives the worker role a memcpy worker; the stock one refuses non-CUDA devices) and the model
