@@ -6,7 +6,7 @@
 //! naming the key; per-item failures come back as `(ok_list, error_messages)` so that the
 //! adapter can fail closed and log the reason.
 //!
-//! The wheel holds `python/kvtier` (`__init__`, `sglang`, `kv_events`) and this module; the
+//! The wheel holds `python/kvtier` (the engine adapters and `kv_events`) and this module; the
 //! test harness, benchmarks and demo live in `tools/python/kvtier_dev`, outside it.
 // A named unsafe module (issue 16 lints): raw buffer addresses and fds from Python.
 #![allow(unsafe_code)]
