@@ -1,7 +1,7 @@
 //! kvtier's single-host store.
 //!
 //! Objects are byte strings under byte-string keys, stored in tiers behind one index:
-//! - [`config`] — [`EngineConfig`] and its validation;
+//! - [`config`] — [`EngineConfig`] and its validation; [`limits`] — its bounds, cross-checked;
 //! - [`error`] — [`EngineError`];
 //! - [`stats`] — lock-free counters and the [`EngineStats`] snapshot;
 //! - `dram` — the pre-faulted arena (one of three `unsafe` modules) and its block allocator;
@@ -30,6 +30,7 @@ mod engine;
 pub mod error;
 pub mod eviction;
 mod index;
+pub mod limits;
 mod object;
 pub mod private_dir;
 mod ssd;
