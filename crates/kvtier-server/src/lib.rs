@@ -19,6 +19,7 @@ pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod fault_guard;
+pub mod limits; // issue 16: the crate's bounds, cross-checked
 pub mod node;
 pub mod peer;
 pub mod rereplicate;

@@ -150,7 +150,7 @@ const MAX_REGISTERED_KEYS: usize = 16 << 20;
 /// Most keys, and most key bytes, one master call carries (the master's per-call key limit, and
 /// well inside its 16 MiB message limit with the encoding's few bytes per key).
 const KEYS_PER_CALL: usize = kvtier_master::service::MAX_KEYS_PER_CALL;
-const KEY_BYTES_PER_CALL: usize = 8 << 20;
+pub(crate) const KEY_BYTES_PER_CALL: usize = 8 << 20;
 
 /// `keys` cut into runs a master call carries.
 fn in_calls(mut keys: Vec<Vec<u8>>) -> Vec<Vec<Vec<u8>>> {
