@@ -7,6 +7,8 @@
 //! adapter can fail closed and log the reason.
 
 mod buffer_access;
+// Issue 18: SGLang's direct linker (LinkerCore).
+mod linker;
 
 use std::sync::Arc;
 
@@ -588,6 +590,7 @@ impl Store {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Store>()?;
+    m.add_class::<linker::LinkerCore>()?; // issue 18
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
