@@ -17,12 +17,13 @@ counter with the KV pool and the TP worker. The TP worker is a namespace carryin
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
@@ -62,9 +63,8 @@ class Built:
     tp_worker: Any
     page_size: int
     num_layers: int
+    window: int = 0
     linker: Any = None
-    # Device buffers whose bytes a restore must reproduce, per pool name.
-    buffers: Dict[str, List[torch.Tensor]] = field(default_factory=dict)
 
     def close(self) -> None:
         self.cache.release_host_resources()
@@ -108,6 +108,7 @@ def build(
     tree_core: str = "python",
     linker: str = "KvtierLinker",
     dtype: torch.dtype = torch.bfloat16,
+    window: int = 8,
 ) -> Built:
     """A UnifiedRadixCache with the kvtier linker, built by SGLang's factory."""
     from sglang.srt.environ import envs
@@ -126,7 +127,6 @@ def build(
     )
     is_swa = is_dsa = False
     full_tokens = None
-    buffers: Dict[str, List[torch.Tensor]] = {}
     if kind == "mha":
         kv = MHATokenToKVPool(
             size=size,
@@ -139,7 +139,6 @@ def build(
             enable_memory_saver=False,
         )
         allocator = PagedTokenToKVPoolAllocator(size, page_size, dtype, "cpu", kv, need_sort=False)
-        buffers["kv"] = [*kv.k_buffer, *kv.v_buffer]
     elif kind == "mla":
         kv = MLATokenToKVPool(
             size=size,
@@ -152,11 +151,81 @@ def build(
             enable_memory_saver=False,
         )
         allocator = PagedTokenToKVPoolAllocator(size, page_size, dtype, "cpu", kv, need_sort=False)
-        buffers["kv"] = list(kv.kv_buffer)
+    elif kind == "mha_swa":
+        from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+        from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+        full_ids = list(range(0, num_layers, 2))
+        swa_ids = list(range(1, num_layers, 2))
+        kv = SWAKVPool(
+            size=size,
+            size_swa=size,
+            page_size=page_size,
+            dtype=dtype,
+            head_num=head_num,
+            head_dim=head_dim,
+            swa_attention_layer_ids=swa_ids,
+            full_attention_layer_ids=full_ids,
+            device="cpu",
+        )
+        with envs.SGLANG_DEBUG_MEMORY_POOL.override(True):
+            allocator = SWATokenToKVPoolAllocator(
+                size=size,
+                size_swa=size,
+                page_size=page_size,
+                dtype=dtype,
+                device="cpu",
+                kvcache=kv,
+                need_sort=False,
+            )
+        is_swa, full_tokens = True, size
+    elif kind == "dsa":
+        from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+
+        kv = DSATokenToKVPool(
+            size=size,
+            page_size=page_size,
+            kv_lora_rank=32,
+            dtype=dtype,
+            qk_rope_head_dim=16,
+            layer_num=num_layers,
+            device="cpu",
+            index_head_dim=128,
+            enable_memory_saver=False,
+            kv_cache_dim=48,
+        )
+        allocator = PagedTokenToKVPoolAllocator(size, page_size, dtype, "cpu", kv, need_sort=False)
+        is_dsa = True
+    elif kind == "dsv4":
+        from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+
+        from kvtier.harness.pools import _dsv4_device_pool
+
+        # The real model's geometry: 256-token pages, a 128-token window, C4/C128 layers.
+        kv = _dsv4_device_pool(
+            page_size=page_size,
+            compression_ratios=(0, 4, 128, 4)[:num_layers] or (0, 4),
+            device_full_pages=pages,
+            device_swa_pages=pages,
+            sliding_window=window,
+            dtype=torch.float8_e4m3fn,
+            max_num_reqs=4,
+        )
+        allocator = SWATokenToKVPoolAllocator(
+            size=size,
+            size_swa=size,
+            page_size=page_size,
+            dtype=torch.float8_e4m3fn,
+            device="cpu",
+            kvcache=kv,
+            need_sort=False,
+        )
+        is_swa, full_tokens = True, size
     else:
         raise ValueError(f"unknown kind {kind!r}")
 
     params = CacheInitParams(
+        sliding_window_size=window if is_swa else None,
         disable=False,
         req_to_token_pool=req_to_token_pool,
         token_to_kv_pool_allocator=allocator,
@@ -190,8 +259,8 @@ def build(
         tp_worker=worker,
         page_size=page_size,
         num_layers=num_layers,
+        window=window if is_swa else 0,
         linker=cache.linker.cache_linker,
-        buffers=buffers,
     )
 
 
@@ -199,23 +268,74 @@ def tokens_for(seed: int, pages: int, page_size: int) -> List[int]:
     return [seed * 100_000 + i for i in range(pages * page_size)]
 
 
+def _entry_indices(built: Built, entry: Any, slots: torch.Tensor) -> torch.Tensor:
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    if entry.indices_from_pool == PoolName.SWA:
+        slots = built.allocator.full_to_swa_index_mapping[slots].to(torch.int64)
+    return entry.translate_indices(slots)
+
+
+def _is_window_pool(entry: Any) -> bool:
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    return entry.indices_from_pool == PoolName.SWA
+
+
+def _page_views(built: Built, slots: torch.Tensor, window_only: bool):
+    """(ptr, size) of every page component of every linker pool at ``slots``; SWA-indexed
+    pools only for the trailing window when ``window_only``."""
+    views = []
+    for name, entry in built.linker.pools.items():
+        idx = slots
+        if _is_window_pool(entry):
+            if window_only:
+                keep = max(built.window, built.page_size) // built.page_size * built.page_size
+                idx = slots[-keep:]
+        ptrs, sizes = entry.get_page_buffer_meta(_entry_indices(built, entry, idx))
+        views.extend((str(name), int(p), int(n)) for p, n in zip(ptrs, sizes))
+    return views
+
+
 def fill_slots(built: Built, slots: torch.Tensor, seed: int) -> None:
-    """Write a distinct pattern into every buffer's rows at ``slots``."""
+    """Write distinct bytes into every page of every linker pool at (FULL) ``slots``."""
     g = torch.Generator().manual_seed(seed)
-    for bufs in built.buffers.values():
-        for buf in bufs:
-            rows = buf[slots]
-            noise = torch.randint(-100, 100, rows.shape, generator=g).to(buf.dtype)
-            buf[slots] = noise
+    for _, ptr, size in _page_views(built, slots, window_only=False):
+        data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)
+        ctypes.memmove(ptr, data.data_ptr(), size)
 
 
-def read_slots(built: Built, slots: torch.Tensor) -> List[torch.Tensor]:
-    return [buf[slots].clone() for bufs in built.buffers.values() for buf in bufs]
+def read_slots(
+    built: Built, slots: torch.Tensor, pools=None, window_only: bool = True
+) -> List[bytes]:
+    """The bytes of every page of every linker pool at (FULL) ``slots`` (pools indexed by SWA
+    slots: their trailing window only, all a restore brings back)."""
+    return [
+        ctypes.string_at(ptr, size)
+        for name, ptr, size in _page_views(built, slots, window_only)
+        if pools is None or name in pools
+    ]
+
+
+def alloc(built: Built, n: int) -> torch.Tensor:
+    """Page-aligned device slots (FULL and, for SWA models, mapped SWA slots), as the
+    scheduler's alloc_extend does."""
+    if built.kind not in ("mha_swa", "dsv4"):
+        slots = built.allocator.alloc(n)
+        assert slots is not None, "device pool full"
+        return slots
+    a = built.allocator
+    full = a.full_attn_allocator.alloc(n)
+    swa = a.swa_attn_allocator.alloc(n)
+    assert full is not None and swa is not None, "device pool full"
+    a.full_to_swa_index_mapping[full] = swa
+    return full
 
 
 def zero_all(built: Built) -> None:
-    for bufs in built.buffers.values():
-        for buf in bufs:
+    """Zero every device buffer the linker moves (a restore must bring the bytes back)."""
+    for entry in built.linker.pools.values():
+        for buf in entry.get_hybrid_pool_buffer():
             buf.zero_()
 
 
@@ -250,8 +370,7 @@ def wait_offloads(built: Built, timeout: float = 20.0) -> None:
 def produce(built: Built, tokens: List[int], seed: int) -> torch.Tensor:
     """Compute (fill) KV for ``tokens`` in fresh device slots and insert them: every new node
     is offloaded (write-through threshold 1). Returns the slots."""
-    slots = built.allocator.alloc(len(tokens))
-    assert slots is not None, "device pool full"
+    slots = alloc(built, len(tokens))
     fill_slots(built, slots, seed)
     built.cache.insert(InsertParams(key=RadixKey(array("q", tokens)), value=slots.to(torch.int64)))
     return slots
@@ -273,7 +392,21 @@ class Restore:
     layer_wait_s: List[float]
 
 
-def restore(built: Built, rid: str, tokens: List[int], *, insert_back: bool = True) -> Restore:
+def page_keys(built: Built, tokens: List[int]) -> List[str]:
+    """SGLang's storage hash of every page of ``tokens`` (what the tree names them by)."""
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    return list(get_storage_hash_str(RadixKey(array("q", tokens)), None, page_size=built.page_size))
+
+
+def restore(
+    built: Built,
+    rid: str,
+    tokens: List[int],
+    *,
+    insert_back: bool = True,
+    before_load: Optional[Any] = None,
+) -> Restore:
     """Replay the scheduler for a request whose prefix is (partly) in the store."""
     cache = built.cache
     req = make_req(built, rid, tokens)
@@ -294,13 +427,19 @@ def restore(built: Built, rid: str, tokens: List[int], *, insert_back: bool = Tr
     req.host_loaded_length, req.last_node = loaded, last_node
     req.prefix_len = match.device_prefix_len + loaded
     indices = cache.prefix_device_indices(req).clone()
+    if before_load is not None:
+        before_load(req)
     index = cache.ready_to_load_host_cache()
     built.tp_worker.set_hicache_consumer(index)
     waits = []
     for layer in range(built.num_layers):
         t0 = time.perf_counter()
-        built.kvcache.get_key_buffer(layer)
-        built.kvcache.get_value_buffer(layer)
+        if built.kind == "dsv4":
+            # DeepSeek-V4's attention waits through the pool's own hook.
+            built.kvcache.wait_layer_transfer(layer)
+        else:
+            built.kvcache.get_key_buffer(layer)
+            built.kvcache.get_value_buffer(layer)
         waits.append(time.perf_counter() - t0)
     failed = cache.finish_external_linker_loads([req])
     if insert_back and not failed:
@@ -310,7 +449,7 @@ def restore(built: Built, rid: str, tokens: List[int], *, insert_back: bool = Tr
         pool = built.req_to_token_pool
         pool.write((row, slice(0, req.prefix_len)), indices.to(torch.int32))
         if rest > 0:
-            extra = built.allocator.alloc(rest)
+            extra = alloc(built, rest)
             pool.write((row, slice(req.prefix_len, len(tokens))), extra.to(torch.int32))
         req.kv.kv_committed_len = req.kv.kv_allocated_len = len(tokens)
         req.kv.cache_protected_len = match.device_prefix_len
