@@ -206,7 +206,7 @@ def test_cluster_decode_host_loads_what_prefill_offloaded(built, cluster):
     c = cluster()
     c.add_node("prefill", "127.0.0.1")
     c.add_node("decode", "127.0.0.1")
-    c.master.wait_nodes(2)
+    c.master.wait_nodes(["decode", "prefill"])
     a = built("mla", extra=c.store_config("prefill"))
     assert a.linker.store._store.mode == "cluster"
     toks = lf.tokens_for(7, 4, a.page_size)
