@@ -204,6 +204,9 @@ def _pool_key(name: Any) -> str:
 class KvtierLinker(UnifiedCacheLinker):
     """SGLang's direct-L3 linker on a kvtier store (see the module docs)."""
 
+    # kvtier copies straight into the device pools (CPU pools); the staging subclass does not.
+    direct_device_access = True
+
     def __init__(
         self,
         server_args: Any,
@@ -234,7 +237,7 @@ class KvtierLinker(UnifiedCacheLinker):
             )
         self.pools = self.pool_group.entry_map
         self.num_layers = int(self.pool_group.num_layers)
-        if any(
+        if self.direct_device_access and any(
             b.device.type != "cpu" for e in self.pools.values() for b in e.get_hybrid_pool_buffer()
         ):
             raise ValueError(
@@ -388,41 +391,38 @@ class KvtierLinker(UnifiedCacheLinker):
         return self.pending_loads.pop(rid, None) is not None
 
     def _load_plan(self, request_transfers: Sequence[List[PoolTransfer]]):
-        """Per transfer layer: (key, object length, [(offset, dst, len)]) of every object."""
-        layers: List[List[Tuple[str, int, List[Tuple[int, int, int]]]]] = [
-            [] for _ in range(self.num_layers)
-        ]
+        """The batch for LinkerCore.submit_load: one ``(key, object_len, row, shape)`` per
+        object of every page, and per shape (object kind of a pool) the pieces of each layer.
+        Built in O(pages x objects); the per-layer addresses are computed natively."""
+        shape_ids: Dict[Tuple[str, int], int] = {}
+        shapes: List[List[List[Tuple[int, int, int, int]]]] = []
+        objects: List[Tuple[str, int, int, int]] = []
         for transfers in request_transfers:
             for t in transfers:
+                name = _pool_key(t.name)
                 entry = self.pools[t.name]
                 rows = entry.prepare_locations(t.host_indices)
                 keys = list(t.keys or [])
                 if len(rows) != len(keys):
-                    raise ValueError(
-                        f"pool {_pool_key(t.name)}: {len(keys)} keys for {len(rows)} pages"
-                    )
-                for obj in self._objects[_pool_key(t.name)]:
+                    raise ValueError(f"pool {name}: {len(keys)} keys for {len(rows)} pages")
+                for j, obj in enumerate(self._objects[name]):
+                    sid = shape_ids.get((name, j))
+                    if sid is None:
+                        sid = shape_ids[(name, j)] = len(shapes)
+                        per_layer: List[List[Tuple[int, int, int, int]]] = [
+                            [] for _ in range(self.num_layers)
+                        ]
+                        for layer, piece_ids in obj.layer_pieces.items():
+                            if 0 <= layer < self.num_layers:
+                                per_layer[layer] = [
+                                    (obj.offsets[i], *obj.pieces[i]) for i in piece_ids
+                                ]
+                        shapes.append(per_layer)
                     total = obj.total
-                    for layer, piece_ids in obj.layer_pieces.items():
-                        if layer >= self.num_layers:
-                            continue
-                        out = layers[layer]
-                        for key, row in zip(keys, rows):
-                            out.append(
-                                (
-                                    self._key(key, obj),
-                                    total,
-                                    [
-                                        (
-                                            obj.offsets[i],
-                                            obj.pieces[i][0] + row * obj.pieces[i][1],
-                                            obj.pieces[i][2],
-                                        )
-                                        for i in piece_ids
-                                    ],
-                                )
-                            )
-        return layers
+                    objects.extend(
+                        (self._key(key, obj), total, row, sid) for key, row in zip(keys, rows)
+                    )
+        return objects, shapes
 
     def _report(self, index: int, layer: int, error: Optional[str]) -> None:
         try:
@@ -440,8 +440,8 @@ class KvtierLinker(UnifiedCacheLinker):
         pending, self.pending_loads = self.pending_loads, {}
         index = self.layer_done_counter.update_producer()
         try:
-            plan = self._load_plan(list(pending.values()))
-            self.core.submit_load(index, plan, self._report)
+            objects, shapes = self._load_plan(list(pending.values()))
+            self.core.submit_load(index, objects, shapes, self.num_layers, self._report)
         except Exception as exc:
             logger.exception("kvtier linker: cannot start load batch %d", index)
             self.layer_done_counter.fail(index, exc)

@@ -28,15 +28,21 @@ use pyo3::prelude::*;
 
 use crate::Store;
 
-/// `(key, object_len, [(offset, dst_ptr, len)])`: one object's ranges for one layer.
-type LayerItem = (String, u64, Vec<(u64, usize, usize)>);
+/// `(key, object_len, row, shape)`: one object of a load, the device row its page lands in,
+/// and the index of its shape.
+type LoadObject = (String, u64, usize, usize);
+/// `(offset_in_object, base_ptr, row_stride, len)`: one piece of a layer of an object shape;
+/// the piece of row `r` lands at `base_ptr + r * row_stride`.
+type ShapePiece = (u64, usize, usize, usize);
 /// `(key, [(ptr, len)])`: one object to offload, from these pieces in order.
 type OffloadItem = (String, Vec<(usize, usize)>);
 
 enum LoadJob {
     Batch {
         index: i64,
-        layers: Vec<Vec<LayerItem>>,
+        objects: Vec<LoadObject>,
+        shapes: Vec<Vec<Vec<ShapePiece>>>,
+        layers: usize,
         report: Py<PyAny>,
     },
     Stop,
@@ -105,22 +111,57 @@ pub(crate) struct LinkerCore {
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
-fn run_load(shared: &Shared, index: i64, layers: &[Vec<LayerItem>], report: &Py<PyAny>) {
+/// The ranges of `object` for `layer`, or an error naming a row whose address overflows.
+fn layer_ranges(
+    shapes: &[Vec<Vec<ShapePiece>>],
+    object: &LoadObject,
+    layer: usize,
+) -> Result<Vec<RangeCopy>, String> {
+    let (key, _, row, shape) = object;
+    let pieces = shapes
+        .get(*shape)
+        .ok_or_else(|| format!("object {key}: unknown shape {shape}"))?;
+    let Some(pieces) = pieces.get(layer) else {
+        return Ok(Vec::new());
+    };
+    pieces
+        .iter()
+        .map(|&(offset, base, stride, len)| {
+            row.checked_mul(stride)
+                .and_then(|at| at.checked_add(base))
+                .map(|dst| RangeCopy { offset, dst, len })
+                .ok_or_else(|| format!("object {key}: row {row} overflows the address space"))
+        })
+        .collect()
+}
+
+fn run_load(
+    shared: &Shared,
+    index: i64,
+    objects: &[LoadObject],
+    shapes: &[Vec<Vec<ShapePiece>>],
+    layers: usize,
+    report: &Py<PyAny>,
+) {
     shared.counters.load_batches.fetch_add(1, Ordering::Relaxed);
     let mut reader = RangedReader::new(&shared.client);
-    for (layer, items) in layers.iter().enumerate() {
+    for layer in 0..layers {
         let mut failure = None;
         let mut bytes = 0u64;
-        for (key, object_len, ranges) in items {
-            let copies: Vec<RangeCopy> = ranges
-                .iter()
-                .map(|&(offset, dst, len)| RangeCopy { offset, dst, len })
-                .collect();
-            if let Err(e) = reader.copy_ranges(key.as_bytes(), *object_len, &copies) {
-                failure = Some(format!("layer {layer}, object {key}: {e}"));
-                break;
+        for object in objects {
+            let copied = layer_ranges(shapes, object, layer).and_then(|copies| {
+                reader
+                    .copy_ranges(object.0.as_bytes(), object.1, &copies)
+                    .map_err(|e| format!("object {}: {e}", object.0))?;
+                Ok(copies.iter().map(|c| c.len as u64).sum::<u64>())
+            });
+            match copied {
+                Ok(n) => bytes += n,
+                Err(e) => {
+                    failure = Some(format!("layer {layer}, {e}"));
+                    break;
+                }
             }
-            bytes += copies.iter().map(|c| c.len as u64).sum::<u64>();
         }
         shared
             .counters
@@ -232,11 +273,13 @@ impl LinkerCore {
             .spawn(move || {
                 while let Ok(LoadJob::Batch {
                     index,
+                    objects,
+                    shapes,
                     layers,
                     report,
                 }) = load_rx.recv()
                 {
-                    run_load(&load_shared, index, &layers, &report);
+                    run_load(&load_shared, index, &objects, &shapes, layers, &report);
                     Python::attach(|_py| drop(report));
                     load_shared.loads.done();
                 }
@@ -268,14 +311,17 @@ impl LinkerCore {
         })
     }
 
-    /// Queue a load batch: `layers[l]` lists `(key, object_len, [(offset, dst, len)])` for
-    /// layer `l`; `report(index, layer, error_or_None)` is called once per layer in order,
-    /// after that layer's bytes landed, and once with the error on the failing layer (the
-    /// batch stops there).
+    /// Queue a load batch of `layers` layers: `objects` lists `(key, object_len, row, shape)`
+    /// and `shapes[shape][layer]` the `(offset, base, row_stride, len)` pieces of that layer
+    /// (a piece of row `r` lands at `base + r * row_stride`). `report(index, layer,
+    /// error_or_None)` is called once per layer in order, after that layer's bytes of every
+    /// object landed, and once with the error on the failing layer (the batch stops there).
     fn submit_load(
         &self,
         index: i64,
-        layers: Vec<Vec<LayerItem>>,
+        objects: Vec<LoadObject>,
+        shapes: Vec<Vec<Vec<ShapePiece>>>,
+        layers: usize,
         report: Py<PyAny>,
     ) -> PyResult<()> {
         let tx = self.load_tx.lock().unwrap_or_else(|e| e.into_inner());
@@ -285,6 +331,8 @@ impl LinkerCore {
         self.shared.loads.add();
         tx.send(LoadJob::Batch {
             index,
+            objects,
+            shapes,
             layers,
             report,
         })

@@ -46,9 +46,14 @@ KINDS = ("mha", "mla", "mha_swa", "dsa", "dsv4")
 
 
 def linker_config(extra: Optional[dict] = None, linker: str = "KvtierLinker") -> dict:
+    module = (
+        "kvtier.sglang_linker_staging"
+        if linker == "KvtierStagingLinker"
+        else "kvtier.sglang_linker"
+    )
     return {
         "linker": linker,
-        "linker_module_path": "kvtier.sglang_linker",
+        "linker_module_path": module,
         "linker_extra_config": dict(extra or {}),
     }
 
@@ -372,8 +377,13 @@ def produce(built: Built, tokens: List[int], seed: int) -> torch.Tensor:
     is offloaded (write-through threshold 1). Returns the slots."""
     slots = alloc(built, len(tokens))
     fill_slots(built, slots, seed)
-    built.cache.insert(InsertParams(key=RadixKey(array("q", tokens)), value=slots.to(torch.int64)))
+    insert(built, tokens, slots)
     return slots
+
+
+def insert(built: Built, tokens: List[int], slots: torch.Tensor) -> None:
+    """Insert computed KV at ``slots`` into the tree (each new node is offloaded)."""
+    built.cache.insert(InsertParams(key=RadixKey(array("q", tokens)), value=slots.to(torch.int64)))
 
 
 def evict_all(built: Built) -> None:
@@ -390,6 +400,10 @@ class Restore:
     counter_index: int
     failed: List[Any]
     layer_wait_s: List[float]
+    # Seconds from ready_to_load_host_cache to the first layer's and to the last layer's
+    # return from the forward's wait (the load's time to first layer and total).
+    first_layer_s: float = 0.0
+    total_s: float = 0.0
 
 
 def page_keys(built: Built, tokens: List[int]) -> List[str]:
@@ -429,10 +443,13 @@ def restore(
     indices = cache.prefix_device_indices(req).clone()
     if before_load is not None:
         before_load(req)
+    started = time.perf_counter()
     index = cache.ready_to_load_host_cache()
     built.tp_worker.set_hicache_consumer(index)
-    waits = []
+    waits, first = [], 0.0
     for layer in range(built.num_layers):
+        if layer == 1:
+            first = time.perf_counter() - started
         t0 = time.perf_counter()
         if built.kind == "dsv4":
             # DeepSeek-V4's attention waits through the pool's own hook.
@@ -442,6 +459,8 @@ def restore(
             built.kvcache.get_value_buffer(layer)
         waits.append(time.perf_counter() - t0)
     failed = cache.finish_external_linker_loads([req])
+    total = time.perf_counter() - started
+    first = first or total
     if insert_back and not failed:
         # The forward computed the rest: give it slots, then insert as the scheduler does.
         rest = len(tokens) - req.prefix_len
@@ -458,5 +477,14 @@ def restore(
         cache.unlock(req.lock)
         req.lock = None
     return Restore(
-        req, match.device_prefix_len, match.host_hit_length, loaded, indices, index, failed, waits
+        req,
+        match.device_prefix_len,
+        match.host_hit_length,
+        loaded,
+        indices,
+        index,
+        failed,
+        waits,
+        first_layer_s=first,
+        total_s=total,
     )
