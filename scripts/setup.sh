@@ -51,6 +51,11 @@ pip_q -r requirements/sglang-cpu.txt "maturin>=1.7,<2" "pytest>=8" "ruff>=0.6"
 
 log "building kvtier (maturin develop --release)"
 VIRTUAL_ENV="$PWD/$VENV" PATH="$PWD/$VENV/bin:$PATH" "$VENV/bin/maturin" develop --release -q 2>&1 | grep -vE '^(📦|✏️|🔗|🍹|🐍|⚠️ Warning: You.*)' || true
+# The test harness and benchmarks (kvtier_dev) are not in the wheel: a .pth file makes
+# tools/python importable in this venv (python -m kvtier_dev.bench ...). Issue 16.
+site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+rm -f "$site/kvtier_dev.pth"
+printf '%s\n' "$PWD/tools/python" > "$site/kvtier_dev.pth"
 log "building the kvtier command (cargo build --release -p kvtier-cli -> target/release/kvtier)"
 cargo build --release --quiet -p kvtier-cli
 "$VENV/bin/python" -c "import kvtier; print('[setup] kvtier', kvtier.__version__, 'ready in', '$VENV')"

@@ -2,7 +2,7 @@
 through SGLang 0.5.23's real objects on CPU: the dynamic factory chain
 (``registry.create_tree_cache``), ``UnifiedRadixCache`` with both tree cores, SGLang's linker
 wrapper, real device pools and allocators, and the scheduler's calls in order
-(``kvtier.harness.linker_flow``). Embedded, ``kvtier serve`` and cluster modes; HiCache
+(``kvtier_dev.harness.linker_flow``). Embedded, ``kvtier serve`` and cluster modes; HiCache
 interop on one store."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from kvtier.harness import linker_flow as lf
+from kvtier_dev.harness import linker_flow as lf
 
 import test_cluster as tc
 import test_server_mode as sm
@@ -223,7 +223,7 @@ def test_cluster_decode_host_loads_what_prefill_offloaded(built, cluster):
 def test_hicache_adapter_and_linker_share_pages(built, kvtier_bin, tmp_path):
     """One ``kvtier serve``: a page the linker offloads is a HiCache hit with the same bytes,
     and a page HiCache backs up is restored by the linker."""
-    from kvtier.harness import pools
+    from kvtier_dev.harness import pools
     from kvtier.sglang import KvtierStore
 
     served = sm.Served(kvtier_bin, tmp_path)

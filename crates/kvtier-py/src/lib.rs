@@ -5,6 +5,8 @@
 //! while pages move. Errors are mapped once here: configuration errors become `ValueError`
 //! naming the key; per-item failures come back as `(ok_list, error_messages)` so that the
 //! adapter can fail closed and log the reason.
+// A named unsafe module (issue 16 lints): raw buffer addresses and fds from Python.
+#![allow(unsafe_code)]
 
 mod buffer_access;
 // Issue 18: SGLang's direct linker (LinkerCore).

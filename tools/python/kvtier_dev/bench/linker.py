@@ -1,9 +1,9 @@
 """Benchmark of kvtier as SGLang's direct L3 (issue 18): a layer-wise load of N pages x L
-layers through the real chain (``kvtier.harness.linker_flow``: SGLang's factory, tree, linker
+layers through the real chain (``kvtier_dev.harness.linker_flow``: SGLang's factory, tree, linker
 wrapper and CPU device pools), against the same run's memcpy of the same bytes; and offload
 throughput.
 
-    python -m kvtier.bench.linker --pages 16 64 --layers 32 --reps 3
+    python -m kvtier_dev.bench.linker --pages 16 64 --layers 32 --reps 3
 
 For each page count, every repetition produces fresh pages (their offload is timed from the
 insert until ``check_hicache_events`` committed it), drops them from the device, and restores
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from kvtier.harness import linker_flow as lf
+from kvtier_dev.harness import linker_flow as lf
 
 
 def _memcpy_s(nbytes: int, reps: int) -> float:

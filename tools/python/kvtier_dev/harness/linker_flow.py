@@ -204,7 +204,7 @@ def build(
     elif kind == "dsv4":
         from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
 
-        from kvtier.harness.pools import _dsv4_device_pool
+        from kvtier_dev.harness.pools import _dsv4_device_pool
 
         # The real model's geometry: 256-token pages, a 128-token window, C4/C128 layers.
         kv = _dsv4_device_pool(
