@@ -8,6 +8,7 @@
 // A named unsafe module (issue 16 lints): raw buffer addresses and fds from Python.
 #![allow(unsafe_code)]
 
+mod batch_queue; // issue 19
 mod buffer_access;
 // Issue 18: SGLang's direct linker (LinkerCore).
 mod linker;
@@ -593,6 +594,7 @@ impl Store {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Store>()?;
     m.add_class::<linker::LinkerCore>()?; // issue 18
+    m.add_class::<batch_queue::BatchQueue>()?; // issue 19
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
