@@ -12,7 +12,8 @@ What this module owns: the *pool view* (which device buffers make up which store
 page, and which of their bytes belong to which transfer layer), SGLang's
 ``LayerWiseLoadCounter`` and the offload ready events. Everything that moves or looks up bytes
 is native (``kvtier._native.LinkerCore`` and the store's ``exists_v2``): loads run layer by
-layer on a kvtier thread, each layer reported only after its bytes landed; offloads check which
+layer on a kvtier thread, each layer marked complete only after its bytes landed, natively
+(``NativeLayerCounter``: no GIL between the copy and the forward's wait); offloads check which
 objects exist first, so re-offloading a loaded tail costs an existence check, not a copy, and
 their results come back in call order.
 
@@ -197,6 +198,43 @@ def _own_pool_group(kvcache: Any, page_size: int):
     return None
 
 
+class NativeLayerCounter(LayerWiseLoadCounter):
+    """SGLang's ``LayerWiseLoadCounter`` whose layers are completed natively: kvtier's load
+    thread records each landed layer in ``LinkerCore`` without taking the GIL, and the
+    forward's ``wait_until`` blocks there with the GIL released. Failures reach SGLang the
+    same way (``finish`` returns False)."""
+
+    def __init__(self, num_layers: int, core: Any, on_layer_ready=None):
+        super().__init__(num_layers, on_layer_ready)
+        self._core = core
+
+    def update_producer(self) -> int:
+        self.producer_index += 1
+        self._core.open_batch(self.producer_index, self.num_layers)
+        return self.producer_index
+
+    def complete(self, index: int, layer: int) -> None:  # layers complete natively
+        return None
+
+    def fail(self, index: int, error: BaseException) -> None:
+        self._core.fail_batch(index, str(error))
+
+    def wait_until(self, threshold: int) -> None:
+        index = self.consumer_index
+        if index < 0:
+            return
+        self._core.wait_layer(index, threshold)
+        if self.on_layer_ready is not None:
+            self.on_layer_ready(index, threshold)
+
+    def finish(self, index: int) -> bool:
+        return self._core.finish_batch(index)
+
+    def reset(self) -> None:
+        super().reset()
+        self._core.reset_batches()
+
+
 def _pool_key(name: Any) -> str:
     return str(name.value if isinstance(name, PoolName) else name)
 
@@ -283,10 +321,10 @@ class KvtierLinker(UnifiedCacheLinker):
         }
         self._regions = self._register_buffers()
 
-        self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)
+        self.core = _native.LinkerCore(self._native)
+        self.layer_done_counter = self._make_counter()
         if PoolName.MAMBA in self.pools:
             params.req_to_token_pool.register_layer_transfer_counter(self.layer_done_counter)
-        self.core = _native.LinkerCore(self._native)
         self.pending_loads: Dict[str, List[PoolTransfer]] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -424,6 +462,9 @@ class KvtierLinker(UnifiedCacheLinker):
                     )
         return objects, shapes
 
+    def _make_counter(self) -> LayerWiseLoadCounter:
+        return NativeLayerCounter(self.num_layers, self.core)
+
     def _report(self, index: int, layer: int, error: Optional[str]) -> None:
         try:
             if error is None:
@@ -441,7 +482,8 @@ class KvtierLinker(UnifiedCacheLinker):
         index = self.layer_done_counter.update_producer()
         try:
             objects, shapes = self._load_plan(list(pending.values()))
-            self.core.submit_load(index, objects, shapes, self.num_layers, self._report)
+            # No report callback: layers complete natively (NativeLayerCounter).
+            self.core.submit_load(index, objects, shapes, self.num_layers, None)
         except Exception as exc:
             logger.exception("kvtier linker: cannot start load batch %d", index)
             self.layer_done_counter.fail(index, exc)

@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from sglang.srt.mem_cache.hicache_storage import PoolTransfer
+from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoadCounter
 from sglang.srt.utils import get_device_module
 
 from kvtier.sglang_linker import KvtierLinker, _pool_key
@@ -55,6 +56,10 @@ class KvtierStagingLinker(KvtierLinker):
                 self._flat[int(buf.data_ptr())] = buf.view(torch.uint8).reshape(-1)
         self._load_staging: Dict[int, Tuple[torch.Tensor, int, list]] = {}
         self._offload_staging: deque = deque()
+
+    def _make_counter(self) -> LayerWiseLoadCounter:
+        # Layers complete from Python, after each staging -> device copy's event.
+        return LayerWiseLoadCounter(self.num_layers)
 
     # Device buffers are not registered: kvtier only sees staging memory.
     def _register_buffers(self) -> List[int]:

@@ -15,7 +15,7 @@
 //! until its thread finished it, so `drain()` returns only when no copy touches device
 //! memory any more; Python callbacks run with the GIL taken only for the call.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex};
@@ -43,7 +43,7 @@ enum LoadJob {
         objects: Vec<LoadObject>,
         shapes: Vec<Vec<Vec<ShapePiece>>>,
         layers: usize,
-        report: Py<PyAny>,
+        report: Option<Py<PyAny>>,
     },
     Stop,
 }
@@ -94,7 +94,59 @@ struct Counters {
     bytes_offloaded: AtomicU64,
 }
 
+/// Per load batch: layers landed, or the first failure; the forward waits on it without the
+/// GIL (`wait_layer`), so a layer's completion never waits for Python.
+#[derive(Default)]
+struct Progress {
+    batches: Mutex<HashMap<i64, BatchProgress>>,
+    changed: Condvar,
+}
+
+struct BatchProgress {
+    layers: usize,
+    done: usize,
+    failed: Option<String>,
+}
+
+impl Progress {
+    fn layer_done(&self, index: i64, layer: usize, failure: Option<String>) {
+        let mut batches = self.batches.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(b) = batches.get_mut(&index) {
+            match failure {
+                Some(f) => {
+                    b.failed.get_or_insert(f);
+                }
+                None => b.done = b.done.max(layer + 1),
+            }
+        }
+        self.changed.notify_all();
+    }
+
+    /// Block until `pred` holds for batch `index` (or it is unknown); returns its state.
+    fn wait(
+        &self,
+        index: i64,
+        pred: impl Fn(&BatchProgress) -> bool,
+    ) -> Option<(usize, Option<String>)> {
+        let mut batches = self.batches.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            match batches.get(&index) {
+                None => return None,
+                Some(b) if b.failed.is_some() || pred(b) => {
+                    return Some((b.done, b.failed.clone()))
+                }
+                Some(_) => {}
+            }
+            batches = self
+                .changed
+                .wait(batches)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
 struct Shared {
+    progress: Progress,
     client: Arc<Client>,
     results: Mutex<VecDeque<bool>>,
     loads: InFlight,
@@ -141,7 +193,7 @@ fn run_load(
     objects: &[LoadObject],
     shapes: &[Vec<Vec<ShapePiece>>],
     layers: usize,
-    report: &Py<PyAny>,
+    report: Option<&Py<PyAny>>,
 ) {
     shared.counters.load_batches.fetch_add(1, Ordering::Relaxed);
     let mut reader = RangedReader::new(&shared.client);
@@ -179,11 +231,15 @@ fn run_load(
                 .layers_loaded
                 .fetch_add(1, Ordering::Relaxed);
         }
-        Python::attach(|py| {
-            if let Err(e) = report.call1(py, (index, layer, failure)) {
-                e.print(py);
-            }
-        });
+        match report {
+            Some(report) => Python::attach(|py| {
+                if let Err(e) = report.call1(py, (index, layer, failure)) {
+                    e.print(py);
+                }
+            }),
+            // No GIL on this path: the forward waits on `progress` (wait_layer).
+            None => shared.progress.layer_done(index, layer, failure),
+        }
         if failed {
             return;
         }
@@ -259,6 +315,7 @@ impl LinkerCore {
     #[new]
     fn new(store: &Bound<'_, Store>) -> PyResult<LinkerCore> {
         let shared = Arc::new(Shared {
+            progress: Progress::default(),
             client: Arc::clone(&store.get().client),
             results: Mutex::new(VecDeque::new()),
             loads: InFlight::default(),
@@ -279,8 +336,17 @@ impl LinkerCore {
                     report,
                 }) = load_rx.recv()
                 {
-                    run_load(&load_shared, index, &objects, &shapes, layers, &report);
-                    Python::attach(|_py| drop(report));
+                    run_load(
+                        &load_shared,
+                        index,
+                        &objects,
+                        &shapes,
+                        layers,
+                        report.as_ref(),
+                    );
+                    if let Some(report) = report {
+                        Python::attach(|_py| drop(report));
+                    }
                     load_shared.loads.done();
                 }
             })
@@ -316,13 +382,15 @@ impl LinkerCore {
     /// (a piece of row `r` lands at `base + r * row_stride`). `report(index, layer,
     /// error_or_None)` is called once per layer in order, after that layer's bytes of every
     /// object landed, and once with the error on the failing layer (the batch stops there).
+    /// With `report=None` the layers are recorded natively instead, for `wait_layer` and
+    /// `finish_batch` (no GIL on the completion path); `open_batch(index, layers)` first.
     fn submit_load(
         &self,
         index: i64,
         objects: Vec<LoadObject>,
         shapes: Vec<Vec<Vec<ShapePiece>>>,
         layers: usize,
-        report: Py<PyAny>,
+        report: Option<Py<PyAny>>,
     ) -> PyResult<()> {
         let tx = self.load_tx.lock().unwrap_or_else(|e| e.into_inner());
         let tx = tx
@@ -355,6 +423,66 @@ impl LinkerCore {
             self.shared.offloads.done();
             PyRuntimeError::new_err("the offload thread stopped")
         })
+    }
+
+    /// Register load batch `index` of `layers` layers for `wait_layer` / `finish_batch`.
+    fn open_batch(&self, index: i64, layers: usize) {
+        let mut batches = self
+            .shared
+            .progress
+            .batches
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        batches.insert(
+            index,
+            BatchProgress {
+                layers,
+                done: 0,
+                failed: None,
+            },
+        );
+    }
+
+    /// Fail batch `index` (its waiters return; `finish_batch` says False).
+    fn fail_batch(&self, index: i64, error: String) {
+        let progress = &self.shared.progress;
+        let mut batches = progress.batches.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(b) = batches.get_mut(&index) {
+            b.failed.get_or_insert(error);
+        }
+        progress.changed.notify_all();
+    }
+
+    /// Block (without the GIL) until `layer` of batch `index` landed or the batch failed;
+    /// returns at once for an unknown batch. True when the layer landed.
+    fn wait_layer(&self, py: Python<'_>, index: i64, layer: usize) -> bool {
+        let progress = &self.shared.progress;
+        py.detach(|| progress.wait(index, |b| b.done > layer))
+            .is_none_or(|(done, failed)| failed.is_none() && done > layer)
+    }
+
+    /// Wait until every layer of batch `index` landed or it failed, forget it, and say whether
+    /// all landed (True for an unknown batch).
+    fn finish_batch(&self, py: Python<'_>, index: i64) -> bool {
+        let progress = &self.shared.progress;
+        let state = py.detach(|| progress.wait(index, |b| b.done >= b.layers));
+        progress
+            .batches
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&index);
+        state.is_none_or(|(_, failed)| failed.is_none())
+    }
+
+    /// Forget every batch (waiters return).
+    fn reset_batches(&self) {
+        let progress = &self.shared.progress;
+        progress
+            .batches
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+        progress.changed.notify_all();
     }
 
     fn num_completed_offloads(&self) -> usize {
