@@ -76,7 +76,9 @@ def _round_trip(b, pages=4, seed=11):
         ("mha_swa", "python"),
         ("mha_swa", "rust"),
         ("dsa", "python"),
+        ("dsa", "rust"),
         ("dsv4", "python"),
+        ("dsv4", "rust"),
     ],
 )
 def test_restore_is_byte_exact(built, kind, tree_core):
