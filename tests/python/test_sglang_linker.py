@@ -222,7 +222,8 @@ def test_cluster_decode_host_loads_what_prefill_offloaded(built, cluster):
     assert lf.read_slots(d, r.indices) == want
 
 
-def test_hicache_adapter_and_linker_share_pages(built, kvtier_bin, tmp_path):
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_hicache_adapter_and_linker_share_pages(built, kvtier_bin, tmp_path, kind):
     """One ``kvtier serve``: a page the linker offloads is a HiCache hit with the same bytes,
     and a page HiCache backs up is restored by the linker."""
     from kvtier_dev.harness import pools
@@ -230,12 +231,19 @@ def test_hicache_adapter_and_linker_share_pages(built, kvtier_bin, tmp_path):
 
     served = sm.Served(kvtier_bin, tmp_path)
     try:
-        b = built("mha", extra={"server_socket": served.socket})
-        geo = dict(page_size=b.page_size, layer_num=b.num_layers, head_num=2, head_dim=16)
-        host = pools.build_mha_host_pool("page_first_direct", **geo)
+        b = built(kind, extra={"server_socket": served.socket})
+        geo = dict(page_size=b.page_size, layer_num=b.num_layers)
+        if kind == "mha":
+            host = pools.build_mha_host_pool("page_first_direct", head_num=2, head_dim=16, **geo)
+        else:
+            host = pools.build_mla_host_pool(
+                "page_first_direct", kv_lora_rank=32, qk_rope_head_dim=16, **geo
+            )
         store = KvtierStore(
             pools.make_storage_config(
-                model_name="dummy", extra_config={"server_socket": served.socket, "interface_v1": 1}
+                is_mla=kind == "mla",
+                model_name="dummy",
+                extra_config={"server_socket": served.socket, "interface_v1": 1},
             ),
             host,
         )
