@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use kvtier_client::transport::ucx::{Context, RemoteExtent};
 
-const CHILD: &str = "KVTIER_TEST_UCX_CHILD";
+const CHILD: &str = "TEST_CHILD_UCX_TRANSFER";
 
 fn run_child(tls: &str) {
     if let Err(reason) = kvtier_client::transport::ucx::ffi::Ucp::get() {

@@ -407,6 +407,9 @@ impl std::fmt::Debug for Endpoint {
     }
 }
 
+/// How long a forced close waits for the endpoint's requests to be released.
+const CLOSE_BOUND: Duration = Duration::from_secs(1);
+
 /// A request issued and not yet released.
 struct Pending(*mut c_void);
 
@@ -607,9 +610,11 @@ impl Endpoint {
         if let ffi::StatusPtr::Request(r) = ffi::StatusPtr::from_raw(close) {
             pending.push(Pending(r));
         }
-        // Bounded: a forced close does not wait for the peer; give up on requests after a
-        // generous bound rather than hang (they are then leaked, never freed twice).
-        let bound = Instant::now() + Duration::from_secs(10);
+        // Bounded: a forced close does not wait for the peer, but UCX 1.13 does not always
+        // complete requests of an endpoint without peer-failure handling (shared memory to a
+        // dead process); give up on them after `CLOSE_BOUND` rather than hang. They are then
+        // leaked (never freed twice); their peer is gone, so no byte can arrive for them.
+        let bound = Instant::now() + CLOSE_BOUND;
         while !pending.is_empty() && Instant::now() < bound {
             worker.progress_locked();
             pending.retain(|p| {
