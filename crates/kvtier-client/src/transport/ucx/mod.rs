@@ -44,11 +44,12 @@ pub use plane::{Context, Endpoint, Registration, RemoteExtent, UcxError, Worker}
 /// How long a peer whose UCX path failed is read over frames before UCX is tried again.
 pub const RETRY_UCX_AFTER: Duration = Duration::from_secs(30);
 
-/// Whether UCX over shared memory (`cma`: one kernel copy from the node's arena) beat
-/// kvtier's TCP frames for same-host reads on the machines this was measured on (see the
-/// README's UCX section and `kvtier bench cluster --transport tcp,ucx-shm`). `auto` follows it
-/// for a peer on the same host.
-pub const SHM_BEATS_FRAMES: bool = true;
+/// Whether UCX over shared memory beat kvtier's TCP frames for same-host reads on the
+/// machines this was measured on (`kvtier bench cluster --transport tcp,ucx-shm`, README's UCX
+/// section): no. `posix,cma` reads reached 1.3-3.2 GB/s against frames' 1.6-3.1, but some
+/// runs fell to 0.03 GB/s with the node busy (reads served through the node's worker), so
+/// `auto` keeps frames for a peer on the same host until that is understood.
+pub const SHM_BEATS_FRAMES: bool = false;
 
 /// `cluster_transport`: how a cluster client reads page bytes from a peer.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
