@@ -5,6 +5,8 @@
 //! and the key composition of page batches. Every method is safe to
 //! call from many threads at once and never panics on caller input: a bad buffer, a size
 //! mismatch or a full store is a `false` for that item plus a reason in the result.
+// A named unsafe module (issue 16 lints): registering caller memory is an unsafe contract.
+#![allow(unsafe_code)]
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
