@@ -284,6 +284,11 @@ impl Client {
         self.regions.regions()
     }
 
+    /// Issue 18 hook: the region registry, for `ranged` (destination checks of ranged gets).
+    pub(crate) fn region_registry(&self) -> &RegionRegistry {
+        &self.regions
+    }
+
     fn ensure_open(&self) -> Result<(), ClientError> {
         if self.closed.load(Ordering::Acquire) {
             Err(ClientError::Closed)

@@ -10,6 +10,8 @@
 
 mod batch_queue; // issue 19
 mod buffer_access;
+// Issue 18: SGLang's direct linker (LinkerCore).
+mod linker;
 
 use std::sync::Arc;
 
@@ -591,6 +593,7 @@ impl Store {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Store>()?;
+    m.add_class::<linker::LinkerCore>()?; // issue 18
     m.add_class::<batch_queue::BatchQueue>()?; // issue 19
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
