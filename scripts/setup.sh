@@ -21,6 +21,8 @@ command -v g++ >/dev/null 2>&1 || need_apt+=(g++)
 command -v protoc >/dev/null 2>&1 || need_apt+=(protobuf-compiler)
 command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
+# Issue 17: UCX (libucp, loaded at run time by the UCX data plane; ucx_info to inspect it).
+command -v ucx_info >/dev/null 2>&1 || need_apt+=(libucx-dev ucx-utils)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     log "apt-get install ${need_apt[*]}"

@@ -79,6 +79,10 @@ pub(crate) struct BenchClusterArgs {
     /// Print the results as JSON.
     #[arg(long)]
     json: bool,
+    /// Issue 17: compare data transports instead (tcp, ucx-tcp, ucx-shm, comma separated):
+    /// set/get GB/s and node CPU per GB against raw TCP and memcpy (src/bench_ucx.rs).
+    #[arg(long, value_delimiter = ',')]
+    transport: Vec<String>,
 }
 
 /// A child process this benchmark started, killed (by its own pid) when dropped.
@@ -754,6 +758,9 @@ pub(crate) fn run(args: BenchClusterArgs) -> Result<ExitCode, String> {
         .copied()
         .max()
         .ok_or("--sizes: no size given")?;
+    if !args.transport.is_empty() {
+        return crate::bench_ucx::run(&args.transport, &sizes, batch, rounds, args.json);
+    }
     let half = max * batch;
     // Each round's keys are removed after it; room for a few batches all the same.
     let node_capacity = ((half as u64 * NODE_BATCHES).max(256 << 20)).next_multiple_of(1 << 20);

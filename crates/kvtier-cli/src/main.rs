@@ -17,6 +17,8 @@
 
 mod bench;
 mod bench_cluster;
+/// Issue 17: `kvtier bench cluster --transport`.
+mod bench_ucx;
 mod cluster_view;
 mod config_check;
 mod master;

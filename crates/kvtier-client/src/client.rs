@@ -938,6 +938,13 @@ impl Client {
         if let Some(addr) = self.metrics_addr() {
             map.insert("metrics_addr".into(), addr.to_string().into());
         }
+        // Issue 17: the data transport per cluster peer.
+        if let Backend::Cluster(cluster) = &self.backend {
+            map.insert(
+                "peer_transports".into(),
+                serde_json::to_value(cluster.peer_transports()).unwrap_or_default(),
+            );
+        }
         if let Backend::Server(remote) = &self.backend {
             map.extend(remote.local_stats());
             if let Ok(server) = remote.server_stats() {

@@ -175,6 +175,12 @@ pub struct KvtierConfig {
     /// 2-core loopback, docs/bench_cluster.md).
     #[serde(deserialize_with = "strict::count")]
     pub cluster_connections_per_peer: u64,
+    /// Issue 17. Cluster mode: how page bytes are read from peers: `"auto"` (UCX one-sided
+    /// reads when UCX offers an RDMA or shared-memory transport to the peer, kvtier's TCP
+    /// frames otherwise), `"tcp"` (frames only; a node then serves no UCX), `"ucx"` (UCX
+    /// whenever the peer serves it). Any UCX failure falls back to frames, logged.
+    #[serde(deserialize_with = "strict::string")]
+    pub cluster_transport: String,
     /// Embedded mode: serve Prometheus metrics at `http://HOST:PORT/metrics` (port 0 picks a
     /// free port; the bound address is in the stats as `metrics_addr`). Unset: no endpoint.
     /// `kvtier serve` takes its own `metrics_addr` / `--metrics-addr` instead.
@@ -229,6 +235,7 @@ impl Default for KvtierConfig {
             cluster_request_timeout_ms: 2_000,
             cluster_master_retry_ms: 5_000,
             cluster_connections_per_peer: 4,
+            cluster_transport: "auto".into(),
             metrics_addr: None,
         }
     }
@@ -558,6 +565,11 @@ impl KvtierConfig {
                 "cluster_connections_per_peer",
                 format!("{} must be from 1 to 64", self.cluster_connections_per_peer),
             ));
+        }
+        // Issue 17.
+        if let Err(reason) = crate::transport::ucx::TransportChoice::parse(&self.cluster_transport)
+        {
+            return Err(bad("cluster_transport", reason));
         }
         if let Some(address) = &self.node_address {
             if !is_host_port(address) {

@@ -605,6 +605,14 @@ impl Engine {
         Some(object)
     }
 
+    /// Issue 17: the DRAM arena's address range, `(base, len)`, for a node that registers it
+    /// with an RDMA-capable transport (UCX) and lets authenticated peers read pinned objects'
+    /// extents ([`PinnedObject::slices`]) in place. The range stays mapped while the engine or
+    /// any pin lives; nothing may write to it from outside the engine.
+    pub fn dram_memory(&self) -> (*mut u8, usize) {
+        self.dram.memory()
+    }
+
     /// Pin an object for reading outside the engine (e.g. straight into a client's shared
     /// memory). Counts a hit or a miss and refreshes recency; copies through the pin count
     /// `bytes_out`. While the pin lives the object's memory cannot be evicted.

@@ -29,6 +29,8 @@ pub mod limits;
 pub mod messages;
 pub mod opcode;
 pub mod peer;
+/// Issue 17: control bodies of the UCX data plane.
+pub mod peer_ucx;
 pub mod query;
 pub mod server;
 

@@ -83,11 +83,20 @@ pub enum Opcode {
     /// [`crate::peer::MAX_CLEARED_KEYS`] of them (fewer: none is left). The cluster form of
     /// `Clear`: the caller forgets the keys at the master and asks again until none is left.
     PeerClear = 25,
+    /// Issue 17, peer data port (UCX data plane, [`crate::peer_ucx`]). Request: empty.
+    /// Response: [`crate::peer_ucx::UcxOffer`], or `UNSUPPORTED` on a node without UCX.
+    /// Numbered apart from the dense range so other new opcodes do not collide.
+    PeerUcxHello = 40,
+    /// Peer data port. Request: [`crate::peer_ucx::UcxLeaseRequest`]. Response:
+    /// [`crate::peer_ucx::UcxLeaseReply`]: the objects pinned for a one-sided read.
+    PeerUcxLease = 41,
+    /// Peer data port. Request: [`crate::peer_ucx::UcxRelease`]. Response: empty body.
+    PeerUcxRelease = 42,
 }
 
 impl Opcode {
     /// Every opcode, in wire-value order.
-    pub const ALL: [Opcode; 25] = [
+    pub const ALL: [Opcode; 28] = [
         Opcode::Handshake,
         Opcode::Ping,
         Opcode::ExistsV2,
@@ -113,6 +122,9 @@ impl Opcode {
         Opcode::DemotePages,
         Opcode::PeerDemote,
         Opcode::PeerClear,
+        Opcode::PeerUcxHello,
+        Opcode::PeerUcxLease,
+        Opcode::PeerUcxRelease,
     ];
 
     /// The wire value.
@@ -157,6 +169,9 @@ impl TryFrom<u16> for Opcode {
             23 => Opcode::DemotePages,
             24 => Opcode::PeerDemote,
             25 => Opcode::PeerClear,
+            40 => Opcode::PeerUcxHello,
+            41 => Opcode::PeerUcxLease,
+            42 => Opcode::PeerUcxRelease,
             other => return Err(ProtoError::UnknownOpcode(other)),
         })
     }
@@ -176,14 +191,16 @@ mod tests {
 
     #[test]
     fn wire_values_are_dense_from_one() {
+        // Dense from one up to PeerClear; the UCX opcodes (issue 17) are numbered from 40.
         for (i, opcode) in Opcode::ALL.iter().enumerate() {
-            assert_eq!(opcode.as_u16() as usize, i + 1);
+            let expected = if i < 25 { i + 1 } else { 40 + (i - 25) };
+            assert_eq!(opcode.as_u16() as usize, expected);
         }
     }
 
     #[test]
     fn unknown_values_are_rejected_by_name() {
-        for value in [0, 26, 0x0100, u16::MAX] {
+        for value in [0, 26, 39, 43, 0x0100, u16::MAX] {
             let err = Opcode::try_from(value).unwrap_err();
             assert!(matches!(err, ProtoError::UnknownOpcode(v) if v == value));
             assert!(err.to_string().contains(&value.to_string()));

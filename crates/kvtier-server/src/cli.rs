@@ -519,6 +519,31 @@ pub struct ClusterNode {
     pub port: crate::peer::DataPort,
 }
 
+/// Issue 17: the node's UCX data plane unless `cluster_transport = "tcp"`; a node that
+/// cannot serve it says why and serves frames only.
+fn start_ucx_node(
+    settings: &kvtier_client::KvtierConfig,
+    store: &kvtier_client::Client,
+) -> Option<std::sync::Arc<crate::ucx_node::UcxNode>> {
+    if settings.cluster_transport == "tcp" {
+        return None;
+    }
+    match crate::ucx_node::UcxNode::start(store) {
+        Ok(node) => {
+            eprintln!(
+                "kvtier serve: UCX data plane on (UCX_TLS {}, {} MiB registered)",
+                node.offer().transports,
+                node.describe()["registered_bytes"].as_u64().unwrap_or(0) >> 20
+            );
+            Some(std::sync::Arc::new(node))
+        }
+        Err(why) => {
+            eprintln!("kvtier serve: no UCX data plane ({why}); peers read over TCP frames");
+            None
+        }
+    }
+}
+
 /// Start the data port and the node agent when the settings name a master.
 pub fn start_cluster_node(
     settings: &kvtier_client::KvtierConfig,
@@ -545,8 +570,14 @@ pub fn start_cluster_node(
         .clone()
         .unwrap_or_default()
         .into_bytes();
-    let port = crate::peer::DataPort::start(addr, std::sync::Arc::clone(&store), token.clone())
-        .map_err(|e| format!("cannot bind the data port {data}: {e}"))?;
+    let ucx = start_ucx_node(settings, &store);
+    let port = crate::peer::DataPort::start_with_ucx(
+        addr,
+        std::sync::Arc::clone(&store),
+        token.clone(),
+        ucx,
+    )
+    .map_err(|e| format!("cannot bind the data port {data}: {e}"))?;
     let data_address = port.local_addr().to_string();
     let node_id = settings
         .node_id

@@ -25,6 +25,8 @@ pub mod peer;
 pub mod rereplicate;
 pub mod server;
 pub mod shm;
+/// Issue 17: the node's side of the UCX data plane.
+pub mod ucx_node;
 
 pub use config::{ServerConfig, ServerSources};
 pub use server::{RunningServer, Server, ServerError};

@@ -234,6 +234,8 @@ struct PortShared {
     counters: DataPortCounters,
     stopping: AtomicBool,
     conns: Mutex<Connections>,
+    /// Issue 17: the node's UCX data plane, when it serves one.
+    ucx: Option<Arc<crate::ucx_node::UcxNode>>,
 }
 
 /// Removes a connection's registry entry when its thread ends, however it ends.
@@ -263,6 +265,17 @@ pub struct DataPort {
 impl DataPort {
     /// Bind `addr` and start serving `store` to peers presenting `token`.
     pub fn start(addr: SocketAddr, store: Arc<Client>, token: Vec<u8>) -> io::Result<DataPort> {
+        Self::start_with_ucx(addr, store, token, None)
+    }
+
+    /// [`Self::start`], also answering the UCX data plane's control requests with `ucx`
+    /// (issue 17; `None`: they are refused `UNSUPPORTED` and peers read over frames).
+    pub fn start_with_ucx(
+        addr: SocketAddr,
+        store: Arc<Client>,
+        token: Vec<u8>,
+        ucx: Option<Arc<crate::ucx_node::UcxNode>>,
+    ) -> io::Result<DataPort> {
         let listener = TcpListener::bind(addr)?;
         let addr = listener.local_addr()?;
         let descriptors = rustix::process::getrlimit(rustix::process::Resource::Nofile).current;
@@ -277,6 +290,7 @@ impl DataPort {
             counters: DataPortCounters::default(),
             stopping: AtomicBool::new(false),
             conns: Mutex::new(Connections::default()),
+            ucx,
         });
         let accept = {
             let shared = Arc::clone(&shared);
@@ -947,6 +961,12 @@ fn serve_requests(
                 Err(e) => replies.error(header.opcode, id, error_code::MALFORMED, e.to_string())?,
             },
             Ok(Opcode::Ping) => replies.ok(Opcode::Ping, id)?,
+            // Issue 17: hello / lease / release of the UCX data plane.
+            Ok(op @ (Opcode::PeerUcxHello | Opcode::PeerUcxLease | Opcode::PeerUcxRelease)) => {
+                let frame =
+                    crate::ucx_node::serve(shared.ucx.as_deref(), &shared.store, op, id, body)?;
+                replies.queue(Reply::Frame(frame))?
+            }
             _ => replies.error(
                 header.opcode,
                 id,

@@ -1021,7 +1021,11 @@ impl<'a> Connection<'a> {
             | Opcode::PeerGet
             | Opcode::PeerRemove
             | Opcode::PeerDemote
-            | Opcode::PeerClear => Err(Refusal::new(
+            | Opcode::PeerClear
+            // Issue 17: the UCX data plane's control messages.
+            | Opcode::PeerUcxHello
+            | Opcode::PeerUcxLease
+            | Opcode::PeerUcxRelease => Err(Refusal::new(
                 error_code::UNSUPPORTED,
                 "peer opcodes are served on the cluster data port, not the local socket",
             )),

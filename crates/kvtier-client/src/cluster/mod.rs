@@ -37,6 +37,7 @@ use crate::config::KvtierConfig;
 use crate::memory::RegionRegistry;
 use crate::metrics::names;
 use crate::transport::tcp::{TcpTransport, TcpTransportConfig};
+use crate::transport::ucx::UcxTransport;
 use crate::transport::{GetItem, PutItem, Transport, TransportError};
 use master::MasterLink;
 
@@ -71,6 +72,8 @@ pub struct ClusterStore {
     runtime: tokio::runtime::Runtime,
     master: MasterLink,
     transport: Arc<dyn Transport>,
+    /// Issue 17: the same transport, for its per-peer choice (stats).
+    ucx: Arc<UcxTransport>,
     /// `tag 0x1f` (or empty): prefixed to every key, as in the other modes.
     namespace: Vec<u8>,
     namespace_name: String,
@@ -101,7 +104,7 @@ impl ClusterStore {
             .build()
             .map_err(|e| ClusterError::Setup(format!("cannot start the RPC runtime: {e}")))?;
         let timeout = Duration::from_millis(config.cluster_request_timeout_ms);
-        let transport = TcpTransport::new(TcpTransportConfig {
+        let tcp = TcpTransport::new(TcpTransportConfig {
             token: config
                 .cluster_token
                 .clone()
@@ -113,6 +116,10 @@ impl ClusterStore {
             request_timeout: timeout,
             down_backoff: timeout,
         });
+        // Issue 17: reads over UCX where `cluster_transport` picks it, frames otherwise.
+        let choice = crate::transport::ucx::TransportChoice::parse(&config.cluster_transport)
+            .map_err(ClusterError::Setup)?;
+        let transport = Arc::new(UcxTransport::new(tcp, choice, timeout));
         let namespace = match &config.extra_backend_tag {
             Some(tag) => {
                 let mut ns = tag.as_bytes().to_vec();
@@ -133,7 +140,8 @@ impl ClusterStore {
                 timeout,
                 Duration::from_millis(config.cluster_master_retry_ms),
             ),
-            transport: Arc::new(transport),
+            transport: Arc::clone(&transport) as Arc<dyn Transport>,
+            ucx: transport,
             namespace,
             namespace_name: config.extra_backend_tag.clone().unwrap_or_default(),
             node_id: config.node_id.clone().unwrap_or_default(),
@@ -828,6 +836,11 @@ impl ClusterStore {
     }
 
     /// Objects this client read whose bytes failed their end-to-end checksum (each a miss).
+    /// Issue 17: the data transport in use per peer read from (`peer_transports` in stats).
+    pub fn peer_transports(&self) -> Vec<crate::transport::ucx::PeerTransport> {
+        self.ucx.peer_transports()
+    }
+
     pub fn integrity_failures(&self) -> u64 {
         self.integrity_failures
             .load(std::sync::atomic::Ordering::Relaxed)

@@ -6,6 +6,8 @@
 //! hand it slices that the region registry has already bounds-checked.
 
 pub mod tcp;
+/// Issue 17: the UCX data plane (one-sided reads from a node's registered arena).
+pub mod ucx;
 
 use kvtier_proto::ProtoError;
 

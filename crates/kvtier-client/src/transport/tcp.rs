@@ -955,8 +955,21 @@ impl TcpTransport {
         let body = KeyBatch {
             keys: keys.iter().map(|k| k.to_vec()).collect(),
         };
+        self.control(peer, opcode, &body)
+    }
+
+    /// One request/reply of a small control exchange with any body (issue 17: the UCX data
+    /// plane's hello, lease and release ride on the authenticated pooled connections). Only
+    /// for requests that are harmless when sent again: a stale pooled connection is retried
+    /// once on a fresh one. A node's error reply is [`TransportError::Refused`] with its code.
+    pub fn control<T: Decode>(
+        &self,
+        peer: &str,
+        opcode: Opcode,
+        body: &impl Encode,
+    ) -> Result<T, TransportError> {
         let mut frame = Vec::new();
-        encode_frame(&mut frame, opcode, 1, 0, &body).map_err(|e| Self::proto_error(peer, e))?;
+        encode_frame(&mut frame, opcode, 1, 0, body).map_err(|e| Self::proto_error(peer, e))?;
         let (mut stream, mut pooled) = self.checkout(peer)?;
         loop {
             match Self::exchange_on::<T>(&mut stream, peer, &frame) {

@@ -78,6 +78,12 @@ impl Arena {
         self.len
     }
 
+    /// Base address of the mapping (issue 17: registered whole with an RDMA-capable
+    /// transport, which only reads pinned extents of it).
+    pub(crate) fn base_ptr(&self) -> *mut u8 {
+        self.base
+    }
+
     /// Byte range of `extent`, asserted to lie inside the mapping.
     fn range(&self, extent: Extent) -> (usize, usize) {
         let start = extent.start as usize * self.block_size;

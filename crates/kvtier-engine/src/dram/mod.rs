@@ -71,6 +71,11 @@ impl DramTier {
         self.shared.arena.len() as u64
     }
 
+    /// The arena's base and length (issue 17).
+    pub(crate) fn memory(&self) -> (*mut u8, usize) {
+        (self.shared.arena.base_ptr(), self.shared.arena.len())
+    }
+
     pub(crate) fn total_blocks(&self) -> u64 {
         u64::from(self.shared.allocator.lock().total_blocks())
     }

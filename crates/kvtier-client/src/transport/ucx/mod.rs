@@ -1,0 +1,532 @@
+//! The UCX data plane (issue 17): cluster reads move one-sided (UCP get) from a node's
+//! registered DRAM arena straight into the reader's buffer, over whatever UCX selects to that
+//! peer: RDMA (`rc_mlx5`, `dc_mlx5`, `rc_verbs`, `ud`) on a fabric, shared memory (`cma`,
+//! `posix`, ...) on one host, or UCX's own TCP.
+//!
+//! Owns: [`UcxTransport`], a [`Transport`] that wraps kvtier's [`TcpTransport`], the per-peer
+//! choice between the two ([`TransportChoice`], config `cluster_transport`), and the lease
+//! protocol's client side ([`kvtier_proto::peer_ucx`]).
+//!
+//! Invariants:
+//! - libucp is loaded at run time ([`ffi`]); without it (or with `cluster_transport = "tcp"`)
+//!   every call goes to the TCP frames, and the reason is logged once.
+//! - The node's worker address and remote key are asked for over an authenticated data-port
+//!   connection only (the TCP transport's handshake proves the cluster token both ways).
+//! - A read pins its objects on the node first (a lease), reads their extents, releases the
+//!   lease, then verifies every object's end-to-end checksum trailer: bytes of an object the
+//!   node evicted and reused can never be returned as a hit (the pin prevents the reuse; the
+//!   checksum catches a lease that expired under a stalled reader).
+//! - Any UCX failure falls back to the frames for the items concerned, logs the reason, and
+//!   stops using UCX for that peer for [`RETRY_UCX_AFTER`]; a miss stays a miss.
+//! - Puts, removes and the other control calls always use the frames (a one-sided put into a
+//!   node-reserved extent is not implemented: the node's arena is only written through its
+//!   engine, which is what its invariants rely on).
+
+pub mod ffi;
+pub mod plane;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvtier_proto::auth::{object_checksum, CHECKSUM_LEN};
+use kvtier_proto::peer_ucx::{
+    LeaseItem, UcxHello, UcxLeaseReply, UcxLeaseRequest, UcxOffer, UcxRelease, MAX_LEASE_OBJECTS,
+};
+use kvtier_proto::Opcode;
+use parking_lot::Mutex;
+
+use super::tcp::TcpTransport;
+use super::{GetItem, PutItem, Transport, TransportError};
+use crate::metrics::names;
+pub use plane::{Context, Endpoint, Registration, RemoteExtent, UcxError, Worker};
+
+/// How long a peer whose UCX path failed is read over frames before UCX is tried again.
+pub const RETRY_UCX_AFTER: Duration = Duration::from_secs(30);
+
+/// Whether UCX over shared memory beat kvtier's TCP frames for same-host reads on the
+/// machines this was measured on (`kvtier bench cluster --transport tcp,ucx-shm`, README's UCX
+/// section): no. `posix,cma` reads reached 1.3-3.2 GB/s against frames' 1.6-3.1, but some
+/// runs fell to 0.03 GB/s with the node busy (reads served through the node's worker), so
+/// `auto` keeps frames for a peer on the same host until that is understood.
+pub const SHM_BEATS_FRAMES: bool = false;
+
+/// `cluster_transport`: how a cluster client reads page bytes from a peer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TransportChoice {
+    /// UCX when it offers an RDMA or shared-memory transport to the peer, frames otherwise.
+    #[default]
+    Auto,
+    /// kvtier's TCP frames only.
+    Tcp,
+    /// UCX whenever the peer offers it (frames only as the fallback after a failure).
+    Ucx,
+}
+
+impl TransportChoice {
+    pub const NAMES: [&'static str; 3] = ["auto", "tcp", "ucx"];
+
+    pub fn parse(text: &str) -> Result<TransportChoice, String> {
+        match text {
+            "auto" => Ok(TransportChoice::Auto),
+            "tcp" => Ok(TransportChoice::Tcp),
+            "ucx" => Ok(TransportChoice::Ucx),
+            other => Err(format!(
+                "{other:?} is not a cluster transport (one of \"auto\", \"tcp\", \"ucx\")"
+            )),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TransportChoice::Auto => "auto",
+            TransportChoice::Tcp => "tcp",
+            TransportChoice::Ucx => "ucx",
+        }
+    }
+}
+
+/// This host's identity for the same-host test: the kernel's boot id (empty if unreadable).
+pub fn host_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
+/// RDMA devices this host has (`/sys/class/infiniband`), which UCX's verbs and mlx5
+/// transports drive.
+pub fn rdma_devices() -> Vec<String> {
+    let mut devices: Vec<String> = std::fs::read_dir("/sys/class/infiniband")
+        .map(|dir| {
+            dir.filter_map(Result::ok)
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    devices.sort();
+    devices
+}
+
+/// UCX's transport selection as the environment sets it (`UCX_TLS`; UCX reads it itself).
+pub fn ucx_tls() -> String {
+    std::env::var("UCX_TLS").unwrap_or_else(|_| "all".into())
+}
+
+/// Whether `auto` should read from a peer with this offer over UCX: `Ok(why)` or
+/// `Err(why not)`.
+pub fn auto_choice(offer: &UcxOffer, local_host: &str) -> Result<String, String> {
+    let devices = rdma_devices();
+    if !devices.is_empty() {
+        return Ok(format!("RDMA devices here: {}", devices.join(",")));
+    }
+    if !local_host.is_empty() && offer.host == local_host {
+        if SHM_BEATS_FRAMES {
+            return Ok("same host: UCX shared memory".into());
+        }
+        return Err("same host, but UCX shared memory measured slower than frames".into());
+    }
+    Err(
+        "no RDMA device here and the peer is on another host: UCX would emulate one-sided \
+         reads over TCP, slower than kvtier's frames"
+            .into(),
+    )
+}
+
+/// The transport in use for one peer, as stats report it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct PeerTransport {
+    pub peer: String,
+    /// `"ucx"` or `"tcp"`.
+    pub transport: &'static str,
+    pub reason: String,
+}
+
+enum PeerState {
+    Ucx {
+        endpoint: Arc<Mutex<Endpoint>>,
+        reason: String,
+    },
+    Frames {
+        reason: String,
+        /// When to ask the peer again (`None`: never, e.g. `cluster_transport = "tcp"`).
+        retry_at: Option<Instant>,
+    },
+}
+
+/// [`TcpTransport`] plus one-sided UCX reads (see the module doc).
+pub struct UcxTransport {
+    tcp: TcpTransport,
+    choice: TransportChoice,
+    timeout: Duration,
+    /// The client's worker, or why UCX is not used at all.
+    worker: Result<Worker, String>,
+    host: String,
+    peers: Mutex<HashMap<String, PeerState>>,
+}
+
+impl std::fmt::Debug for UcxTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UcxTransport")
+            .field("tcp", &self.tcp)
+            .field("choice", &self.choice)
+            .field("ucx", &self.worker.is_ok())
+            .finish_non_exhaustive()
+    }
+}
+
+fn set_gauge(peer: &str, ucx: bool) {
+    metrics::gauge!(names::PEER_TRANSPORT, "peer" => peer.to_string(), "transport" => "ucx")
+        .set(if ucx { 1.0 } else { 0.0 });
+    metrics::gauge!(names::PEER_TRANSPORT, "peer" => peer.to_string(), "transport" => "tcp")
+        .set(if ucx { 0.0 } else { 1.0 });
+}
+
+impl UcxTransport {
+    /// Wrap `tcp`; with `choice` other than `Tcp`, load UCX and create this client's worker
+    /// (a failure is logged with its reason and every read uses the frames).
+    pub fn new(tcp: TcpTransport, choice: TransportChoice, timeout: Duration) -> UcxTransport {
+        let worker = match choice {
+            TransportChoice::Tcp => Err("cluster_transport = \"tcp\"".to_string()),
+            _ => Context::new().and_then(|c| c.worker()).map_err(|e| {
+                tracing::warn!(
+                    reason = %e,
+                    "kvtier: UCX data plane unavailable; cluster reads use TCP frames"
+                );
+                e.to_string()
+            }),
+        };
+        UcxTransport {
+            tcp,
+            choice,
+            timeout,
+            worker,
+            host: host_id(),
+            peers: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn tcp(&self) -> &TcpTransport {
+        &self.tcp
+    }
+
+    pub fn choice(&self) -> TransportChoice {
+        self.choice
+    }
+
+    /// Why UCX is not used at all (`None`: it is available).
+    pub fn unavailable(&self) -> Option<&str> {
+        self.worker.as_ref().err().map(String::as_str)
+    }
+
+    /// The transport of every peer read from so far.
+    pub fn peer_transports(&self) -> Vec<PeerTransport> {
+        let mut out: Vec<PeerTransport> = self
+            .peers
+            .lock()
+            .iter()
+            .map(|(peer, state)| match state {
+                PeerState::Ucx { reason, .. } => PeerTransport {
+                    peer: peer.clone(),
+                    transport: "ucx",
+                    reason: reason.clone(),
+                },
+                PeerState::Frames { reason, .. } => PeerTransport {
+                    peer: peer.clone(),
+                    transport: "tcp",
+                    reason: reason.clone(),
+                },
+            })
+            .collect();
+        out.sort_by(|a, b| a.peer.cmp(&b.peer));
+        out
+    }
+
+    /// Stop using UCX for `peer` for a while, saying why.
+    fn fall_back(&self, peer: &str, reason: String) {
+        tracing::warn!(peer, reason = %reason, "kvtier: UCX read failed; using TCP frames for this peer");
+        set_gauge(peer, false);
+        self.peers.lock().insert(
+            peer.to_string(),
+            PeerState::Frames {
+                reason: format!("UCX failed: {reason}"),
+                retry_at: Some(Instant::now() + RETRY_UCX_AFTER),
+            },
+        );
+    }
+
+    /// The UCX endpoint to `peer`, set up on first use (hello over the authenticated frames,
+    /// the choice, connect, unpack the key); `None`: read over frames.
+    fn endpoint(&self, peer: &str) -> Option<Arc<Mutex<Endpoint>>> {
+        let worker = match &self.worker {
+            Ok(w) => w,
+            Err(reason) => {
+                let mut peers = self.peers.lock();
+                if !peers.contains_key(peer) {
+                    set_gauge(peer, false);
+                    peers.insert(
+                        peer.to_string(),
+                        PeerState::Frames {
+                            reason: reason.clone(),
+                            retry_at: None,
+                        },
+                    );
+                }
+                return None;
+            }
+        };
+        match self.peers.lock().get(peer) {
+            Some(PeerState::Ucx { endpoint, .. }) => return Some(Arc::clone(endpoint)),
+            Some(PeerState::Frames { retry_at, .. })
+                if retry_at.is_none_or(|t| Instant::now() < t) =>
+            {
+                return None
+            }
+            _ => {}
+        }
+        let (state, endpoint) = match self.connect(worker, peer) {
+            Ok((endpoint, reason)) => {
+                tracing::info!(peer, reason = %reason, "kvtier: cluster reads from this peer use UCX");
+                let endpoint = Arc::new(Mutex::new(endpoint));
+                (
+                    PeerState::Ucx {
+                        endpoint: Arc::clone(&endpoint),
+                        reason,
+                    },
+                    Some(endpoint),
+                )
+            }
+            Err((reason, retry)) => {
+                tracing::info!(peer, reason = %reason, "kvtier: cluster reads from this peer use TCP frames");
+                (
+                    PeerState::Frames {
+                        reason,
+                        retry_at: retry.then(|| Instant::now() + RETRY_UCX_AFTER),
+                    },
+                    None,
+                )
+            }
+        };
+        set_gauge(peer, endpoint.is_some());
+        self.peers.lock().insert(peer.to_string(), state);
+        endpoint
+    }
+
+    /// Hello, choice and connect; `Err((why, retry later))`.
+    fn connect(&self, worker: &Worker, peer: &str) -> Result<(Endpoint, String), (String, bool)> {
+        let offer: UcxOffer = self
+            .tcp
+            .control(peer, Opcode::PeerUcxHello, &UcxHello)
+            .map_err(|e| match e {
+                TransportError::Refused { .. } => (format!("the node serves no UCX: {e}"), true),
+                e => (format!("UCX hello failed: {e}"), true),
+            })?;
+        let reason = match self.choice {
+            TransportChoice::Ucx => format!(
+                "cluster_transport = \"ucx\" (node UCX_TLS {}, here {})",
+                offer.transports,
+                ucx_tls()
+            ),
+            _ => auto_choice(&offer, &self.host).map_err(|why| (why, false))?,
+        };
+        let mut endpoint = worker
+            .connect(&offer.worker_address)
+            .map_err(|e| (e.to_string(), true))?;
+        endpoint
+            .set_remote_key(&offer.rkey)
+            .map_err(|e| (e.to_string(), true))?;
+        Ok((endpoint, reason))
+    }
+
+    /// Read `items` over UCX: one result per item, `None` for an item to read over frames
+    /// (not in the node's registered memory); `Err`: the UCX path failed, read all over frames.
+    fn ucx_get(
+        &self,
+        peer: &str,
+        endpoint: &Mutex<Endpoint>,
+        items: &mut [GetItem<'_>],
+    ) -> Result<Vec<Option<Result<(), TransportError>>>, String> {
+        let mut results = Vec::with_capacity(items.len());
+        for chunk in items.chunks_mut(MAX_LEASE_OBJECTS) {
+            results.extend(self.ucx_get_chunk(peer, endpoint, chunk)?);
+        }
+        Ok(results)
+    }
+
+    fn ucx_get_chunk(
+        &self,
+        peer: &str,
+        endpoint: &Mutex<Endpoint>,
+        items: &mut [GetItem<'_>],
+    ) -> Result<Vec<Option<Result<(), TransportError>>>, String> {
+        let request = UcxLeaseRequest {
+            objects: items
+                .iter()
+                .map(|i| (i.key.to_vec(), (i.dst.len() + CHECKSUM_LEN) as u64))
+                .collect(),
+        };
+        let lease: UcxLeaseReply = self
+            .tcp
+            .control(peer, Opcode::PeerUcxLease, &request)
+            .map_err(|e| format!("lease: {e}"))?;
+        let release = || {
+            let _: Result<kvtier_proto::peer_ucx::UcxHello, _> = self.tcp.control(
+                peer,
+                Opcode::PeerUcxRelease,
+                &UcxRelease {
+                    lease_id: lease.lease_id,
+                },
+            );
+        };
+        if lease.items.len() != items.len() {
+            release();
+            return Err(format!(
+                "lease answered {} objects for {}",
+                lease.items.len(),
+                items.len()
+            ));
+        }
+        let mut trailers = vec![[0u8; CHECKSUM_LEN]; items.len()];
+        let mut results: Vec<Option<Result<(), TransportError>>> = Vec::with_capacity(items.len());
+        let mut extents: Vec<RemoteExtent> = Vec::new();
+        let mut dsts: Vec<&mut [u8]> = Vec::new();
+        let mut bytes = 0u64;
+        for ((item, leased), trailer) in items.iter_mut().zip(&lease.items).zip(&mut trailers) {
+            match leased {
+                LeaseItem::Extents(parts) => {
+                    let total: u64 = parts.iter().map(|p| p.1).sum();
+                    if total != (item.dst.len() + CHECKSUM_LEN) as u64 {
+                        release();
+                        return Err(format!(
+                            "lease of {total} bytes for an object of {}",
+                            item.dst.len() + CHECKSUM_LEN
+                        ));
+                    }
+                    bytes += total;
+                    // Split the object's extents over the destination, then the trailer.
+                    let mut rest: &mut [u8] = &mut *item.dst;
+                    let mut tail: &mut [u8] = &mut trailer[..];
+                    for &(addr, len) in parts {
+                        let (mut addr, mut len) = (addr, len as usize);
+                        while len > 0 {
+                            let target = if rest.is_empty() {
+                                &mut tail
+                            } else {
+                                &mut rest
+                            };
+                            let n = len.min(target.len());
+                            let (head, after) = std::mem::take(target).split_at_mut(n);
+                            *target = after;
+                            extents.push(RemoteExtent {
+                                remote: addr,
+                                len: n,
+                            });
+                            dsts.push(head);
+                            addr += n as u64;
+                            len -= n;
+                        }
+                    }
+                    results.push(Some(Ok(())));
+                }
+                LeaseItem::NotFound => results.push(Some(Err(TransportError::NotFound {
+                    peer: peer.to_string(),
+                }))),
+                LeaseItem::SizeMismatch => results.push(Some(Err(TransportError::SizeMismatch {
+                    peer: peer.to_string(),
+                    message: format!(
+                        "stored length differs from {} bytes and its checksum",
+                        item.dst.len()
+                    ),
+                }))),
+                LeaseItem::NotRemote => results.push(None),
+            }
+        }
+        let read = if extents.is_empty() {
+            Ok(())
+        } else {
+            endpoint.lock().get(&extents, &mut dsts, self.timeout)
+        };
+        drop(dsts);
+        release();
+        read.map_err(|e| format!("one-sided read: {e}"))?;
+        metrics::counter!(names::PEER_TRANSFER_BYTES, "peer" => peer.to_string(), "direction" => "in")
+            .increment(bytes);
+        for ((item, trailer), result) in items.iter().zip(&trailers).zip(results.iter_mut()) {
+            if matches!(result, Some(Ok(()))) {
+                let computed = object_checksum(item.key, item.dst);
+                if computed.to_le_bytes() != *trailer {
+                    *result = Some(Err(TransportError::Integrity {
+                        peer: peer.to_string(),
+                        message: "the bytes read over UCX do not match their checksum".into(),
+                    }));
+                }
+            }
+        }
+        Ok(results)
+    }
+}
+
+impl Transport for UcxTransport {
+    fn put(&self, peer: &str, items: &[PutItem<'_>]) -> Vec<Result<(), TransportError>> {
+        self.tcp.put(peer, items)
+    }
+
+    fn get(&self, peer: &str, items: &mut [GetItem<'_>]) -> Vec<Result<(), TransportError>> {
+        if items.is_empty() {
+            return Vec::new();
+        }
+        let Some(endpoint) = self.endpoint(peer) else {
+            return self.tcp.get(peer, items);
+        };
+        match self.ucx_get(peer, &endpoint, items) {
+            Ok(results) => {
+                let frames: Vec<usize> =
+                    (0..items.len()).filter(|&i| results[i].is_none()).collect();
+                if frames.is_empty() {
+                    return results.into_iter().flatten().collect();
+                }
+                // The objects not in registered memory: over frames.
+                let mut rest: Vec<GetItem<'_>> = Vec::with_capacity(frames.len());
+                let mut results = results;
+                let mut slots: Vec<Option<&mut GetItem<'_>>> = items.iter_mut().map(Some).collect();
+                for &i in &frames {
+                    if let Some(item) = slots[i].take() {
+                        rest.push(GetItem {
+                            key: item.key,
+                            dst: &mut *item.dst,
+                        });
+                    }
+                }
+                let framed = self.tcp.get(peer, &mut rest);
+                for (i, r) in frames.into_iter().zip(framed) {
+                    results[i] = Some(r);
+                }
+                results
+                    .into_iter()
+                    .map(|r| {
+                        r.unwrap_or_else(|| {
+                            Err(TransportError::BatchAborted {
+                                reason: "no result".into(),
+                            })
+                        })
+                    })
+                    .collect()
+            }
+            Err(reason) => {
+                self.fall_back(peer, reason);
+                self.tcp.get(peer, items)
+            }
+        }
+    }
+
+    fn remove(&self, peer: &str, keys: &[&[u8]]) -> Result<Vec<bool>, TransportError> {
+        self.tcp.remove(peer, keys)
+    }
+
+    fn demote(&self, peer: &str, keys: &[&[u8]]) -> Result<Vec<bool>, TransportError> {
+        self.tcp.demote(peer, keys)
+    }
+
+    fn clear_prefix(&self, peer: &str, prefix: &[u8]) -> Result<Vec<Vec<u8>>, TransportError> {
+        self.tcp.clear_prefix(peer, prefix)
+    }
+}

@@ -1,0 +1,650 @@
+//! Safe handles over the UCP calls of [`super::ffi`]: a context, a worker, endpoints to other
+//! workers, registered memory and one-sided reads and writes (issue 17).
+//!
+//! Owns: the lifetimes of every UCX object kvtier creates, and the lock that serialises calls
+//! into one worker.
+//!
+//! Invariants:
+//! - Ownership follows UCP's rules by construction: a [`Worker`] holds an `Arc` of its
+//!   context, every [`Endpoint`] an `Arc` of its worker, every [`Registration`] an `Arc` of its
+//!   context; so a context outlives its workers and memory handles, and a worker its endpoints.
+//!   An endpoint's remote key is destroyed before the endpoint is closed.
+//! - Workers are created `UCS_THREAD_MODE_SERIALIZED`; every call into a worker or one of its
+//!   endpoints holds that worker's `lock`, which is what makes the handles `Send + Sync`.
+//! - A one-sided operation never outlives the call that started it: [`Endpoint::get`] and
+//!   [`Endpoint::put`] progress the worker until every request they issued completed; on the
+//!   deadline they close the endpoint by force (UCP completes the requests with an error) and
+//!   keep progressing until the requests are released, so UCX never writes into a buffer the
+//!   caller got back.
+//! - Remote addresses and keys come from an authenticated peer, and a client reads only the
+//!   extents a node leased to it. UCX does not bounds-check every transport (its TCP emulation
+//!   of one-sided operations trusts the address: a read outside the registration can crash the
+//!   target), which is why a node hands its key only to peers that proved the cluster token.
+//!   The caller still verifies the bytes' end-to-end checksum.
+
+#![allow(unsafe_code)]
+
+use std::ffi::c_void;
+use std::os::fd::BorrowedFd;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::ffi::{self, Ucp};
+
+/// Why a UCX call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum UcxError {
+    /// libucp cannot be loaded or used on this host.
+    #[error("UCX is not available: {0}")]
+    Unavailable(String),
+    #[error("{call} failed: {text} (UCX status {status})")]
+    Call {
+        call: &'static str,
+        status: i8,
+        text: String,
+    },
+    #[error("a UCX transfer did not complete within {0:?}")]
+    Timeout(Duration),
+    #[error("the UCX endpoint was closed after an earlier failure")]
+    Closed,
+    #[error("{0}")]
+    Invalid(String),
+}
+
+fn check(ucp: &Ucp, call: &'static str, status: ffi::Status) -> Result<(), UcxError> {
+    if status == ffi::UCS_OK {
+        Ok(())
+    } else {
+        Err(UcxError::Call {
+            call,
+            status,
+            text: ucp.describe(status),
+        })
+    }
+}
+
+struct ContextRaw {
+    ucp: &'static Ucp,
+    raw: ffi::Context,
+}
+
+// SAFETY: a UCP context is used from any thread once created (memory map/unmap and rkey pack
+// are context-level calls documented as thread safe for `mt_workers_shared`, which is set);
+// the pointer carries no thread affinity.
+unsafe impl Send for ContextRaw {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for ContextRaw {}
+
+impl Drop for ContextRaw {
+    fn drop(&mut self) {
+        // SAFETY: `raw` came from `ucp_init_version` and every worker and registration holds
+        // an `Arc` of this context, so none is left when it drops.
+        unsafe { (self.ucp.cleanup)(self.raw) };
+    }
+}
+
+/// A UCP context with the RMA and wakeup features.
+#[derive(Clone)]
+pub struct Context(Arc<ContextRaw>);
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ucx::Context")
+    }
+}
+
+impl Context {
+    /// Load libucp (once per process) and create a context. UCX reads its own `UCX_*`
+    /// environment variables here (`UCX_TLS`, `UCX_NET_DEVICES`, ...).
+    pub fn new() -> Result<Context, UcxError> {
+        let ucp = Ucp::get().map_err(UcxError::Unavailable)?;
+        let mut params: ffi::Params = ffi::zeroed();
+        params.field_mask = ffi::UCP_PARAM_FIELD_FEATURES | ffi::UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+        params.features = ffi::UCP_FEATURE_RMA | ffi::UCP_FEATURE_WAKEUP;
+        params.mt_workers_shared = 1;
+        let mut raw: ffi::Context = std::ptr::null_mut();
+        // SAFETY: `params` is a zero-initialised 1.13 `ucp_params_t` with the fields named in
+        // its mask set; a null config makes UCP read the environment; `raw` is written on
+        // success only.
+        let status = unsafe {
+            (ucp.init_version)(
+                ffi::API_MAJOR,
+                ffi::API_MINOR,
+                &params,
+                std::ptr::null(),
+                &mut raw,
+            )
+        };
+        check(ucp, "ucp_init", status)?;
+        Ok(Context(Arc::new(ContextRaw { ucp, raw })))
+    }
+
+    /// Register `len` bytes at `base` for remote access. The memory must stay mapped for as
+    /// long as the registration lives (the caller's invariant: `Registration` is dropped
+    /// before the memory is unmapped).
+    pub fn register(&self, base: *mut u8, len: usize) -> Result<Registration, UcxError> {
+        let ucp = self.0.ucp;
+        let mut params: ffi::MemMapParams = ffi::zeroed();
+        params.field_mask =
+            ffi::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | ffi::UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+        params.address = base.cast::<c_void>();
+        params.length = len;
+        let mut memh: ffi::MemH = std::ptr::null_mut();
+        // SAFETY: the context is live (held by `self`); `params` names an address range the
+        // caller keeps mapped while the registration lives; `memh` is written on success.
+        let status = unsafe { (ucp.mem_map)(self.0.raw, &params, &mut memh) };
+        check(ucp, "ucp_mem_map", status)?;
+        Ok(Registration {
+            context: Arc::clone(&self.0),
+            memh,
+            base: base as u64,
+            len: len as u64,
+        })
+    }
+
+    /// A worker, serialised by its own lock.
+    pub fn worker(&self) -> Result<Worker, UcxError> {
+        let ucp = self.0.ucp;
+        let mut params: ffi::WorkerParams = ffi::zeroed();
+        params.field_mask = ffi::UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+        params.thread_mode = ffi::UCS_THREAD_MODE_SERIALIZED;
+        let mut raw: ffi::Worker = std::ptr::null_mut();
+        // SAFETY: live context; zero-initialised params with the masked field set; `raw` is
+        // written on success.
+        let status = unsafe { (ucp.worker_create)(self.0.raw, &params, &mut raw) };
+        check(ucp, "ucp_worker_create", status)?;
+        Ok(Worker(Arc::new(WorkerRaw {
+            context: Arc::clone(&self.0),
+            raw,
+            lock: Mutex::new(()),
+        })))
+    }
+}
+
+/// Memory registered with a context; unregistered on drop.
+pub struct Registration {
+    context: Arc<ContextRaw>,
+    memh: ffi::MemH,
+    base: u64,
+    len: u64,
+}
+
+// SAFETY: a memory handle is a context-level object (see `ContextRaw`); it is only passed to
+// context-level calls (`ucp_rkey_pack`, `ucp_mem_unmap`).
+unsafe impl Send for Registration {}
+// SAFETY: as for `Send`; `&Registration` only packs keys.
+unsafe impl Sync for Registration {}
+
+impl std::fmt::Debug for Registration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registration")
+            .field("base", &format_args!("{:#x}", self.base))
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl Registration {
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The remote key a peer unpacks to reach this memory.
+    pub fn pack_key(&self) -> Result<Vec<u8>, UcxError> {
+        let ucp = self.context.ucp;
+        let mut buffer: *mut c_void = std::ptr::null_mut();
+        let mut size = 0usize;
+        // SAFETY: live context and memory handle; UCP allocates `buffer` of `size` bytes.
+        let status =
+            unsafe { (ucp.rkey_pack)(self.context.raw, self.memh, &mut buffer, &mut size) };
+        check(ucp, "ucp_rkey_pack", status)?;
+        // SAFETY: on success `buffer` points to `size` initialised bytes owned by UCP until
+        // `ucp_rkey_buffer_release`, called right after the copy.
+        let key = unsafe { std::slice::from_raw_parts(buffer.cast::<u8>(), size) }.to_vec();
+        // SAFETY: `buffer` came from `ucp_rkey_pack` and is released once.
+        unsafe { (ucp.rkey_buffer_release)(buffer) };
+        Ok(key)
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        // SAFETY: `memh` came from `ucp_mem_map` on this context, which is still alive.
+        let _ = unsafe { (self.context.ucp.mem_unmap)(self.context.raw, self.memh) };
+    }
+}
+
+struct WorkerRaw {
+    context: Arc<ContextRaw>,
+    raw: ffi::Worker,
+    /// Held for every call into the worker or its endpoints (SERIALIZED mode).
+    lock: Mutex<()>,
+}
+
+// SAFETY: the worker is created in SERIALIZED mode, and every call into it or its endpoints
+// holds `lock`, so calls from different threads never overlap.
+unsafe impl Send for WorkerRaw {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for WorkerRaw {}
+
+impl Drop for WorkerRaw {
+    fn drop(&mut self) {
+        // SAFETY: every endpoint holds an `Arc` of this worker, so none is left; the context
+        // outlives it (held in `context`).
+        unsafe { (self.context.ucp.worker_destroy)(self.raw) };
+    }
+}
+
+impl WorkerRaw {
+    /// One progress call; the caller holds `lock`.
+    fn progress_locked(&self) -> u32 {
+        // SAFETY: live worker, serialised by the caller's lock.
+        unsafe { (self.context.ucp.worker_progress)(self.raw) }
+    }
+}
+
+/// A UCP worker.
+#[derive(Clone)]
+pub struct Worker(Arc<WorkerRaw>);
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ucx::Worker")
+    }
+}
+
+extern "C" fn ignore_ep_error(_arg: *mut c_void, _ep: ffi::Ep, _status: ffi::Status) {
+    // Failed requests complete with the error; the transport closes the endpoint then.
+}
+
+impl Worker {
+    /// This worker's address, for a peer's [`Worker::connect`].
+    pub fn address(&self) -> Result<Vec<u8>, UcxError> {
+        let ucp = self.0.context.ucp;
+        let _guard = self.0.lock.lock();
+        let mut address: *mut ffi::Address = std::ptr::null_mut();
+        let mut len = 0usize;
+        // SAFETY: live worker under its lock; UCP allocates `address` of `len` bytes.
+        let status = unsafe { (ucp.worker_get_address)(self.0.raw, &mut address, &mut len) };
+        check(ucp, "ucp_worker_get_address", status)?;
+        // SAFETY: on success `address` points to `len` bytes owned by UCP until released,
+        // right after the copy.
+        let bytes = unsafe { std::slice::from_raw_parts(address.cast::<u8>(), len) }.to_vec();
+        // SAFETY: `address` came from `ucp_worker_get_address` of this worker; released once.
+        unsafe { (ucp.worker_release_address)(self.0.raw, address) };
+        Ok(bytes)
+    }
+
+    /// Progress once; how many events were handled.
+    pub fn progress(&self) -> u32 {
+        let _guard = self.0.lock.lock();
+        self.0.progress_locked()
+    }
+
+    /// Progress until idle, then sleep on the worker's event descriptor until UCX has work
+    /// (or `timeout` passed). For a node's progress thread: it costs no CPU while idle.
+    pub fn progress_or_wait(&self, timeout: Duration) -> Result<(), UcxError> {
+        let ucp = self.0.context.ucp;
+        let fd = {
+            let _guard = self.0.lock.lock();
+            while self.0.progress_locked() > 0 {}
+            let mut fd: std::ffi::c_int = -1;
+            // SAFETY: live worker under its lock; `fd` is written on success.
+            let status = unsafe { (ucp.worker_get_efd)(self.0.raw, &mut fd) };
+            check(ucp, "ucp_worker_get_efd", status)?;
+            // SAFETY: live worker under its lock.
+            let armed = unsafe { (ucp.worker_arm)(self.0.raw) };
+            if armed == ffi::UCS_ERR_BUSY {
+                return Ok(()); // events arrived meanwhile: progress again
+            }
+            check(ucp, "ucp_worker_arm", armed)?;
+            fd
+        };
+        // SAFETY: `fd` is the worker's event descriptor, owned by the worker, which `self`
+        // keeps alive for the whole poll.
+        let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
+        let mut fds = [rustix::event::PollFd::new(
+            &borrowed,
+            rustix::event::PollFlags::IN,
+        )];
+        let timeout = rustix::event::Timespec {
+            tv_sec: timeout.as_secs() as i64,
+            tv_nsec: i64::from(timeout.subsec_nanos()),
+        };
+        // EINTR and the like: the caller loops anyway.
+        let _ = rustix::event::poll(&mut fds, Some(&timeout));
+        Ok(())
+    }
+
+    /// Wake a thread blocked in [`Self::progress_or_wait`].
+    pub fn signal(&self) {
+        // SAFETY: `ucp_worker_signal` is the one worker call documented as safe from any
+        // thread without serialisation; the worker is live.
+        let _ = unsafe { (self.0.context.ucp.worker_signal)(self.0.raw) };
+    }
+
+    /// An endpoint to the worker at `address` (from the peer's [`Worker::address`]). Peer
+    /// failure handling (a dead peer fails requests rather than hanging them) is asked for
+    /// first; UCX 1.13's shared-memory transports do not offer it, so an endpoint they alone
+    /// reach is made without it (the transfer deadline still bounds every call).
+    pub fn connect(&self, address: &[u8]) -> Result<Endpoint, UcxError> {
+        match self.connect_with(address, true) {
+            Err(UcxError::Call { .. }) => self.connect_with(address, false),
+            other => other,
+        }
+    }
+
+    fn connect_with(&self, address: &[u8], peer_failure: bool) -> Result<Endpoint, UcxError> {
+        if address.is_empty() {
+            return Err(UcxError::Invalid("empty UCX worker address".into()));
+        }
+        let ucp = self.0.context.ucp;
+        let mut params: ffi::EpParams = ffi::zeroed();
+        params.field_mask = ffi::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
+        params.address = address.as_ptr().cast::<ffi::Address>();
+        if peer_failure {
+            params.field_mask |=
+                ffi::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | ffi::UCP_EP_PARAM_FIELD_ERR_HANDLER;
+            params.err_mode = ffi::UCP_ERR_HANDLING_MODE_PEER;
+            params.err_handler = ffi::ErrHandler {
+                cb: Some(ignore_ep_error),
+                arg: std::ptr::null_mut(),
+            };
+        }
+        let _guard = self.0.lock.lock();
+        let mut ep: ffi::Ep = std::ptr::null_mut();
+        // SAFETY: live worker under its lock; `address` outlives the call (UCP copies what it
+        // needs; a malformed address is rejected with a status, it came from an authenticated
+        // peer); `ep` is written on success.
+        let status = unsafe { (ucp.ep_create)(self.0.raw, &params, &mut ep) };
+        check(ucp, "ucp_ep_create", status)?;
+        Ok(Endpoint {
+            worker: Arc::clone(&self.0),
+            raw: ep,
+            rkey: std::ptr::null_mut(),
+            closed: false,
+        })
+    }
+}
+
+/// One read or write of [`Endpoint::get`] / [`Endpoint::put`]: `len` bytes at the peer's
+/// `remote` address.
+#[derive(Clone, Copy, Debug)]
+pub struct RemoteExtent {
+    pub remote: u64,
+    pub len: usize,
+}
+
+/// An endpoint to a peer worker, with (at most) one unpacked remote key.
+pub struct Endpoint {
+    worker: Arc<WorkerRaw>,
+    raw: ffi::Ep,
+    rkey: ffi::RKey,
+    /// Closed by force after a failure: no further operation is issued.
+    closed: bool,
+}
+
+// SAFETY: every call on the endpoint holds its worker's lock (see `WorkerRaw`).
+unsafe impl Send for Endpoint {}
+// SAFETY: as for `Send`; `&Endpoint` offers no call (operations take `&mut self`).
+unsafe impl Sync for Endpoint {}
+
+impl std::fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ucx::Endpoint")
+            .field("closed", &self.closed)
+            .finish()
+    }
+}
+
+/// How long a forced close waits for the endpoint's requests to be released.
+const CLOSE_BOUND: Duration = Duration::from_secs(1);
+
+/// A request issued and not yet released.
+struct Pending(*mut c_void);
+
+impl Endpoint {
+    /// Unpack the peer's packed remote key (replacing any earlier one).
+    pub fn set_remote_key(&mut self, packed: &[u8]) -> Result<(), UcxError> {
+        if self.closed {
+            return Err(UcxError::Closed);
+        }
+        if packed.is_empty() {
+            return Err(UcxError::Invalid("empty UCX remote key".into()));
+        }
+        let ucp = self.worker.context.ucp;
+        let _guard = self.worker.lock.lock();
+        let mut rkey: ffi::RKey = std::ptr::null_mut();
+        // SAFETY: live endpoint under its worker's lock; `packed` is a buffer UCP only reads
+        // (a malformed one is rejected with a status); `rkey` is written on success.
+        let status = unsafe { (ucp.ep_rkey_unpack)(self.raw, packed.as_ptr().cast(), &mut rkey) };
+        check(ucp, "ucp_ep_rkey_unpack", status)?;
+        if !self.rkey.is_null() {
+            // SAFETY: the previous key came from `ucp_ep_rkey_unpack` on this endpoint.
+            unsafe { (ucp.rkey_destroy)(self.rkey) };
+        }
+        self.rkey = rkey;
+        Ok(())
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.closed
+    }
+
+    /// Read each extent into the matching destination (same lengths), one-sided; all are
+    /// issued, then the worker is progressed until every one completed or `timeout` passed.
+    pub fn get(
+        &mut self,
+        extents: &[RemoteExtent],
+        dsts: &mut [&mut [u8]],
+        timeout: Duration,
+    ) -> Result<(), UcxError> {
+        if extents.len() != dsts.len()
+            || extents
+                .iter()
+                .zip(dsts.iter())
+                .any(|(e, d)| e.len != d.len())
+        {
+            return Err(UcxError::Invalid("extents and destinations differ".into()));
+        }
+        let ucp = self.worker.context.ucp;
+        let raw = self.raw;
+        let rkey = self.rkey;
+        self.run(timeout, |issue| {
+            for (extent, dst) in extents.iter().zip(dsts.iter_mut()) {
+                let param: ffi::RequestParam = ffi::zeroed();
+                // SAFETY: live endpoint and key under the worker's lock (held by `run`);
+                // `dst` is valid for `extent.len` bytes and stays borrowed until `run`
+                // returned, which is after every request completed or was released.
+                let ptr = unsafe {
+                    (ucp.get_nbx)(
+                        raw,
+                        dst.as_mut_ptr().cast(),
+                        extent.len,
+                        extent.remote,
+                        rkey,
+                        &param,
+                    )
+                };
+                issue(ptr)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Write each source to the matching extent, one-sided (see [`Self::get`]); completed
+    /// means the bytes are in the peer's memory (the endpoint is flushed).
+    pub fn put(
+        &mut self,
+        extents: &[RemoteExtent],
+        srcs: &[&[u8]],
+        timeout: Duration,
+    ) -> Result<(), UcxError> {
+        if extents.len() != srcs.len()
+            || extents
+                .iter()
+                .zip(srcs.iter())
+                .any(|(e, s)| e.len != s.len())
+        {
+            return Err(UcxError::Invalid("extents and sources differ".into()));
+        }
+        let ucp = self.worker.context.ucp;
+        let raw = self.raw;
+        let rkey = self.rkey;
+        self.run(timeout, |issue| {
+            for (extent, src) in extents.iter().zip(srcs.iter()) {
+                let param: ffi::RequestParam = ffi::zeroed();
+                // SAFETY: as in `get`; `src` is only read, borrowed until `run` returned.
+                let ptr = unsafe {
+                    (ucp.put_nbx)(
+                        raw,
+                        src.as_ptr().cast(),
+                        extent.len,
+                        extent.remote,
+                        rkey,
+                        &param,
+                    )
+                };
+                issue(ptr)?;
+            }
+            let param: ffi::RequestParam = ffi::zeroed();
+            // SAFETY: live endpoint under the lock; the flush completes after the puts.
+            let ptr = unsafe { (ucp.ep_flush_nbx)(raw, &param) };
+            issue(ptr)
+        })
+    }
+
+    /// Issue requests with `start` (under the worker's lock), then progress until they all
+    /// completed. On an error or the deadline the endpoint is closed by force and the worker
+    /// progressed until every request is released, so none outlives this call.
+    fn run(
+        &mut self,
+        timeout: Duration,
+        start: impl FnOnce(&mut dyn FnMut(*mut c_void) -> Result<(), UcxError>) -> Result<(), UcxError>,
+    ) -> Result<(), UcxError> {
+        if self.closed {
+            return Err(UcxError::Closed);
+        }
+        if self.rkey.is_null() {
+            return Err(UcxError::Invalid("no remote key set".into()));
+        }
+        let ucp = self.worker.context.ucp;
+        let worker = Arc::clone(&self.worker);
+        let _guard = worker.lock.lock();
+        let mut pending: Vec<Pending> = Vec::new();
+        let mut failure: Option<UcxError> = None;
+        let started = start(&mut |ptr| match ffi::StatusPtr::from_raw(ptr) {
+            ffi::StatusPtr::Done => Ok(()),
+            ffi::StatusPtr::Request(r) => {
+                pending.push(Pending(r));
+                Ok(())
+            }
+            ffi::StatusPtr::Error(status) => Err(UcxError::Call {
+                call: "ucp_get_nbx/ucp_put_nbx",
+                status,
+                text: ucp.describe(status),
+            }),
+        });
+        if let Err(e) = started {
+            failure = Some(e);
+        }
+        let deadline = Instant::now() + timeout;
+        let mut spins = 0u32;
+        while failure.is_none() && !pending.is_empty() {
+            worker.progress_locked();
+            let mut i = 0;
+            while i < pending.len() {
+                // SAFETY: a request returned by an nbx call and not yet freed.
+                let status = unsafe { (ucp.request_check_status)(pending[i].0) };
+                if status == ffi::UCS_INPROGRESS {
+                    i += 1;
+                    continue;
+                }
+                let done = pending.swap_remove(i);
+                // SAFETY: the request completed; freed once.
+                unsafe { (ucp.request_free)(done.0) };
+                if status != ffi::UCS_OK && failure.is_none() {
+                    failure = Some(UcxError::Call {
+                        call: "one-sided transfer",
+                        status,
+                        text: ucp.describe(status),
+                    });
+                }
+            }
+            spins = spins.wrapping_add(1);
+            if spins & 255 == 0 && Instant::now() >= deadline && !pending.is_empty() {
+                failure = Some(UcxError::Timeout(timeout));
+            }
+        }
+        let Some(failure) = failure else {
+            return Ok(());
+        };
+        self.close_locked(&worker, &mut pending);
+        Err(failure)
+    }
+
+    /// Destroy the key and close the endpoint by force (under the worker's lock), then
+    /// progress until `pending` and the close completed and release them.
+    fn close_locked(&mut self, worker: &WorkerRaw, pending: &mut Vec<Pending>) {
+        if self.closed {
+            return;
+        }
+        self.closed = true;
+        let ucp = worker.context.ucp;
+        let mut param: ffi::RequestParam = ffi::zeroed();
+        param.op_attr_mask = ffi::UCP_OP_ATTR_FIELD_FLAGS;
+        param.flags = ffi::UCP_EP_CLOSE_FLAG_FORCE;
+        // SAFETY: live endpoint under the worker's lock; a forced close completes the
+        // endpoint's outstanding requests with an error.
+        let close = unsafe { (ucp.ep_close_nbx)(self.raw, &param) };
+        if let ffi::StatusPtr::Request(r) = ffi::StatusPtr::from_raw(close) {
+            pending.push(Pending(r));
+        }
+        // Bounded: a forced close does not wait for the peer, but UCX 1.13 does not always
+        // complete requests of an endpoint without peer-failure handling (shared memory to a
+        // dead process); give up on them after `CLOSE_BOUND` rather than hang. They are then
+        // leaked (never freed twice); their peer is gone, so no byte can arrive for them.
+        let bound = Instant::now() + CLOSE_BOUND;
+        while !pending.is_empty() && Instant::now() < bound {
+            worker.progress_locked();
+            pending.retain(|p| {
+                // SAFETY: a request not yet freed.
+                let status = unsafe { (ucp.request_check_status)(p.0) };
+                if status == ffi::UCS_INPROGRESS {
+                    return true;
+                }
+                // SAFETY: completed; freed once.
+                unsafe { (ucp.request_free)(p.0) };
+                false
+            });
+        }
+        if !self.rkey.is_null() {
+            // SAFETY: the key came from `ucp_ep_rkey_unpack` on this endpoint; destroyed once.
+            unsafe { (ucp.rkey_destroy)(self.rkey) };
+            self.rkey = std::ptr::null_mut();
+        }
+    }
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        let worker = Arc::clone(&self.worker);
+        let _guard = worker.lock.lock();
+        if !self.rkey.is_null() && !self.closed {
+            // SAFETY: destroyed before its endpoint closes, once.
+            unsafe { (worker.context.ucp.rkey_destroy)(self.rkey) };
+            self.rkey = std::ptr::null_mut();
+        }
+        self.close_locked(&worker, &mut Vec::new());
+    }
+}
