@@ -9,9 +9,11 @@
 //! - [`batch`] describes page batches (`prefix ++ page_key ++ suffix` keys) and their results.
 //! - [`metrics`] owns the Prometheus side: the process's recorder, the `/metrics` endpoint and
 //!   the name of every metric (embedded mode opts in with `metrics_addr`).
-//! - [`client`] is the [`Client`]: it resolves memory, composes keys and calls the mode's store.
-//!   Embedded mode runs the engine in this process; server mode ([`remote`]) talks to a local
-//!   `kvtier serve` (selected by `server_socket`) behind the same methods.
+//! - [`store`] is the seam (issue 16): the [`store::Store`] trait for page batches and its three
+//!   implementations: embedded (the engine in this process, also what `kvtier serve` hosts),
+//!   local server ([`store::local_server`], a local `kvtier serve` selected by `server_socket`;
+//!   [`remote`] is its old name) and cluster (over [`cluster::ClusterStore`]).
+//! - [`client`] is the [`Client`]: config, caller memory, metrics and one store.
 
 pub mod batch;
 pub mod client;
@@ -20,8 +22,11 @@ pub mod config;
 pub mod error;
 pub mod memory;
 pub mod metrics;
-pub mod remote;
+pub mod store;
 pub mod transport;
+
+/// The local-server store under its old module name (issue 16 renamed it).
+pub use store::local_server as remote;
 
 pub use batch::{BatchResult, MemRef, PageBatch};
 pub use client::Client;
