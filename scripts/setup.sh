@@ -48,9 +48,23 @@ if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.vers
 fi
 log "installing SGLang's CPU import set, maturin, pytest and ruff"
 pip_q -r requirements/sglang-cpu.txt "maturin>=1.7,<2" "pytest>=8" "ruff>=0.6"
+# issue 19: vLLM 0.34.0 and LMCache 0.5.6 for kvtier's engine plugins and their tests, --no-deps
+# (their dependency sets would replace torch) plus the CPU import set of both.
+VLLM_VERSION=0.34.0
+LMCACHE_VERSION=0.5.6
+if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm') != '$VLLM_VERSION' or m.version('lmcache') != '$LMCACHE_VERSION')" 2>/dev/null; then
+  log "installing vllm==$VLLM_VERSION and lmcache==$LMCACHE_VERSION (--no-deps) and their CPU import set"
+  pip_q --no-deps "vllm==$VLLM_VERSION" "lmcache==$LMCACHE_VERSION"
+  pip_q -r requirements/engines-cpu.txt -c requirements/sglang-cpu.txt "torch==$TORCH_VERSION"
+fi
 
 log "building kvtier (maturin develop --release)"
 VIRTUAL_ENV="$PWD/$VENV" PATH="$PWD/$VENV/bin:$PATH" "$VENV/bin/maturin" develop --release -q 2>&1 | grep -vE '^(📦|✏️|🔗|🍹|🐍|⚠️ Warning: You.*)' || true
+# The test harness and benchmarks (kvtier_dev) are not in the wheel: a .pth file makes
+# tools/python importable in this venv (python -m kvtier_dev.bench ...). Issue 16.
+site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+rm -f "$site/kvtier_dev.pth"
+printf '%s\n' "$PWD/tools/python" > "$site/kvtier_dev.pth"
 log "building the kvtier command (cargo build --release -p kvtier-cli -> target/release/kvtier)"
 cargo build --release --quiet -p kvtier-cli
 "$VENV/bin/python" -c "import kvtier; print('[setup] kvtier', kvtier.__version__, 'ready in', '$VENV')"

@@ -13,8 +13,8 @@ cargo fmt --all -- --check
 echo "[test] cargo clippy -D warnings"
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 echo "[test] ruff (Python format and lint)"
-"$VENV/bin/ruff" format --check --quiet python tests/python
-"$VENV/bin/ruff" check --quiet --select E9,F63,F7,F82,F401,F841 python tests/python
+"$VENV/bin/ruff" format --check --quiet python tests/python tools/python
+"$VENV/bin/ruff" check --quiet --select E9,F63,F7,F82,F401,F841 python tests/python tools/python
 echo "[test] cargo test (release: the concurrency and property tests run many more cases)"
 cargo test --workspace --release --quiet 2>&1 | tee target/cargo-test.log
 if ! grep -qE '^test result: ok\. [1-9][0-9]* passed' target/cargo-test.log; then

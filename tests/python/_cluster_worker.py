@@ -24,8 +24,8 @@ def _digest(pages):
 def warm():
     """Import SGLang and the harness (the slow part of a first setup); the seconds it took."""
     started = time.perf_counter()
-    import kvtier.harness.flows  # noqa: F401
-    import kvtier.harness.pools  # noqa: F401
+    import kvtier_dev.harness.flows  # noqa: F401
+    import kvtier_dev.harness.pools  # noqa: F401
     import kvtier.sglang  # noqa: F401
 
     return time.perf_counter() - started
@@ -53,7 +53,7 @@ def v2_prefetch_hashed(keys):
 def exists_v2(keys):
     """The whole answer of one batch_exists_v2 over the DSV4 group, as the prefetch query
     builds it; and the elapsed seconds."""
-    import kvtier.harness.flows as cf
+    import kvtier_dev.harness.flows as cf
 
     started = time.perf_counter()
     res = cf.query_span(STATE["store"], list(keys), STATE["target"])

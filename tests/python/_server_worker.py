@@ -18,8 +18,8 @@ STATE: dict = {}
 
 
 def setup(kind, tp_rank, tp_size, socket, allocator="shm", v1=True, **extra):
-    import kvtier.harness.flows as cf
-    import kvtier.harness.pools as sp
+    import kvtier_dev.harness.flows as cf
+    import kvtier_dev.harness.pools as sp
     from kvtier.sglang import KvtierStore
 
     ec = {**DYNAMIC, "server_socket": socket, **extra}
@@ -50,7 +50,7 @@ def setup(kind, tp_rank, tp_size, socket, allocator="shm", v1=True, **extra):
 
 def v1_write(keys, seed):
     """Fill fresh pages, store them with batch_set_v1 (or legacy batch_set); their bytes."""
-    import kvtier.harness.pools as sp
+    import kvtier_dev.harness.pools as sp
 
     host, store = STATE["anchor"], STATE["store"]
     idx = sp.alloc_indices(host, len(keys))
@@ -67,7 +67,7 @@ def v1_write(keys, seed):
 
 
 def v1_read(keys):
-    import kvtier.harness.pools as sp
+    import kvtier_dev.harness.pools as sp
 
     host, store = STATE["anchor"], STATE["store"]
     idx = sp.alloc_indices(host, len(keys))
@@ -94,8 +94,8 @@ def v1_exists(keys):
 
 def v2_backup(keys, seed):
     """Back up one span through the real controller flow; {pool: {key: page bytes}}."""
-    import kvtier.harness.flows as cf
-    import kvtier.harness.pools as sp
+    import kvtier_dev.harness.flows as cf
+    import kvtier_dev.harness.pools as sp
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
     stack, store = STATE["target"], STATE["store"]
@@ -122,8 +122,8 @@ def v2_backup(keys, seed):
 
 def v2_prefetch(keys):
     """Query and load a span through the real controller flow; (hit, {pool: {key: bytes}})."""
-    import kvtier.harness.flows as cf
-    import kvtier.harness.pools as sp
+    import kvtier_dev.harness.flows as cf
+    import kvtier_dev.harness.pools as sp
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
     stack, store = STATE["target"], STATE["store"]
@@ -165,7 +165,7 @@ def raw_put_outside(size):
 
 def spin(keys, seed):
     """Write pages forever (until killed): the batch a SIGKILL interrupts."""
-    import kvtier.harness.pools as sp
+    import kvtier_dev.harness.pools as sp
 
     host, store = STATE["anchor"], STATE["store"]
     idx = sp.alloc_indices(host, len(keys))

@@ -1,4 +1,4 @@
-"""Smoke test of ``python -m kvtier.bench sglang``: its workload functions at a tiny size.
+"""Smoke test of ``python -m kvtier_dev.bench sglang``: its workload functions at a tiny size.
 
 Checks the structure of the results and that every byte kvtier (and HiCacheFile) restored was
 verified; makes no timing assertion.
@@ -11,9 +11,9 @@ import math
 
 import pytest
 
-from kvtier.bench import report
-from kvtier.bench import sglang_workloads as bw
-from kvtier.bench.__main__ import main
+from kvtier_dev.bench import report
+from kvtier_dev.bench import sglang_workloads as bw
+from kvtier_dev.bench.__main__ import main
 
 SUMMARY_KEYS = {"reps", "failures", "median_us", "p50_us", "p99_us"}
 

@@ -1,9 +1,9 @@
-"""The README's demo (python -m kvtier.demo) runs end to end on a small trace, restores only
+"""The README's demo (python -m kvtier_dev.demo) runs end to end on a small trace, restores only
 exact bytes, and reports hits once conversations repeat."""
 
 import json
 
-from kvtier import demo
+from kvtier_dev import demo
 
 
 def test_demo_runs_and_verifies_every_restored_page(tmp_path, capsys):

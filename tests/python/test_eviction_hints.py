@@ -5,7 +5,7 @@ whole page.
 
 Real SGLang 0.5.23 DeepSeek-V4 HostPoolGroup on CPU, kvtier built by SGLang's dynamic
 factory, SGLang's own controller methods for the existence query, prefetch and backup
-(``kvtier.harness.flows``). Every restored page is compared byte for byte with what was
+(``kvtier_dev.harness.flows``). Every restored page is compared byte for byte with what was
 written for its hash.
 """
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 from sglang.srt.mem_cache.hicache_storage import PoolName
 
-from kvtier.bench import workload as wl
-from kvtier.harness.pools import page_nbytes
+from kvtier_dev.bench import workload as wl
+from kvtier_dev.harness.pools import page_nbytes
 
 MIB = 1 << 20
 

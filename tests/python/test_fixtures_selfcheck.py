@@ -1,7 +1,7 @@
 """Self-check of the SGLang fixtures against SGLang's own HiCacheFile backend.
 
-If these pass, ``kvtier.harness.pools`` builds pools whose pages round-trip through
-the real controller code, and ``kvtier.harness.flows`` drives a backend the way
+If these pass, ``kvtier_dev.harness.pools`` builds pools whose pages round-trip through
+the real controller code, and ``kvtier_dev.harness.flows`` drives a backend the way
 SGLang 0.5.23 does.  The same flows are later run against kvtier's backend.
 """
 
@@ -19,8 +19,8 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolName,
 )
 
-import kvtier.harness.flows as cf
-import kvtier.harness.pools as sp
+import kvtier_dev.harness.flows as cf
+import kvtier_dev.harness.pools as sp
 
 
 def hashes(n, tag="span"):

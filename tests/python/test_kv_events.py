@@ -223,7 +223,7 @@ def test_without_the_touch_the_coldest_page_goes():
 def _backend(extra):
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-    from kvtier.harness.pools import make_storage_config
+    from kvtier_dev.harness.pools import make_storage_config
 
     cfg = make_storage_config(
         is_mla=True,

@@ -9,7 +9,7 @@ import urllib.request
 import uuid
 
 import pytest
-from kvtier.harness.pools import (
+from kvtier_dev.harness.pools import (
     alloc_indices,
     build_mha_host_pool,
     fill_pages,

@@ -1,7 +1,7 @@
 """kvtier and SGLang's own HiCacheFile, side by side, on the same operations.
 
 Both backends are attached to the *same* real SGLang host pools and driven through the
-same real controller code (``kvtier.harness.flows``: ``backup_span`` / ``query_span`` /
+same real controller code (``kvtier_dev.harness.flows``: ``backup_span`` / ``query_span`` /
 ``prefetch_span``).  After every step the two must agree on ``kv_hit_pages`` and
 ``restorable_prefix_pages``; every prefetch must restore, page by page, exactly the bytes
 that were in host memory when the page was backed up (checked with ``read_pages`` and, for
@@ -34,8 +34,8 @@ import pytest
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, PoolHitPolicy, PoolName
 
-import kvtier.harness.flows as cf
-import kvtier.harness.pools as sp
+import kvtier_dev.harness.flows as cf
+import kvtier_dev.harness.pools as sp
 from kvtier.sglang import KvtierStore
 
 from test_fixtures_selfcheck import ZeroCopyFile

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from kvtier.harness.pools import (
+from kvtier_dev.harness.pools import (
     alloc_indices,
     build_mha_host_pool,
     fill_pages,

@@ -20,7 +20,7 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 from kvtier import _native
 from kvtier.sglang import KvtierStore
-from kvtier.harness.pools import (
+from kvtier_dev.harness.pools import (
     alloc_indices,
     build_mha_host_pool,
     build_mla_host_pool,

@@ -22,8 +22,8 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransfer,
 )
 
-import kvtier.harness.flows as cf
-import kvtier.harness.pools as sp
+import kvtier_dev.harness.flows as cf
+import kvtier_dev.harness.pools as sp
 from kvtier.sglang import KvtierStore
 
 DYNAMIC = {"backend_name": "kvtier", "module_path": "kvtier.sglang", "class_name": "KvtierStore"}

@@ -27,8 +27,8 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransfer,
 )
 
-import kvtier.harness.flows as cf
-import kvtier.harness.pools as sp
+import kvtier_dev.harness.flows as cf
+import kvtier_dev.harness.pools as sp
 from kvtier.sglang import KvtierStore
 
 import test_cluster as tc

@@ -1,4 +1,4 @@
-"""``python -m kvtier.bench workload``: one quick run through the real SGLang backend.
+"""``python -m kvtier_dev.bench workload``: one quick run through the real SGLang backend.
 
 Checks the trace generator, the report's structure, that every restored page was verified
 against the bytes written for it, and that both policies ran on the same trace; a budget
@@ -13,8 +13,8 @@ import json
 
 import pytest
 
-from kvtier.bench import workload as wl
-from kvtier.bench.__main__ import main
+from kvtier_dev.bench import workload as wl
+from kvtier_dev.bench.__main__ import main
 
 SMALL, LARGE = 6.0, 64.0  # MiB: below and above the quick trace's ~16 MiB working set
 

@@ -78,7 +78,7 @@ enum BenchCommand {
     /// copy; batch_exists_v2 (128 pages x 4 pools) round-trip latency.
     Server(kvtier_server::bench::BenchServerArgs),
     /// Multi-turn chat workload through the real SGLang backend under a DRAM budget:
-    /// prefix_depth vs lru eviction (runs `python -m kvtier.bench workload ARGS...`).
+    /// prefix_depth vs lru eviction (runs `python -m kvtier_dev.bench workload ARGS...`).
     Workload(workload::WorkloadArgs),
     /// SSD tier throughput (256 KiB - 2 MiB objects) and 2 MiB DRAM-miss latency, each
     /// against a raw O_DIRECT baseline measured in the same run on the same filesystem.

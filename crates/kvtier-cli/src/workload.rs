@@ -1,13 +1,15 @@
 //! `kvtier bench workload ARGS...`: the SGLang-shaped workload benchmark, which lives in
-//! Python (`python -m kvtier.bench workload`, real SGLang host pools and adapter). This
+//! Python (`python -m kvtier_dev.bench workload`, real SGLang host pools and adapter). This
 //! module only finds a Python that has kvtier installed and runs it with the arguments as
-//! given, passing its exit status through.
+//! given, passing its exit status through. The module is not in the wheel (it lives in the
+//! checkout's `tools/python`, made importable by `scripts/setup.sh`); when this binary runs
+//! from a checkout's `target/`, that directory is also put on `PYTHONPATH`.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
 /// The Python module (and its sub-command) that runs the benchmark.
-const MODULE: &str = "kvtier.bench";
+const MODULE: &str = "kvtier_dev.bench";
 const SUITE: &str = "workload";
 
 #[derive(clap::Args)]
@@ -16,7 +18,7 @@ pub struct WorkloadArgs {
     /// the repository's .venv next to this binary, else python3 on PATH).
     #[arg(long, value_name = "PATH")]
     python: Option<PathBuf>,
-    /// Arguments for `python -m kvtier.bench workload` (see `kvtier bench workload -- --help`).
+    /// Arguments for `python -m kvtier_dev.bench workload` (see `kvtier bench workload -- --help`).
     #[arg(trailing_var_arg = true, allow_hyphen_values = true, num_args = 0..)]
     args: Vec<String>,
 }
@@ -43,12 +45,37 @@ fn candidates(explicit: Option<&Path>) -> Vec<PathBuf> {
     out
 }
 
+/// `PYTHONPATH` with the checkout's `tools/python` first, when this binary is
+/// `<repo>/target/<profile>/kvtier` and that directory exists (issue 16: kvtier_dev moved out
+/// of the wheel); `None` leaves the environment as it is.
+fn python_path() -> Option<std::ffi::OsString> {
+    let exe = std::env::current_exe().ok()?;
+    let tools = exe.ancestors().nth(3)?.join("tools/python");
+    if !tools.is_dir() {
+        return None;
+    }
+    let mut paths = vec![tools];
+    if let Some(old) = std::env::var_os("PYTHONPATH") {
+        paths.extend(std::env::split_paths(&old));
+    }
+    std::env::join_paths(paths).ok()
+}
+
+/// `python` with `PYTHONPATH` set by [`python_path`].
+fn python_command(python: &Path) -> Command {
+    let mut cmd = Command::new(python);
+    if let Some(path) = python_path() {
+        cmd.env("PYTHONPATH", path);
+    }
+    cmd
+}
+
 /// Whether `python` runs and can import the benchmark module.
 fn has_module(python: &Path) -> Result<bool, std::io::Error> {
     let probe = format!(
         "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('{MODULE}.{SUITE}') else 3)"
     );
-    Command::new(python)
+    python_command(python)
         .args(["-c", &probe])
         .env("CUDA_VISIBLE_DEVICES", "")
         .status()
@@ -60,7 +87,7 @@ pub fn run(args: WorkloadArgs) -> Result<ExitCode, String> {
     for python in candidates(args.python.as_deref()) {
         match has_module(&python) {
             Ok(true) => {
-                let status = Command::new(&python)
+                let status = python_command(&python)
                     .args(["-m", MODULE, SUITE])
                     .args(&args.args)
                     .status()
@@ -76,7 +103,8 @@ pub fn run(args: WorkloadArgs) -> Result<ExitCode, String> {
         }
     }
     Err(format!(
-        "bench workload needs a Python with kvtier installed (scripts/setup.sh builds .venv; \
+        "bench workload needs a Python with kvtier installed and kvtier_dev importable \
+         (scripts/setup.sh builds .venv; \
          or pass --python / set KVTIER_PYTHON); tried: {}",
         tried.join(", ")
     ))

@@ -4,6 +4,7 @@
 //! from the other node byte-exact, first-writer-wins, exists_v2 in one round trip, a wrong
 //! cluster token (the client cannot open), an unknown node id, and a node kill (its objects become misses, the rest
 //! keeps working).
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

@@ -10,6 +10,7 @@
 //! stays a follower and names B as the leader.
 //!
 //! etcd is /usr/bin/etcd (Debian etcd-server, installed by scripts/setup.sh).
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

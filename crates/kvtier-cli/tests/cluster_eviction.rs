@@ -9,6 +9,7 @@
 //!   objects (a cache, not a disk), every put is acknowledged, a read of an evicted object is
 //!   a clean miss, every read that hits is byte-exact, and the directory heals to agree with
 //!   the nodes.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

@@ -20,6 +20,7 @@
 //!
 //! etcd is /usr/bin/etcd (Debian etcd-server, installed by scripts/setup.sh); without it the
 //! failover test fails and says so.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

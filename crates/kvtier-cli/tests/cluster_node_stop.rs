@@ -7,6 +7,7 @@
 //! master lists B as down and B's objects are misses (not errors, not waits for the lease),
 //! while A keeps taking puts and serving gets. B restarted with the same SSD directory, id and
 //! data address registers again and serves its objects byte-exact.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

@@ -1,5 +1,6 @@
 //! The operator's view of a cluster: `kvtier stat --master`, `kvtier inspect --master` and
 //! `kvtier master --metrics-addr`, against a real master and two real nodes on 127.0.0.2/3.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

@@ -1,4 +1,3 @@
-#![allow(clippy::unwrap_used)]
 //! The cluster store's per-page promise (issue 16, `kvtier_client::store::cluster::
 //! PAGE_ROLLBACK`), with real processes: one `kvtier master`, two `kvtier serve --master`
 //! nodes of 64 MiB DRAM each on 127.0.0.2 / 127.0.0.3, a cluster client in this process.
@@ -9,6 +8,8 @@
 //! any node (the nodes' own object counts), not readable; a component that an earlier put
 //! had already stored stays (it is not this call's to remove); every other page of the batch
 //! is stored and reads back byte-exact.
+#![allow(clippy::unwrap_used)]
+#![allow(unsafe_code)] // registers raw test memory with the client
 
 mod common;
 

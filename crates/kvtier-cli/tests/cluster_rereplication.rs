@@ -7,6 +7,7 @@
 //! SIGKILLed: every object still reads back byte-exact (from C), and with no third node left
 //! the master plans no further copies. The counters on the master's and the nodes' `/metrics`
 //! match the copies made.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

@@ -13,6 +13,7 @@
 //! - file descriptor churn and silent connections on a data port of a node run with 256 file
 //!   descriptors;
 //! - oversized and crafted master requests.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

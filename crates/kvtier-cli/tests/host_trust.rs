@@ -1,6 +1,8 @@
 //! Attacks on the host's trust boundaries (docs/security.md, "Host"), each played against a
 //! real `kvtier serve` process: the attacker fails, the server stays up, and a legitimate
 //! client on the same server is served byte-exact.
+#![allow(clippy::unwrap_used)]
+#![allow(unsafe_code)] // test fixtures map shared memory and register raw regions
 
 mod common;
 

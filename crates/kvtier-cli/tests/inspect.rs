@@ -1,5 +1,6 @@
 //! `kvtier inspect` (and `kvtier stat --json`) against a real `kvtier serve` process with an
 //! SSD tier under a DRAM tier smaller than the data, written by real clients of two tenants.
+#![allow(clippy::unwrap_used)]
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Output, Stdio};

@@ -1,6 +1,7 @@
 //! `kvtier serve --metrics-addr`: a real server process on a free port, real clients over its
 //! socket, and `/metrics` scraped over HTTP after every step, checking that each counter moved
 //! by exactly what the step did. Also: a port in use and a bad address are clear errors.
+#![allow(clippy::unwrap_used)]
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};

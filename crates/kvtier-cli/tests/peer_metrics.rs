@@ -3,6 +3,7 @@
 //! cluster client in this process that is not on the node (no node id), so every byte crosses
 //! TCP. The node's `/metrics` and the client's own endpoint are scraped over HTTP after a
 //! remote put and after a remote get; each counter moves by exactly the page bytes moved.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

@@ -6,6 +6,8 @@
 //! the memory stays mapped and valid until it is unregistered (or the registry is dropped).
 //! SGLang host pools satisfy that: their buffers live as long as the pool, and the Python
 //! adapter holds the pool for as long as the store is open.
+// A named unsafe module (issue 16 lints): the registry reads and writes caller memory.
+#![allow(unsafe_code)]
 
 use parking_lot::RwLock;
 
@@ -461,6 +463,7 @@ mod tests {
         let (pa, pb) = (a.as_mut_ptr() as usize, b.as_mut_ptr() as usize);
         // SAFETY: both vectors outlive the registry uses below and are not otherwise borrowed.
         let ia = unsafe { reg.register(pa, a.len(), "a") }.unwrap();
+        // SAFETY: as above.
         unsafe { reg.register(pb, b.len(), "b") }.unwrap();
         assert!(reg.contains(pa, 4096));
         assert!(reg.contains(pa + 100, 10));

@@ -1,5 +1,7 @@
 //! The client over an embedded engine: page batches, region checks, rollback, and batches
 //! split across copy threads.
+#![allow(clippy::unwrap_used)]
+#![allow(unsafe_code)] // test fixtures map shared memory and register raw regions
 
 use kvtier_client::config::ConfigSources;
 use kvtier_client::{Client, KvtierConfig, MemRef, PageBatch};

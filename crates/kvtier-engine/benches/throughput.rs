@@ -2,6 +2,7 @@
 //!
 //! Measures put and get_into GB/s for page-sized objects on a pre-faulted arena, one thread
 //! and two threads, with eviction running (the working set is twice the arena).
+#![allow(clippy::unwrap_used)]
 
 use std::sync::Arc;
 use std::time::Instant;

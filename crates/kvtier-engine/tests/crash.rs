@@ -5,6 +5,7 @@
 //! every acknowledged remove stays removed, and nothing else it probes returns wrong bytes.
 //! Several rounds share one directory, so later rounds recover from earlier crashes (and
 //! from the checkpoint the parent's clean close leaves).
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

@@ -1,4 +1,5 @@
 //! Engine behaviour through the public API.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

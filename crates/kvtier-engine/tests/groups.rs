@@ -3,6 +3,7 @@
 //! Keys follow kvtier's scheme `page_hash@fingerprint.component`: one page = several objects
 //! (a DeepSeek-V4-style page has SWA, compressed-KV and indexer components), and eviction must
 //! take a page's components together.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

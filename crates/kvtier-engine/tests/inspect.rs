@@ -1,5 +1,6 @@
 //! `Engine::placement` and `Engine::inspect_prefix` (what `kvtier inspect` shows): which tier
 //! holds each object, with an SSD tier under a DRAM tier smaller than the data.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

@@ -3,6 +3,7 @@
 //! Eviction may drop any object, so the model is "what the engine may hold": a get must return
 //! the model's exact bytes or a miss, never other bytes, and the engine never holds a key the
 //! model does not. After every step the accounting must balance.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

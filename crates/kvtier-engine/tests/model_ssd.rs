@@ -2,6 +2,7 @@
 //! checkpoint): random operations against a `HashMap` model. Every object read back must be
 //! the model's exact bytes; as long as the SSD tier has evicted no segment, every object in
 //! the model must also be present (DRAM evictions only move objects to SSD).
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

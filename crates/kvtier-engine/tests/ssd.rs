@@ -1,5 +1,6 @@
 //! The SSD tier through the public API: tiering, warm restart (checkpoint and scan),
 //! removal that survives restart, corruption and truncation, faults, reclaim.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

@@ -1,5 +1,6 @@
 //! Concurrency stress: several threads put/get/pin/remove on a small arena so eviction runs
 //! constantly. Values are derived from their key, so every successful read verifies its bytes.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

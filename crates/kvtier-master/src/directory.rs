@@ -52,8 +52,9 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
 
-/// Most copies of one object the directory tracks.
-pub const MAX_REPLICAS: usize = 3;
+/// Most copies of one object the directory tracks (declared once, in `kvtier-rpc`, for the
+/// master and its callers).
+pub const MAX_REPLICAS: usize = kvtier_rpc::MAX_REPLICAS;
 /// Marks an unused replica slot.
 const NO_NODE: u16 = u16::MAX;
 /// Most nodes one master tracks (indexes are u16, one value reserved).

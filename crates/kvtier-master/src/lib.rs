@@ -2,7 +2,7 @@
 //!
 //! It owns the node registry (leases renewed by heartbeats), the key directory (which node
 //! holds which object), placement and re-replication planning ([`directory`]), serves them
-//! as tonic RPCs ([`service`], schema in `proto/kvtier_master.proto`), and, with etcd
+//! as tonic RPCs ([`service`], schema and stubs in the `kvtier-rpc` crate), and, with etcd
 //! configured, elects one leader among several masters ([`election`]). Page bytes never pass through the master.
 //!
 //! # Why the directory is rebuilt from the nodes, not kept in etcd
@@ -52,10 +52,9 @@ pub mod directory;
 pub mod election;
 pub mod service;
 
-/// The generated protobuf messages and tonic client/server of `kvtier.master.v1`.
-pub mod rpc {
-    tonic::include_proto!("kvtier.master.v1");
-}
+/// The generated protobuf messages and tonic client/server of `kvtier.master.v1`, from the
+/// `kvtier-rpc` crate (callers that only talk to a master depend on that crate alone).
+pub use kvtier_rpc as rpc;
 
 pub use directory::{Directory, NodeSpec};
 pub use election::Leadership;

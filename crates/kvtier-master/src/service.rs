@@ -90,8 +90,8 @@ pub enum MasterError {
     NoToken,
 }
 
-/// Largest RPC message the master decodes.
-pub const MAX_RPC_MESSAGE_BYTES: usize = 16 << 20;
+/// Largest RPC message the master decodes (declared once, in `kvtier-rpc`, for both ends).
+pub const MAX_RPC_MESSAGE_BYTES: usize = kvtier_rpc::MAX_RPC_MESSAGE_BYTES;
 /// How long one existence query may evaluate.
 pub const EXISTS_DEADLINE: Duration = Duration::from_secs(2);
 /// Existence queries evaluated at once (blocking threads).

@@ -1,6 +1,7 @@
 //! The master's metadata budget: at most 64 bytes of memory per object with 1 M objects,
 //! measured as the growth of this process's resident set while the directory fills.
 //! (Its own test binary, so no other test allocates meanwhile.)
+#![allow(clippy::unwrap_used)]
 
 use std::time::Duration;
 

@@ -2,6 +2,7 @@
 //! each report the same 1 M keys (replication 2, 2 M replica entries over 1 M objects). The
 //! figure backs the choice (crate docs) of rebuilding from node reports over keeping the
 //! directory in etcd. The bound is loose (a shared 2-core machine); the time is printed.
+#![allow(clippy::unwrap_used)]
 
 use std::time::{Duration, Instant};
 

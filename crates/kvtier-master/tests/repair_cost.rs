@@ -3,6 +3,7 @@
 //! The first 40 planning ticks (the lease sweeper's) are timed while the surviving holder
 //! "copies" (commits to the new node) each heartbeat's tasks as it gets them, the steady state
 //! of a long repair. The figures are printed; the bounds are loose (a shared 2-core machine).
+#![allow(clippy::unwrap_used)]
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};

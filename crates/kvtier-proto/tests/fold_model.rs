@@ -5,6 +5,7 @@
 //! The model restates `kvtier_proto::query`'s rules without any of the evaluator's machinery:
 //! each pool's verdict is its own boundary over the whole span, the restorable set is every
 //! prefix that every gating pool accepts, and the KV hit is its largest member.
+#![allow(clippy::unwrap_used)]
 
 use std::collections::HashSet;
 use std::time::Instant;

@@ -1,5 +1,6 @@
 //! Property tests of the frame layer: streams of frames round-trip, and no header or stream,
 //! however corrupt, panics the reader or makes it reserve more than the limit in force.
+#![allow(clippy::unwrap_used)]
 
 use std::io::Cursor;
 

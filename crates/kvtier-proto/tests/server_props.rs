@@ -1,6 +1,7 @@
 //! Property and fuzz tests of the local-server bodies (`kvtier_proto::server`): round trips,
 //! canonical re-encoding, bounded allocation, and no panic on random bytes, truncations or
 //! mutations of valid encodings, for every decoder.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 

@@ -3,6 +3,8 @@
 //!
 //! Invariant: a slice is made only from a buffer that is C-contiguous (and writable, for a
 //! destination), and only while the `PyUntypedBuffer` that pins the exporter is alive.
+// A named unsafe module (issue 16 lints): views of Python buffer-protocol memory.
+#![allow(unsafe_code)]
 
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::PyValueError;

@@ -5,7 +5,10 @@
 //! while pages move. Errors are mapped once here: configuration errors become `ValueError`
 //! naming the key; per-item failures come back as `(ok_list, error_messages)` so that the
 //! adapter can fail closed and log the reason.
+// A named unsafe module (issue 16 lints): raw buffer addresses and fds from Python.
+#![allow(unsafe_code)]
 
+mod batch_queue; // issue 19
 mod buffer_access;
 mod keys; // issue 16: the key scheme
 
@@ -605,6 +608,7 @@ impl Store {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Store>()?;
     keys::register(m)?; // issue 16
+    m.add_class::<batch_queue::BatchQueue>()?; // issue 19
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

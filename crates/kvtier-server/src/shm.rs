@@ -23,6 +23,8 @@
 //! What the checks cannot cover: the bytes are shared with the client process, which may
 //! write them while the server copies (it then gets torn bytes of its own pages, never another
 //! client's).
+// A named unsafe module (issue 16 lints): maps and unmaps client shared memory.
+#![allow(unsafe_code)]
 
 use std::ffi::c_void;
 use std::os::fd::OwnedFd;

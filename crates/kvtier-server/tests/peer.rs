@@ -1,6 +1,7 @@
 //! The peer data port and the TCP transport, in-process: a real listener over loopback,
 //! authenticated pooled connections, pipelined batches, byte-exact transfers, and every
 //! refusal (wrong token, unknown peer, size mismatch, miss) failing only its own items.
+#![allow(clippy::unwrap_used)]
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;

@@ -1,6 +1,8 @@
 //! End-to-end tests of `kvtier serve` in-process: a real listener, real clients in server
 //! mode, memfd zero-copy registration, the staging-ring fallback, malformed frames, buffers
 //! outside registered regions, and session teardown.
+#![allow(clippy::unwrap_used)]
+#![allow(unsafe_code)] // test fixtures map shared memory and register raw regions
 
 use std::io::{IoSlice, Read, Write};
 use std::mem::MaybeUninit;

@@ -2,6 +2,7 @@
 //! host memory standing in for a pool, a `kvtier serve --master` node, a real etcd, scraping
 //! a `/metrics` endpoint, a master's own view, a TCP proxy that can cut a link.
 #![allow(dead_code)]
+#![allow(unsafe_code)] // the shared-memory fixture maps and unmaps a memfd
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};

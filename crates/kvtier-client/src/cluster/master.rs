@@ -13,9 +13,9 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use kvtier_master::rpc::master_client::MasterClient;
-use kvtier_master::rpc::ClusterRequest;
 use kvtier_proto::auth::{rpc_credential, RPC_AUTH_HEADER, RPC_NONCE_LEN};
+use kvtier_rpc::master_client::MasterClient;
+use kvtier_rpc::ClusterRequest;
 use parking_lot::Mutex;
 use tonic::codegen::{GrpcMethod, InterceptedService};
 use tonic::metadata::MetadataValue;
@@ -27,7 +27,7 @@ use super::ClusterError;
 
 /// Largest RPC message sent or accepted: the master's own limit, so an oversized request fails
 /// here with a clear error.
-const MAX_MESSAGE_BYTES: usize = kvtier_master::service::MAX_RPC_MESSAGE_BYTES;
+const MAX_MESSAGE_BYTES: usize = kvtier_rpc::MAX_RPC_MESSAGE_BYTES;
 
 pub type MasterRpc = MasterClient<InterceptedService<Channel, MasterCredential>>;
 

@@ -23,13 +23,13 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvtier_master::rpc::{
-    CommitPutsRequest, ExistsV2Request, ForgetRequest, LookupReply, LookupRequest, NodeInfo,
-    NodeList, PlacePutsRequest, PlaceStatus, ReportDroppedRequest,
-};
 use kvtier_proto::peer::MAX_CLEARED_KEYS;
 use kvtier_proto::query::compose_key;
 use kvtier_proto::{Decode, Encode, ExistsV2Answer, ExistsV2Query};
+use kvtier_rpc::{
+    CommitPutsRequest, ExistsV2Request, ForgetRequest, LookupReply, LookupRequest, NodeInfo,
+    NodeList, PlacePutsRequest, PlaceStatus, ReportDroppedRequest,
+};
 use parking_lot::RwLock;
 
 use crate::batch::{BatchResult, MemRef};
@@ -149,11 +149,11 @@ impl ClusterStore {
     }
 
     /// The leader's view: nodes, object count, leader address.
-    pub fn cluster_info(&self) -> Result<kvtier_master::rpc::ClusterReply, ClusterError> {
-        let reply =
-            self.runtime.block_on(self.master.call(|mut c| async move {
-                c.cluster(kvtier_master::rpc::ClusterRequest {}).await
-            }))?;
+    pub fn cluster_info(&self) -> Result<kvtier_rpc::ClusterReply, ClusterError> {
+        let reply = self.runtime.block_on(
+            self.master
+                .call(|mut c| async move { c.cluster(kvtier_rpc::ClusterRequest {}).await }),
+        )?;
         self.learn_nodes(&reply.nodes);
         Ok(reply)
     }
@@ -481,7 +481,7 @@ impl ClusterStore {
         let mut dropped: HashMap<u32, Vec<Vec<u8>>> = HashMap::new();
         let mut remote_hits: Vec<usize> = Vec::new();
         // Round r tries each object's r-th candidate.
-        for round in 0..kvtier_master::directory::MAX_REPLICAS {
+        for round in 0..kvtier_rpc::MAX_REPLICAS {
             let mut per_node: HashMap<u32, Vec<usize>> = HashMap::new();
             for f in &fetches {
                 if out[f.object].is_ok() {

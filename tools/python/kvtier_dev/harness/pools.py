@@ -5,7 +5,7 @@ Everything returned here is a real SGLang object (device pools, host pools,
 deviation from a GPU server is ``pin_memory=False`` / ``device="cpu"``, because
 ``cudaHostRegister`` cannot run without CUDA.
 
-Run ``CUDA_VISIBLE_DEVICES= python -m kvtier.harness.pools`` to print the
+Run ``CUDA_VISIBLE_DEVICES= python -m kvtier_dev.harness.pools`` to print the
 geometry (sizes, ``get_page_buffer_meta`` pointers/sizes,
 ``get_hybrid_pool_buffer()`` shapes) of every builder.
 
@@ -434,7 +434,7 @@ def build_dsv4_pool_group(
     wrapped so every instance gets ``pin_memory=False`` (the assembler
     hard-codes the default ``True``), and ``HybridCacheController`` is replaced
     by a recorder (the real one starts threads and torch.distributed groups;
-    kvtier.harness.flows builds its own).  The pools produced are the real classes.
+    kvtier_dev.harness.flows builds its own).  The pools produced are the real classes.
 
     Host page counts follow ``_deepseek_v4_num_host_pages``: FULL/C4/C128 pools
     get ``device_full_pages * hicache_ratio`` pages, SWA and the C4 state pools

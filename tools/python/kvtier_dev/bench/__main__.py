@@ -1,4 +1,4 @@
-"""``python -m kvtier.bench sglang|profile|workload [--quick] [--json PATH] ...``."""
+"""``python -m kvtier_dev.bench sglang|profile|workload [--quick] [--json PATH] ...``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m kvtier.bench", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m kvtier_dev.bench", description=__doc__)
     sub = p.add_subparsers(dest="suite", required=True)
     s = sub.add_parser(
         "sglang",
@@ -49,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     pr.add_argument("--quick", action="store_true")
     pr.add_argument("--json", metavar="PATH")
-    from kvtier.bench import workload
+    from kvtier_dev.bench import workload
 
     w = sub.add_parser(
         "workload",
@@ -65,11 +65,11 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.suite == "workload":
-        from kvtier.bench import workload
+        from kvtier_dev.bench import workload
 
         return workload.main(args)
     if args.suite == "profile":
-        from kvtier.bench import profile
+        from kvtier_dev.bench import profile
 
         r = profile.run(quick=args.quick)
         print(profile.format_report(r))
@@ -77,14 +77,14 @@ def main(argv=None) -> int:
             with open(args.json, "w") as f:
                 json.dump(r, f, indent=1, default=str)
         return 0
-    from kvtier.bench import report
-    from kvtier.bench.sglang_workloads import SCALES, run_all
+    from kvtier_dev.bench import report
+    from kvtier_dev.bench.sglang_workloads import SCALES, run_all
 
     scale = SCALES[args.scale or ("quick" if args.quick else "full")]
 
     def progress(msg: str) -> None:
         if not args.quiet:
-            print(f"[kvtier.bench] {msg}", file=sys.stderr, flush=True)
+            print(f"[kvtier_dev.bench] {msg}", file=sys.stderr, flush=True)
 
     results = run_all(scale, storage_root=args.storage_dir, only=args.only, progress=progress)
     verdicts = report.evaluate_targets(results)

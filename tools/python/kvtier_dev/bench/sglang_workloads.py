@@ -1,7 +1,7 @@
 """SGLang HiCache workloads, run through kvtier and through SGLang's ``HiCacheFile``.
 
 Everything that touches SGLang is SGLang's own code: host pools from
-``kvtier.harness.pools`` (real ``MHATokenToKVPoolHost`` / DeepSeek-V4 ``HostPoolGroup``),
+``kvtier_dev.harness.pools`` (real ``MHATokenToKVPoolHost`` / DeepSeek-V4 ``HostPoolGroup``),
 backends made by the real ``StorageBackendFactory`` and attached in the controller's order,
 and the controller's own methods.
 
@@ -63,9 +63,9 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
     PoolTransfer,
 )
 
-import kvtier.harness.flows as cf  # noqa: E402
-import kvtier.harness.pools as sp  # noqa: E402
-from kvtier.bench.timing import Runner, Samples, interleave  # noqa: E402
+import kvtier_dev.harness.flows as cf  # noqa: E402
+import kvtier_dev.harness.pools as sp  # noqa: E402
+from kvtier_dev.bench.timing import Runner, Samples, interleave  # noqa: E402
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -982,7 +982,7 @@ def run_all(
     only: Optional[Sequence[str]] = None,
     progress: Callable[[str], None] = lambda s: None,
 ) -> Dict[str, Any]:
-    from kvtier.bench import baselines, report
+    from kvtier_dev.bench import baselines, report
 
     configure_runtime()
     started = time.perf_counter()

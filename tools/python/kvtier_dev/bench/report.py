@@ -1,4 +1,4 @@
-"""Machine description, targets, and the tables of ``python -m kvtier.bench sglang``.
+"""Machine description, targets, and the tables of ``python -m kvtier_dev.bench sglang``.
 
 Nothing here is a figure: every number printed comes from the run's results dict, and every
 PASS/MISS is computed from it.

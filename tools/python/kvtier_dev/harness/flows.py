@@ -64,7 +64,7 @@ from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
 )
 from sglang.srt.mem_cache.pool_host import HostPoolGroup
 
-from kvtier.harness.pools import (
+from kvtier_dev.harness.pools import (
     Dsv4PoolGroup,
     PoolSpec,
     kv_only_group,

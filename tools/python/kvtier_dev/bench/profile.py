@@ -1,4 +1,4 @@
-"""Where kvtier's time goes in one SGLang call: ``python -m kvtier.bench profile``.
+"""Where kvtier's time goes in one SGLang call: ``python -m kvtier_dev.bench profile``.
 
 Splits the median wall time of kvtier's adapter calls into
 
@@ -20,11 +20,11 @@ from typing import Any, Callable, Dict, List
 
 import torch
 
-from kvtier.bench import sglang_workloads as bw
-from kvtier.bench.timing import gc_paused, now_ns
+from kvtier_dev.bench import sglang_workloads as bw
+from kvtier_dev.bench.timing import gc_paused, now_ns
 
-import kvtier.harness.flows as cf
-import kvtier.harness.pools as sp
+import kvtier_dev.harness.flows as cf
+import kvtier_dev.harness.pools as sp
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 
 MiB = 1 << 20

@@ -18,7 +18,7 @@ from typing import Dict, Sequence
 
 import numpy as np
 
-from kvtier.bench.timing import gc_paused, now_ns
+from kvtier_dev.bench.timing import gc_paused, now_ns
 
 KiB = 1 << 10
 MiB = 1 << 20

@@ -1,11 +1,11 @@
-"""``python -m kvtier.bench workload``: a multi-turn chat trace through kvtier's real SGLang
+"""``python -m kvtier_dev.bench workload``: a multi-turn chat trace through kvtier's real SGLang
 backend, prefix-depth vs LRU eviction over several DRAM budgets.
 
 What runs: kvtier's ``KvtierStore`` (embedded mode, created by SGLang's own
 ``StorageBackendFactory`` as a dynamic backend), SGLang 0.5.23's real DeepSeek-V4 host pool
 group built on CPU (a logical KV anchor plus SWA, C4, C4 indexer, C128, C4 state and C4
-indexer state pools; ``kvtier.harness.pools``), and SGLang's real controller methods for the
-existence query, the prefetch and the backup (``kvtier.harness.flows``). Only L3 is modelled:
+indexer state pools; ``kvtier_dev.harness.pools``), and SGLang's real controller methods for the
+existence query, the prefetch and the backup (``kvtier_dev.harness.flows``). Only L3 is modelled:
 every request asks kvtier for its longest restorable prefix, loads it, then backs up the pages
 it had to compute, as if SGLang's GPU and host caches had already dropped them.
 
@@ -137,7 +137,7 @@ class RunResult:
 
 
 def build_pools():
-    from kvtier.harness.pools import build_dsv4_pool_group
+    from kvtier_dev.harness.pools import build_dsv4_pool_group
 
     return build_dsv4_pool_group("page_first", device_full_pages=32, device_swa_pages=8)
 
@@ -145,8 +145,8 @@ def build_pools():
 def open_backend(dsv4, policy: str, dram_mib: float, window: Optional[int] = None):
     """A fresh kvtier backend (SGLang's dynamic factory) attached to ``dsv4``, and its
     storage config: ``(backend, cfg)``."""
-    from kvtier.harness import flows
-    from kvtier.harness.pools import make_storage_config
+    from kvtier_dev.harness import flows
+    from kvtier_dev.harness.pools import make_storage_config
 
     extra = {
         **DYNAMIC,
@@ -168,8 +168,8 @@ def serve_request(backend, cfg, dsv4, span: Sequence[str], r: "RunResult", tail_
     it). Adds to ``r``; returns the pages restored."""
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
-    from kvtier.demo import _fill, _verify
-    from kvtier.harness import flows
+    from kvtier_dev.demo import _fill, _verify
+    from kvtier_dev.harness import flows
 
     swa = dsv4.spec(PoolName.SWA).host_pool
     swa_window, ps = dsv4.window_pages, dsv4.page_size
@@ -252,7 +252,7 @@ def working_set_bytes(dsv4, trace: Sequence[Request]) -> int:
     components, plus the SWA-derived ones for the pages that end a backed-up span."""
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
-    from kvtier.harness.pools import page_nbytes
+    from kvtier_dev.harness.pools import page_nbytes
 
     kv_bytes = sum(
         page_nbytes(s.host_pool) for s in dsv4.side_specs if s.indices_from_pool == PoolName.KV
@@ -491,7 +491,7 @@ def main(args) -> int:
 
     def progress(msg: str) -> None:
         if not args.quiet:
-            print(f"[kvtier.bench workload] {msg}", file=sys.stderr, flush=True)
+            print(f"[kvtier_dev.bench workload] {msg}", file=sys.stderr, flush=True)
 
     if args.window is not None and args.window <= 0:
         print("--window: must be a positive number of page groups", file=sys.stderr)
@@ -550,7 +550,7 @@ def main(args) -> int:
 def _standalone(argv: Optional[List[str]] = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m kvtier.bench.workload", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m kvtier_dev.bench.workload", description=__doc__)
     add_arguments(p)
     return main(p.parse_args(argv))
 

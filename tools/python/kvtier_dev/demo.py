@@ -1,12 +1,12 @@
 """A simulated multi-turn chat workload on a DeepSeek-V4-style hybrid model, through kvtier's
 real SGLang backend (embedded mode).
 
-    python -m kvtier.demo [--users 16] [--turns 8] [--dram 32MiB] [--seed 0]
+    python -m kvtier_dev.demo [--users 16] [--turns 8] [--dram 32MiB] [--seed 0]
 
 What runs: SGLang 0.5.23's real host pools built on CPU (a ``HostPoolGroup`` with a logical KV
 anchor plus SWA, compressed-KV, indexer and compressor-state side pools), and SGLang's real
 controller methods for the hit query, the prefetch and the backup
-(``kvtier.harness.flows``). The trace: a few shared system prompts, many users, each turn
+(``kvtier_dev.harness.flows``). The trace: a few shared system prompts, many users, each turn
 extending the user's conversation; every turn first asks L3 for the longest restorable prefix,
 loads it, then backs up the pages it "computed". The DRAM budget is smaller than the working
 set, so eviction decides what survives; the run is repeated for the ``prefix_depth`` and
@@ -101,14 +101,14 @@ class RunResult:
 
 
 def _page_bytes(pool, page_hash: str) -> bytes:
-    from kvtier.harness.pools import page_pattern
+    from kvtier_dev.harness.pools import page_pattern
 
     return page_pattern(pool, int(page_hash[:8], 16), 0)
 
 
 def _fill(pool, indices, hashes) -> int:
     """Write each page's hash-derived bytes; returns bytes written."""
-    from kvtier.harness.pools import _bytes_to_page, page_starts
+    from kvtier_dev.harness.pools import _bytes_to_page, page_starts
 
     total = 0
     for start, h in zip(page_starts(pool, indices), hashes):
@@ -121,7 +121,7 @@ def _fill(pool, indices, hashes) -> int:
 
 def _verify(pool, indices, hashes, count) -> tuple[int, int]:
     """(wrong pages, bytes checked) over the first ``count`` restored pages."""
-    from kvtier.harness.pools import page_starts
+    from kvtier_dev.harness.pools import page_starts
 
     wrong = checked = 0
     for start, h in list(zip(page_starts(pool, indices), hashes))[:count]:
@@ -143,8 +143,8 @@ def _verify(pool, indices, hashes, count) -> tuple[int, int]:
 def run_policy(trace: Trace, policy: str, dram: str, quiet: bool) -> RunResult:
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
-    from kvtier.harness import flows
-    from kvtier.harness.pools import build_dsv4_pool_group, make_storage_config
+    from kvtier_dev.harness import flows
+    from kvtier_dev.harness.pools import build_dsv4_pool_group, make_storage_config
 
     dsv4 = build_dsv4_pool_group("page_first", device_full_pages=32, device_swa_pages=8)
     extra = {**DYNAMIC, "interface_v1": 1, "dram_capacity_bytes": dram, "eviction_policy": policy}
@@ -214,7 +214,9 @@ def run_policy(trace: Trace, policy: str, dram: str, quiet: bool) -> RunResult:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvtier.demo", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m kvtier_dev.demo", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--users", type=int, default=16)
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--systems", type=int, default=3, help="shared system prompts")

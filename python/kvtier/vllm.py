@@ -1,0 +1,337 @@
+"""kvtier as a secondary tier of vLLM's OffloadingConnector (vLLM 0.34.0, issue 19).
+
+Enable it with::
+
+    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
+        "cpu_bytes_to_use": 8589934592,
+        "secondary_tiers": [{"type": "KvtierTier", "module_path": "kvtier.vllm",
+                             "dram_capacity_bytes": 68719476736}]}}'
+
+Every key of the tier's dict other than ``type``, ``module_path``, ``locality``,
+``backpressure``, ``threads`` and ``queue_capacity`` is kvtier configuration (the same keys as
+SGLang's extra_config, checked strictly: an unknown key fails vLLM's start naming it), e.g.
+``server_socket`` to share one ``kvtier serve`` between the vLLM instances of a host, or
+``master_address`` / ``node_id`` / ``cluster_token`` for cluster mode.
+
+What it owns: moving whole offload chunks between vLLM's primary CPU tier (the shared region
+``/dev/shm/vllm_offload_<engine_id>.mmap``, chunk ``c`` at bytes ``[c*stride, (c+1)*stride)``)
+and kvtier. The region is registered with the store once; a store or load job is one
+pointer-list batch (``BatchQueue.submit_put_ptrs`` / ``submit_get_ptrs``) run on kvtier's
+threads, so no chunk byte is copied in Python and nothing blocks vLLM's scheduler.
+
+Invariants:
+- every submitted job yields exactly one ``JobResult`` (the queue completes refused batches
+  at once, failed);
+- ``drain_jobs()`` returns only when no batch touches the primary region; ``shutdown()``
+  drains, unregisters the region and drops this tier's view of it before vLLM unmaps it;
+- keys are namespaced like ``vllm/v1/kv_offload/file_mapper.py`` (model, dtype, TP/PP/PCP/DCP,
+  blocks per chunk, KV cache groups, canonical layout) plus the chunk stride, so engines whose
+  bytes differ never read each other's chunks; within a namespace the key is the
+  ``OffloadKey`` (block hash + KV group index).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import numpy as np
+from typing_extensions import override
+
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+    get_offload_block_hash,
+    get_offload_group_idx,
+)
+from vllm.v1.kv_offload.file_mapper import FileMapper
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.base import (
+    JobResult,
+    SecondaryTierManager,
+    TransferJob,
+)
+
+from kvtier import _native
+
+logger = logging.getLogger(__name__)
+
+# Version of this key format; part of every namespace.
+KEY_FORMAT_VERSION = 1
+
+# Tier keys that are this adapter's, not kvtier configuration.
+_TIER_KEYS = frozenset({"threads", "queue_capacity"})
+
+
+def key_namespace(offloading_spec: Any, stride: int) -> str:
+    """``vllm/<model>_<digest>``: the digest covers FileMapper's fields (parallel-agnostic
+    when vLLM says the bytes are), the chunk stride and this module's key format."""
+    mapper = FileMapper.from_offloading_spec(
+        root_dir="vllm",
+        offloading_spec=offloading_spec,
+        blocks_per_file=offloading_spec.blocks_per_chunk,
+        parallel_agnostic=True,
+    )
+    fields = dict(mapper.get_run_config())
+    fields["kvtier_key_format"] = KEY_FORMAT_VERSION
+    fields["chunk_stride_bytes"] = stride
+    fields["rank"] = mapper.rank
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    digest = hashlib.sha256(canonical.encode()).hexdigest()[:16]
+    return f"vllm/{str(fields['model_name']).replace('/', '_')}_{digest}"
+
+
+def _mapped_file(addr: int) -> str | None:
+    """The file whose offset 0 is mapped at ``addr`` in this process (``/proc/self/maps``)."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                if lo <= addr < hi:
+                    if lo != addr or int(parts[2], 16) != 0 or len(parts) < 6:
+                        return None
+                    return parts[5].strip()
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _register_region_file(store, offloading_spec, base: int, size: int, label: str):
+    """Server mode: hand ``kvtier serve`` vLLM's shared region file itself
+    (``/dev/shm/vllm_offload_<engine_id>.mmap``), so the server copies chunks straight in and
+    out of it (no staging copy). Only when that file is exactly what is mapped at ``base``
+    and large enough; otherwise ``None`` and the caller registers the range as plain memory."""
+    engine_id = getattr(getattr(offloading_spec, "config", None), "engine_id", None)
+    if engine_id is None:
+        return None
+    path = f"/dev/shm/vllm_offload_{engine_id}.mmap"
+    if _mapped_file(base) != path:
+        return None
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if os.fstat(fd).st_size < size:
+            return None
+        return store.register_memfd(base, size, fd, 0, label)
+    except Exception as e:  # the server refused it: the staging path still works
+        logger.info("kvtier: %s not shared with the server (%s); copying through staging", path, e)
+        return None
+    finally:
+        os.close(fd)
+
+
+class _KvtierLookup(AsyncLookupManager):
+    """vLLM's per-tier async lookup (a pending probe answers RETRY); the probe is one
+    ``exists_keys`` batch, run without the GIL."""
+
+    def __init__(self, tier: "KvtierTier", tier_type: str) -> None:
+        super().__init__(tier_type=tier_type)
+        self._tier = tier
+
+    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
+        try:
+            return self._tier._store.exists_keys([self._tier.store_key(k) for k in keys])
+        except Exception as e:  # a failing store is a miss, never an exception in vLLM
+            logger.warning("kvtier lookup of %d chunks failed: %s", len(keys), e)
+            return [False] * len(keys)
+
+
+class KvtierTier(SecondaryTierManager):
+    """kvtier as an out-of-tree ``SecondaryTierManager`` (see the module doc)."""
+
+    medium: ClassVar[Medium] = Medium.CPU
+
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: Any = None,
+        locality: str | None = None,
+        threads: int = 2,
+        queue_capacity: int = 1024,
+        **kvtier_config: Any,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.locality = Locality(locality) if locality is not None else None
+        stride = primary_kv_view.strides[0]
+        self._stride = int(stride)
+        self._namespace = key_namespace(offloading_spec, self._stride)
+        self._store = _native.Store(json.dumps(kvtier_config))
+        try:
+            # The region's address, taken through a temporary export that is released at once:
+            # vLLM unmaps the region after shutdown() and an export held here would block it.
+            flat = np.frombuffer(primary_kv_view, dtype=np.uint8)
+            self._base = int(flat.ctypes.data)
+            self._region_bytes = int(flat.nbytes)
+            del flat
+            label = f"vllm-primary-{tier_type}"
+            self._region_id = None
+            if self._store.mode == "server":
+                self._region_id = _register_region_file(
+                    self._store, offloading_spec, self._base, self._region_bytes, label
+                )
+            if self._region_id is None:
+                self._region_id = self._store.register_region(self._base, self._region_bytes, label)
+            self._queue = _native.BatchQueue(self._store, threads, queue_capacity)
+        except Exception:
+            self._store.close()
+            raise
+        self._lookup = _KvtierLookup(self, tier_type)
+        # future id -> (job_id, keys, is_load, submit time)
+        self._jobs: dict[int, tuple[int, list[OffloadKey], bool, float]] = {}
+        # Results of jobs refused before reaching the queue (bad shape).
+        self._refused: list[JobResult] = []
+        self._closed = False
+        logger.info(
+            "kvtier vLLM tier: %s mode, namespace %s, %d chunks of %d bytes",
+            self._store.mode,
+            self._namespace,
+            self._region_bytes // max(self._stride, 1),
+            self._stride,
+        )
+
+    # ------------------------------------------------------------------ keys
+
+    def store_key(self, key: OffloadKey) -> str:
+        return (
+            f"{self._namespace}/{get_offload_block_hash(key).hex()}_g{get_offload_group_idx(key)}"
+        )
+
+    def _batch(self, job: TransferJob) -> tuple[list[OffloadKey], list[str], list[int], list[int]]:
+        keys = list(job.keys)
+        ids = [int(c) for c in job.chunk_ids]
+        if len(ids) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(ids)} chunk ids")
+        ptrs = [self._base + c * self._stride for c in ids]
+        return keys, [self.store_key(k) for k in keys], ptrs, [self._stride] * len(keys)
+
+    # ------------------------------------------------------------------ tier interface
+
+    @override
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    @override
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if self._closed:
+            return LookupResult.MISS
+        found = self._lookup.lookup(key, req_context)
+        if found is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if found else LookupResult.MISS
+
+    def _submit(self, job: TransferJob, load: bool) -> None:
+        try:
+            keys, names, ptrs, sizes = self._batch(job)
+            if load:
+                fid = self._queue.submit_get_ptrs(names, ptrs, sizes)
+            else:
+                fid = self._queue.submit_put_ptrs(names, ptrs, sizes)
+        except Exception as e:
+            # Still one result for this job: a failed one, next get_finished_jobs().
+            logger.warning(
+                "kvtier %s job %d refused: %s", "load" if load else "store", job.job_id, e
+            )
+            self._refused.append(JobResult(job_id=job.job_id, success=False))
+            return
+        self._jobs[fid] = (job.job_id, keys, load, time.monotonic())
+
+    @override
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, load=False)
+
+    @override
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, load=True)
+
+    @override
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        results, self._refused = self._refused, []
+        for fid, ok, error, bools in self._queue.drain():
+            entry = self._jobs.pop(fid, None)
+            if entry is None:
+                logger.warning("kvtier: completion for unknown batch %d", fid)
+                continue
+            job_id, keys, is_load, t0 = entry
+            elapsed = time.monotonic() - t0
+            if ok:
+                if not is_load:
+                    self._lookup.mark_present(keys)
+                results.append(
+                    JobResult(
+                        job_id=job_id,
+                        success=True,
+                        transfer_time=elapsed,
+                        transfer_bytes=len(keys) * self._stride,
+                    )
+                )
+                continue
+            if error:
+                logger.warning(
+                    "kvtier %s job %d failed: %s", "load" if is_load else "store", job_id, error
+                )
+            if is_load:
+                flags = list(bools) if bools is not None else [False] * len(keys)
+                loaded = [k for k, f in zip(keys, flags) if f]
+                self._lookup.mark_miss([k for k, f in zip(keys, flags) if not f])
+                results.append(
+                    JobResult(
+                        job_id=job_id,
+                        success=False,
+                        successful_keys=tuple(loaded) if loaded else None,
+                        transfer_time=elapsed,
+                        transfer_bytes=len(loaded) * self._stride,
+                    )
+                )
+            else:
+                results.append(JobResult(job_id=job_id, success=False, transfer_time=elapsed))
+        return results
+
+    @override
+    def has_pending_work(self) -> bool:
+        return bool(self._jobs) or bool(self._refused)
+
+    @override
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._lookup.cleanup(req_context.req_id)
+
+    @override
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._lookup.flush()
+
+    @override
+    def drain_jobs(self) -> None:
+        # Never abort a running copy: wait (without the GIL) until every batch has run.
+        while not self._queue.wait_idle(60.0):
+            logger.warning("kvtier: still waiting for %d batches", self._queue.pending())
+
+    @override
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._lookup.shutdown()
+        self.drain_jobs()
+        self._queue.close()
+        self._store.unregister_region(self._region_id)
+        self._store.close()
+        self._primary_kv_view = None  # type: ignore[assignment]
+
+    def stats(self) -> dict:
+        """kvtier's counters for this tier's store."""
+        return dict(self._store.stats())
