@@ -167,7 +167,8 @@ impl Client {
         &self.config
     }
 
-    /// The registry of caller memory every batch's buffers are checked against.
+    /// The registry of caller memory every batch's buffers are checked against (also the
+    /// issue 18 hook: `ranged` checks its destinations against it).
     pub fn region_registry(&self) -> &RegionRegistry {
         &self.regions
     }

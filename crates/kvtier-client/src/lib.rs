@@ -22,6 +22,8 @@ pub mod config;
 pub mod error;
 pub mod memory;
 pub mod metrics;
+// Issue 18: ranged gets for SGLang's direct linker.
+pub mod ranged;
 pub mod store;
 pub mod transport;
 

@@ -11,6 +11,8 @@
 mod batch_queue; // issue 19
 mod buffer_access;
 mod keys; // issue 16: the key scheme
+          // Issue 18: SGLang's direct linker (LinkerCore).
+mod linker;
 
 use std::sync::Arc;
 
@@ -608,6 +610,7 @@ impl Store {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Store>()?;
     keys::register(m)?; // issue 16
+    m.add_class::<linker::LinkerCore>()?; // issue 18
     m.add_class::<batch_queue::BatchQueue>()?; // issue 19
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
