@@ -41,6 +41,8 @@ import threading
 import time
 from typing import Any, Optional
 
+from kvtier import _native
+
 logger = logging.getLogger(__name__)
 
 MEDIUM = "EXTERNAL"
@@ -49,8 +51,9 @@ ONLY_COPY_MEDIA = frozenset({"CPU_PINNED"})
 
 
 def page_hash_of_group(group: str) -> str:
-    """The page hash of a group name ``[tag/]page_hash@``."""
-    return group[:-1].rsplit("/", 1)[-1] if group.endswith("@") else group.rsplit("/", 1)[-1]
+    """The page hash of a group name ``[tag/]page_hash@`` (the key scheme is Rust's:
+    ``kvtier_proto::keys::page_hash_of``)."""
+    return _native.key_page_hash(group)
 
 
 def event_hash(page_hash: str) -> Optional[int]:

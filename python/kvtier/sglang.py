@@ -48,8 +48,9 @@ from kvtier import _native
 
 logger = logging.getLogger(__name__)
 
-# Version of the key and object format; part of every fingerprint.
-KEY_FORMAT_VERSION = 1
+# Version of the key and object format; part of every fingerprint. The key scheme is defined
+# once, in Rust (kvtier_proto::keys, exposed as _native.key_*); the helpers below wrap it.
+KEY_FORMAT_VERSION = _native.key_format_version()
 
 # extra_config keys that belong to SGLang (the factory and the controller), not to kvtier.
 SGLANG_OWNED_KEYS = frozenset(
@@ -317,11 +318,17 @@ def _rank_endpoint(endpoint: str, rank: int) -> str:
 
 def _start_kv_events(store, tp_rank: int):
     """The running ``KvEvents`` of the store's effective config, or None when unset."""
-    import tomllib
-
-    cfg = tomllib.loads(store.config_toml())
-    if not cfg.get("kv_events_publish_endpoint") and not cfg.get("kv_events_subscriber"):
+    s = store.kv_events_settings()
+    if not s["publish_endpoint"] and not s["subscriber"]:
         return None
+    cfg = {
+        "kv_events_publish_endpoint": s["publish_endpoint"],
+        "kv_events_publish_topic": s["publish_topic"],
+        "kv_events_subscriber": s["subscriber"],
+        "kv_events_endpoint": s["endpoint"],
+        "kv_events_topic": s["topic"],
+        "kv_events_buffer": s["buffer"],
+    }
     from kvtier.kv_events import KvEvents
 
     if cfg.get("kv_events_publish_endpoint"):
@@ -437,16 +444,16 @@ class KvtierStore(HiCacheStorage):
 
     # ------------------------------------------------------------------ key scheme
     def _rank_tag(self, replicated: bool, tp_rank: Optional[int] = None) -> str:
-        parts = []
-        if not replicated:
-            parts.append(f"tp{self._tp_rank if tp_rank is None else tp_rank}")
-        if self._pp_size > 1:
-            parts.append(f"pp{self._pp_rank}")
-        if self._cp_size > 1:
-            parts.append(f"cp{self._cp_rank}")
-        if self._dcp_size > 1:
-            parts.append(f"dcp{self._dcp_rank}")
-        return "".join(f".{p}" for p in parts)
+        tp = None if replicated else (self._tp_rank if tp_rank is None else tp_rank)
+        return _native.key_rank_tag(
+            tp,
+            self._pp_size,
+            self._pp_rank,
+            self._cp_size,
+            self._cp_rank,
+            self._dcp_size,
+            self._dcp_rank,
+        )
 
     def _fingerprint(
         self, name: str, pool: Any, sizes: Sequence[int], replicated: bool, mode: str
@@ -474,17 +481,12 @@ class KvtierStore(HiCacheStorage):
     @staticmethod
     def _component_names(base: Optional[str], count: int, pool: Any = None) -> List[str]:
         """Readable names for a page's components, in get_page_buffer_meta order."""
-        names: List[str] = []
+        mamba = None
         if base == PoolName.MAMBA.value and pool is not None:
             # Mamba pages are the temporal (SSM) state, when the model has one, then conv_i.
             conv = len(getattr(pool, "conv_buffer", None) or [])
-            temporal = ["temporal"] if getattr(pool, "temporal_state_elem_size", 0) > 0 else []
-            names = temporal + [f"conv{i}" for i in range(conv)]
-        if len(names) != count:
-            if count == 1:
-                return [base or "kv"]
-            names = ["k", "v"] if count == 2 else [f"c{i}" for i in range(count)]
-        return [f"{base}.{n}" if base else n for n in names]
+            mamba = (conv, getattr(pool, "temporal_state_elem_size", 0) > 0)
+        return _native.key_component_names(base, count, mamba)
 
     def _probe_meta(self, pool: Any, split_factor: int, first: bool = True):
         page_size = getattr(pool, "page_size", 1) or 1
@@ -571,13 +573,14 @@ class KvtierStore(HiCacheStorage):
                 names = self._component_names(base, per_split)
                 base_rank = self._tp_rank * split_factor
                 suffixes = [
-                    f"@{fp}{self._rank_tag(False, base_rank + r)}.{n}"
+                    _native.key_suffix(fp, self._rank_tag(False, base_rank + r), n)
                     for r in range(split_factor)
                     for n in names
                 ]
             else:
                 names = self._component_names(base, len(sizes), pool)
-                suffixes = [f"@{fp}{self._rank_tag(replicated)}.{n}" for n in names]
+                tag = self._rank_tag(replicated)
+                suffixes = [_native.key_suffix(fp, tag, n) for n in names]
         else:
             self._warn_once(
                 f"slow:{name}",
@@ -596,7 +599,9 @@ class KvtierStore(HiCacheStorage):
         except Exception:
             pass
         page_fp = self._fingerprint(str(name), pool, [page_bytes], replicated, "flat-page")
-        page_suffix = f"@{page_fp}{self._rank_tag(replicated)}.{base + '.page' if base else 'page'}"
+        page_suffix = _native.key_suffix(
+            page_fp, self._rank_tag(replicated), base + ".page" if base else "page"
+        )
         return PoolPlan(
             name=str(name),
             pool=pool,
@@ -1148,9 +1153,9 @@ class KvtierStore(HiCacheStorage):
             plan = self._plans.get(name)
             if plan is None:
                 continue
-            start = max(0, len(prefix) - window)
-            stop = max(0, len(chain) - window)
-            if stop > start:
+            span = _native.key_superseded_range(len(prefix), len(new_keys), window)
+            if span is not None:
+                start, stop = span
                 self._store.demote_pages(self._prefix, chain[start:stop], plan.active_suffixes)
 
     def batch_get_v2(

@@ -1,22 +1,19 @@
 //! [`Client`]: the store as every front end sees it.
 //!
-//! It owns the mode's store (embedded: a [`kvtier_engine::Engine`] in this process; server
-//! mode: a [`RemoteStore`] session with a local `kvtier serve`), the registry of caller memory,
-//! and the key composition of page batches. Every method is safe to
-//! call from many threads at once and never panics on caller input: a bad buffer, a size
-//! mismatch or a full store is a `false` for that item plus a reason in the result.
+//! A small owner (issue 16): the configuration, the registry of caller memory, the metrics,
+//! and one store behind the [`Store`] seam ([`Stores`]: embedded, local server or cluster).
+//! The client checks that it is open and that a page batch is well formed, times the call and
+//! counts pool lookups; what a call means is the store's (see [`crate::store`]). Every method
+//! is safe to call from many threads at once and never panics on caller input: a bad buffer,
+//! a size mismatch or a full store is a `false` for that item plus a reason in the result.
 // A named unsafe module (issue 16 lints): registering caller memory is an unsafe contract.
 #![allow(unsafe_code)]
 
-use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use parking_lot::RwLock;
-
-use kvtier_engine::{Engine, EngineError, EngineStats, PinnedObject, PutMeta, PutOutcome};
-use kvtier_proto::query::compose_key;
+use kvtier_engine::{Engine, EngineStats, PinnedObject, PutOutcome};
 use kvtier_proto::{ExistsV2Answer, ExistsV2Query};
 use serde::Serialize;
 
@@ -26,7 +23,10 @@ use crate::config::KvtierConfig;
 use crate::error::ClientError;
 use crate::memory::{RegionId, RegionInfo, RegionRegistry};
 use crate::metrics::{self, ClientMetrics, Collector, Endpoint, Lookup, Op, Samples};
-use crate::remote::RemoteStore;
+use crate::store::embedded::EngineSlot;
+use crate::store::{EmbeddedStore, LocalServerStore, Store, Stores};
+
+pub use crate::store::embedded::PARALLEL_COPY_MIN_BYTES_PER_THREAD;
 
 /// Counters the client keeps on top of the engine's.
 #[derive(Clone, Debug, Default, Serialize)]
@@ -39,23 +39,6 @@ pub struct ClientStats {
     pub rejected_batches: u64,
     pub registered_regions: u64,
     pub registered_bytes: u64,
-}
-
-/// A batch is split across copy threads only when each thread gets at least this many bytes:
-/// below it, starting a thread costs more than it saves.
-pub const PARALLEL_COPY_MIN_BYTES_PER_THREAD: usize = 8 << 20;
-
-/// The embedded engine; `None` once closed.
-type EngineSlot = Arc<RwLock<Option<Engine>>>;
-
-/// Where the objects live.
-#[derive(Debug)]
-enum Backend {
-    Cluster(Box<ClusterStore>),
-    /// `None` once closed: closing drops the engine (flushing the SSD tier and releasing its
-    /// directory), after the batches in flight, which hold the read lock, are done.
-    Embedded(EngineSlot),
-    Server(Box<RemoteStore>),
 }
 
 /// Publishes an embedded engine's stats at scrape time under its `store` label.
@@ -83,11 +66,9 @@ struct ClientObservability {
 
 pub struct Client {
     config: KvtierConfig,
-    copy_threads: usize,
-    backend: Backend,
+    store: Stores,
     regions: RegionRegistry,
     closed: AtomicBool,
-    rejected_buffers: AtomicU64,
     rejected_batches: AtomicU64,
     metrics: Option<ClientObservability>,
 }
@@ -114,22 +95,21 @@ impl Client {
             Some(addr) => Some(metrics::serve(addr)?),
             None => None,
         };
+        let copy_threads = usize::try_from(config.copy_threads).unwrap_or(1).max(1);
         let backend = if config.master_address.is_some() {
-            Backend::Cluster(Box::new(ClusterStore::open(&config)?))
+            Stores::Cluster(Box::new(ClusterStore::open(&config)?))
         } else if config.server_socket.is_some() {
-            Backend::Server(Box::new(RemoteStore::connect(&config)?))
+            Stores::Server(Box::new(LocalServerStore::connect(&config)?))
         } else {
-            Backend::Embedded(Arc::new(RwLock::new(Some(Engine::open(
-                config.engine_config(),
-            )?))))
+            Stores::Embedded(EmbeddedStore::open(config.engine_config(), copy_threads)?)
         };
         let observability = metrics::enabled().then(|| {
             let collector: Option<Arc<dyn Collector>> = match &backend {
-                Backend::Embedded(slot) => Some(Arc::new(EngineCollector {
+                Stores::Embedded(embedded) => Some(Arc::new(EngineCollector {
                     store: store.to_string(),
-                    engine: Arc::clone(slot),
+                    engine: Arc::clone(embedded.slot()),
                 })),
-                Backend::Server(_) | Backend::Cluster(_) => None,
+                Stores::Server(_) | Stores::Cluster(_) => None,
             };
             if let Some(c) = &collector {
                 metrics::register_collector(Arc::downgrade(c));
@@ -140,14 +120,11 @@ impl Client {
                 _collector: collector,
             }
         });
-        let copy_threads = usize::try_from(config.copy_threads).unwrap_or(1).max(1);
         Ok(Client {
             config,
-            copy_threads,
-            backend,
+            store: backend,
             regions: RegionRegistry::new(),
             closed: AtomicBool::new(false),
-            rejected_buffers: AtomicU64::new(0),
             rejected_batches: AtomicU64::new(0),
             metrics: observability,
         })
@@ -188,6 +165,17 @@ impl Client {
 
     pub fn config(&self) -> &KvtierConfig {
         &self.config
+    }
+
+    /// The registry of caller memory every batch's buffers are checked against (also the
+    /// issue 18 hook: `ranged` checks its destinations against it).
+    pub fn region_registry(&self) -> &RegionRegistry {
+        &self.regions
+    }
+
+    /// The store behind this client.
+    pub fn store(&self) -> &Stores {
+        &self.store
     }
 
     /// Register caller memory that later batches may read or write.
@@ -239,7 +227,7 @@ impl Client {
     ) -> Result<RegionId, ClientError> {
         // SAFETY: forwarded contract, see the function docs.
         let id = unsafe { self.regions.register(ptr, len, label) }?;
-        if let Backend::Server(remote) = &self.backend {
+        if let Stores::Server(remote) = &self.store {
             if let Err(e) = remote.register_memfd(id, ptr, len, fd, fd_offset, label) {
                 self.regions.unregister(id);
                 return Err(e);
@@ -249,7 +237,7 @@ impl Client {
     }
 
     pub fn unregister_region(&self, id: RegionId) -> bool {
-        if let Backend::Server(remote) = &self.backend {
+        if let Stores::Server(remote) = &self.store {
             remote.unregister(id);
         }
         self.regions.unregister(id)
@@ -257,36 +245,27 @@ impl Client {
 
     /// `"embedded"`, `"server"` or `"cluster"`.
     pub fn mode(&self) -> &'static str {
-        match self.backend {
-            Backend::Embedded(_) => "embedded",
-            Backend::Server(_) => "server",
-            Backend::Cluster(_) => "cluster",
-        }
+        self.store.mode()
     }
 
     /// The cluster store (cluster mode only).
     pub fn cluster(&self) -> Option<&ClusterStore> {
-        match &self.backend {
-            Backend::Cluster(c) => Some(c),
+        match &self.store {
+            Stores::Cluster(c) => Some(c),
             _ => None,
         }
     }
 
     /// Regions the server maps directly (server mode; 0 in embedded mode).
     pub fn zero_copy_regions(&self) -> usize {
-        match &self.backend {
-            Backend::Embedded(_) | Backend::Cluster(_) => 0,
-            Backend::Server(remote) => remote.zero_copy_regions(),
+        match &self.store {
+            Stores::Embedded(_) | Stores::Cluster(_) => 0,
+            Stores::Server(remote) => remote.zero_copy_regions(),
         }
     }
 
     pub fn regions(&self) -> Vec<RegionInfo> {
         self.regions.regions()
-    }
-
-    /// Issue 18 hook: the region registry, for `ranged` (destination checks of ranged gets).
-    pub(crate) fn region_registry(&self) -> &RegionRegistry {
-        &self.regions
     }
 
     fn ensure_open(&self) -> Result<(), ClientError> {
@@ -328,49 +307,13 @@ impl Client {
         BatchResult::all_failed(items, reason)
     }
 
-    fn note(&self, result: &mut BatchResult, key: &[u8], err: &ClientError) {
-        if matches!(err, ClientError::OutsideRegisteredMemory { .. }) {
-            self.rejected_buffers.fetch_add(1, Ordering::Relaxed);
-        }
-        result.note_error(format!("{}: {err}", String::from_utf8_lossy(key)));
-    }
-
-    /// Store one object from caller memory (put-if-absent).
-    fn put_one(
-        engine: &Engine,
-        regions: &RegionRegistry,
-        key: &[u8],
-        buf: MemRef,
-        depth: Option<u32>,
-    ) -> Result<PutOutcome, ClientError> {
-        let meta = PutMeta { depth };
-        regions
-            .with_checked_source(buf.ptr, buf.len, |src, intact| {
-                engine.put_verified(key, src, meta, intact)
-            })?
-            .map_err(Into::into)
-    }
-
-    fn get_one(
-        engine: &Engine,
-        regions: &RegionRegistry,
-        key: &[u8],
-        buf: MemRef,
-    ) -> Result<(), ClientError> {
-        regions
-            .with_destination(buf.ptr, buf.len, |dst| engine.get_into(key, dst))?
-            .map_err(Into::into)
-    }
-
-    /// The shared frame of a page batch: open and shape checks, then the server's one round
-    /// trip, or `range_op` over page ranges of the embedded engine (split across copy threads).
-    fn page_batch<K: AsRef<[u8]> + Sync, S: AsRef<[u8]> + Sync>(
+    /// The shared frame of a page batch: open and shape checks, then the store's call.
+    fn page_batch<K: AsRef<[u8]>, S: AsRef<[u8]>>(
         &self,
         batch: &PageBatch<'_, K, S>,
         buffers: &[MemRef],
         depths: Option<&[u32]>,
-        is_put: bool,
-        range_op: impl Fn(&Engine, Range<usize>) -> BatchResult + Sync,
+        call: impl FnOnce() -> BatchResult,
     ) -> BatchResult {
         let pages = batch.pages();
         if let Err(e) = self.ensure_open() {
@@ -379,41 +322,14 @@ impl Client {
         if let Err(reason) = self.check_page_shape(batch, buffers, depths) {
             return self.reject_batch(pages, reason);
         }
-        let guard = match &self.backend {
-            Backend::Embedded(slot) => slot.read(),
-            Backend::Server(remote) => {
-                return remote.page_io(
-                    &self.regions,
-                    is_put,
-                    batch.prefix,
-                    batch.page_keys,
-                    batch.suffixes,
-                    buffers,
-                    depths,
-                )
-            }
-            Backend::Cluster(cluster) => {
-                return cluster.page_io(
-                    &self.regions,
-                    is_put,
-                    batch.prefix,
-                    batch.page_keys,
-                    batch.suffixes,
-                    buffers,
-                    depths,
-                )
-            }
-        };
-        let Some(engine) = guard.as_ref() else {
-            return BatchResult::all_failed(pages, ClientError::Closed.to_string());
-        };
-        self.split_pages(batch, buffers, |range| range_op(engine, range))
+        call()
     }
 
     /// Put every component of every page; `ok[i]` is true when page `i` is fully stored
     /// (newly or already). Components this call stored for a page that then failed are removed
-    /// again, so a failed page leaves nothing behind. Large batches are copied by several
-    /// threads (`copy_threads`), each taking a contiguous run of pages.
+    /// again, so a failed page leaves nothing behind (the cluster store's form of that promise:
+    /// [`crate::store::cluster::PAGE_ROLLBACK`]). The embedded store copies large batches on
+    /// several threads (`copy_threads`), each taking a contiguous run of pages.
     pub fn put_pages<K: AsRef<[u8]> + Sync, S: AsRef<[u8]> + Sync>(
         &self,
         batch: &PageBatch<'_, K, S>,
@@ -421,49 +337,10 @@ impl Client {
         depths: Option<&[u32]>,
     ) -> BatchResult {
         self.timed(Op::Put, || {
-            self.page_batch(batch, buffers, depths, true, |engine, range| {
-                self.put_page_range(engine, batch, buffers, depths, range)
+            self.page_batch(batch, buffers, depths, || {
+                self.store.put_pages(&self.regions, batch, buffers, depths)
             })
         })
-    }
-
-    fn put_page_range<K: AsRef<[u8]>, S: AsRef<[u8]>>(
-        &self,
-        engine: &Engine,
-        batch: &PageBatch<'_, K, S>,
-        buffers: &[MemRef],
-        depths: Option<&[u32]>,
-        range: Range<usize>,
-    ) -> BatchResult {
-        let comps = batch.components();
-        let mut result = BatchResult::with_capacity(range.len());
-        let mut key = Vec::new();
-        let mut stored_now: Vec<Vec<u8>> = Vec::new();
-        for i in range {
-            let page_key = batch.page_keys[i].as_ref();
-            let depth = depths.map(|d| d[i]);
-            stored_now.clear();
-            let mut page_ok = true;
-            for (j, suffix) in batch.suffixes.iter().enumerate() {
-                compose_key(batch.prefix, page_key, suffix.as_ref(), &mut key);
-                match Self::put_one(engine, &self.regions, &key, buffers[i * comps + j], depth) {
-                    Ok(PutOutcome::Stored) => stored_now.push(key.clone()),
-                    Ok(PutOutcome::AlreadyPresent) => {}
-                    Err(err) => {
-                        self.note(&mut result, &key, &err);
-                        page_ok = false;
-                        break;
-                    }
-                }
-            }
-            if !page_ok {
-                for k in &stored_now {
-                    engine.remove(k);
-                }
-            }
-            result.ok.push(page_ok);
-        }
-        result
     }
 
     /// Get every component of every page into caller memory; `ok[i]` is true when all of page
@@ -474,8 +351,8 @@ impl Client {
         buffers: &[MemRef],
     ) -> BatchResult {
         let result = self.timed(Op::Get, || {
-            self.page_batch(batch, buffers, None, false, |engine, range| {
-                self.get_page_range(engine, batch, buffers, range)
+            self.page_batch(batch, buffers, None, || {
+                self.store.get_pages(&self.regions, batch, buffers)
             })
         });
         if self.metrics.is_some() {
@@ -483,81 +360,6 @@ impl Client {
             self.count_pool(pool, Lookup::Get, result.succeeded(), batch.pages());
         }
         result
-    }
-
-    fn get_page_range<K: AsRef<[u8]>, S: AsRef<[u8]>>(
-        &self,
-        engine: &Engine,
-        batch: &PageBatch<'_, K, S>,
-        buffers: &[MemRef],
-        range: Range<usize>,
-    ) -> BatchResult {
-        let comps = batch.components();
-        let mut result = BatchResult::with_capacity(range.len());
-        let mut key = Vec::new();
-        for i in range {
-            let page_key = batch.page_keys[i].as_ref();
-            let mut page_ok = true;
-            for (j, suffix) in batch.suffixes.iter().enumerate() {
-                compose_key(batch.prefix, page_key, suffix.as_ref(), &mut key);
-                if let Err(err) = Self::get_one(engine, &self.regions, &key, buffers[i * comps + j])
-                {
-                    // A miss is the normal answer for a cold page; only real problems are noted.
-                    if !matches!(err, ClientError::Engine(EngineError::NotFound)) {
-                        self.note(&mut result, &key, &err);
-                    }
-                    page_ok = false;
-                    break;
-                }
-            }
-            result.ok.push(page_ok);
-        }
-        result
-    }
-
-    /// Run `work` over the batch's pages: inline for small batches, else over contiguous page
-    /// ranges on up to `copy_threads` threads (this one included). Results keep page order.
-    fn split_pages<K: AsRef<[u8]>, S: AsRef<[u8]>>(
-        &self,
-        batch: &PageBatch<'_, K, S>,
-        buffers: &[MemRef],
-        work: impl Fn(Range<usize>) -> BatchResult + Sync,
-    ) -> BatchResult {
-        let pages = batch.pages();
-        let bytes: usize = buffers.iter().map(|b| b.len).sum();
-        let by_bytes = bytes / PARALLEL_COPY_MIN_BYTES_PER_THREAD;
-        let threads = self.copy_threads.min(pages).min(by_bytes.max(1));
-        if threads <= 1 {
-            return work(0..pages);
-        }
-        let chunk = pages.div_ceil(threads);
-        let ranges: Vec<Range<usize>> = (0..pages)
-            .step_by(chunk)
-            .map(|start| start..(start + chunk).min(pages))
-            .collect();
-        let parts: Vec<BatchResult> = std::thread::scope(|scope| {
-            let work = &work;
-            let handles: Vec<_> = ranges[1..]
-                .iter()
-                .map(|r| {
-                    let r = r.clone();
-                    scope.spawn(move || work(r))
-                })
-                .collect();
-            let mut parts = vec![work(ranges[0].clone())];
-            for (handle, range) in handles.into_iter().zip(&ranges[1..]) {
-                // A panic in a copy thread is a bug; report those pages as failed, not a crash.
-                parts.push(handle.join().unwrap_or_else(|_| {
-                    BatchResult::all_failed(range.len(), "internal error: copy thread panicked")
-                }));
-            }
-            parts
-        });
-        let mut merged = BatchResult::with_capacity(pages);
-        for part in parts {
-            merged.absorb(part);
-        }
-        merged
     }
 
     /// Put whole keys from caller memory, one buffer per key.
@@ -593,50 +395,13 @@ impl Client {
         depth: Option<u32>,
     ) -> Result<PutOutcome, ClientError> {
         self.ensure_open()?;
-        self.timed(Op::Put, || match &self.backend {
-            Backend::Cluster(cluster) => {
-                let keys = [cluster.namespaced(key)];
-                match cluster.put_objects(&keys, &[Ok(value)], &[depth]).remove(0) {
-                    Ok(()) => Ok(PutOutcome::Stored),
-                    Err(reason) => Err(ClientError::BatchShape(reason)),
-                }
-            }
-            Backend::Embedded(slot) => {
-                let guard = slot.read();
-                let engine = guard.as_ref().ok_or(ClientError::Closed)?;
-                Ok(engine.put(key, value, PutMeta { depth })?)
-            }
-            // The server does not say whether the key was new; both count as stored.
-            Backend::Server(remote) => remote
-                .put_slice(key, value, depth)
-                .map(|()| PutOutcome::Stored),
-        })
+        self.timed(Op::Put, || self.store.put_slice(key, value, depth))
     }
 
     /// Copy an object into a slice the caller owns; its length must match exactly.
     pub fn get_into_slice(&self, key: &[u8], dst: &mut [u8]) -> Result<(), ClientError> {
         self.ensure_open()?;
-        let result = self.timed(Op::Get, || match &self.backend {
-            Backend::Cluster(cluster) => {
-                let keys = [cluster.namespaced(key)];
-                match cluster.get_objects(&keys, vec![Ok(dst)]).remove(0) {
-                    Ok(()) => Ok(()),
-                    Err(reason) if reason == "not found" => {
-                        Err(ClientError::Engine(EngineError::NotFound))
-                    }
-                    Err(reason) => Err(ClientError::BatchShape(reason)),
-                }
-            }
-            Backend::Embedded(slot) => {
-                let guard = slot.read();
-                let engine = guard.as_ref().ok_or(ClientError::Closed)?;
-                Ok(engine.get_into(key, dst)?)
-            }
-            Backend::Server(remote) => match remote.get_into_slice(key, dst)? {
-                true => Ok(()),
-                false => Err(ClientError::Engine(EngineError::NotFound)),
-            },
-        });
+        let result = self.timed(Op::Get, || self.store.get_into_slice(key, dst));
         self.count_one_get(key, result.is_ok());
         result
     }
@@ -647,46 +412,20 @@ impl Client {
     /// (their objects are not in this process).
     pub fn pin(&self, key: &[u8]) -> Option<PinnedObject> {
         self.ensure_open().ok()?;
-        let pinned = self.timed(Op::Get, || match &self.backend {
-            Backend::Embedded(slot) => slot.read().as_ref().and_then(|e| e.pin(key)),
-            Backend::Server(_) | Backend::Cluster(_) => None,
-        });
+        let pinned = self.timed(Op::Get, || self.store.pin(key));
         self.count_one_get(key, pinned.is_some());
         pinned
     }
 
     pub fn object_len(&self, key: &[u8]) -> Option<u64> {
-        match &self.backend {
-            Backend::Embedded(slot) => slot.read().as_ref().and_then(|e| e.object_len(key)),
-            Backend::Server(remote) => remote.object_len(key).ok().flatten(),
-            // The directory does not keep sizes (its per-object budget); unknown here.
-            Backend::Cluster(_) => None,
-        }
+        self.store.object_len(key)
     }
 
     pub fn exists_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> Vec<bool> {
         if self.ensure_open().is_err() {
             return vec![false; keys.len()];
         }
-        let found = self.timed(Op::Exists, || match &self.backend {
-            Backend::Embedded(slot) => match slot.read().as_ref() {
-                Some(engine) => keys.iter().map(|k| engine.contains(k.as_ref())).collect(),
-                None => vec![false; keys.len()],
-            },
-            Backend::Server(remote) => {
-                let keys: Vec<Vec<u8>> = keys.iter().map(|k| k.as_ref().to_vec()).collect();
-                remote
-                    .exists_keys(&keys)
-                    .unwrap_or_else(|_| vec![false; keys.len()])
-            }
-            Backend::Cluster(cluster) => {
-                let keys: Vec<Vec<u8>> = keys.iter().map(|k| k.as_ref().to_vec()).collect();
-                cluster.exists_keys(&keys).unwrap_or_else(|e| {
-                    tracing::warn!(error = %e, "kvtier cluster: exists failed");
-                    vec![false; keys.len()]
-                })
-            }
-        });
+        let found = self.timed(Op::Exists, || self.store.exists_keys(keys));
         if self.metrics.is_some() {
             for (key, hit) in keys.iter().zip(&found) {
                 self.count_pool(
@@ -705,52 +444,17 @@ impl Client {
         &self,
         batch: &PageBatch<'_, K, S>,
     ) -> usize {
-        let hit = self.timed(Op::Exists, || self.exists_pages_prefix_inner(batch));
+        let hit = self.timed(Op::Exists, || {
+            if self.ensure_open().is_err() || batch.components() == 0 {
+                return 0;
+            }
+            self.store.exists_pages_prefix(batch)
+        });
         if self.metrics.is_some() {
             let pool = metrics::pool_of_batch(batch.page_keys, batch.suffixes);
             self.count_pool(pool, Lookup::Exists, hit, batch.pages());
         }
         hit
-    }
-
-    fn exists_pages_prefix_inner<K: AsRef<[u8]>, S: AsRef<[u8]>>(
-        &self,
-        batch: &PageBatch<'_, K, S>,
-    ) -> usize {
-        if self.ensure_open().is_err() || batch.components() == 0 {
-            return 0;
-        }
-        let guard = match &self.backend {
-            Backend::Embedded(slot) => slot.read(),
-            Backend::Server(remote) => {
-                let keys = page_keys_message(batch);
-                return remote.exists_pages_prefix(keys).unwrap_or(0);
-            }
-            Backend::Cluster(cluster) => {
-                let keys = cluster.compose_keys(batch.prefix, batch.page_keys, batch.suffixes);
-                // compose_keys already namespaced them; look them up as whole keys.
-                let found = cluster.exists_full_keys(&keys).unwrap_or_default();
-                let comps = batch.components();
-                return found
-                    .chunks(comps)
-                    .position(|page| !page.iter().all(|&b| b))
-                    .unwrap_or(found.len() / comps);
-            }
-        };
-        let Some(engine) = guard.as_ref() else {
-            return 0;
-        };
-        let mut key = Vec::new();
-        batch
-            .page_keys
-            .iter()
-            .position(|page_key| {
-                !batch.suffixes.iter().all(|s| {
-                    compose_key(batch.prefix, page_key.as_ref(), s.as_ref(), &mut key);
-                    engine.contains(&key)
-                })
-            })
-            .unwrap_or(batch.pages())
     }
 
     /// Mark every component of these pages superseded window state, an eviction hint: the
@@ -766,35 +470,7 @@ impl Client {
         if self.ensure_open().is_err() || batch.components() == 0 {
             return 0;
         }
-        let guard = match &self.backend {
-            Backend::Embedded(slot) => slot.read(),
-            Backend::Server(remote) => {
-                let keys = page_keys_message(batch);
-                return remote.demote_pages(keys).unwrap_or_else(|e| {
-                    tracing::warn!(error = %e, "kvtier: demote hint not delivered");
-                    0
-                });
-            }
-            Backend::Cluster(cluster) => {
-                let keys = cluster.compose_keys(batch.prefix, batch.page_keys, batch.suffixes);
-                return cluster.demote_keys(&keys).unwrap_or_else(|e| {
-                    tracing::warn!(error = %e, "kvtier: demote hint not delivered");
-                    0
-                });
-            }
-        };
-        let Some(engine) = guard.as_ref() else {
-            return 0;
-        };
-        let mut key = Vec::new();
-        let mut marked = 0;
-        for page_key in batch.page_keys {
-            for suffix in batch.suffixes {
-                compose_key(batch.prefix, page_key.as_ref(), suffix.as_ref(), &mut key);
-                marked += usize::from(engine.demote(&key));
-            }
-        }
-        marked
+        self.store.demote_pages(batch)
     }
 
     /// One whole v2 existence query (see `kvtier_proto::query`).
@@ -808,18 +484,7 @@ impl Client {
             tracing::warn!(%error, "kvtier: exists_v2 query refused; reporting a miss");
             return ExistsV2Answer::default();
         }
-        let answer = self.timed(Op::ExistsV2, || match &self.backend {
-            Backend::Embedded(slot) => slot
-                .read()
-                .as_ref()
-                .and_then(|e| e.exists_v2(query).ok())
-                .unwrap_or_default(),
-            Backend::Server(remote) => remote.exists_v2(query).unwrap_or_default(),
-            Backend::Cluster(cluster) => cluster.exists_v2(query).unwrap_or_else(|e| {
-                tracing::warn!(error = %e, "kvtier cluster: exists_v2 failed");
-                ExistsV2Answer::default()
-            }),
-        });
+        let answer = self.timed(Op::ExistsV2, || self.store.exists_v2(query));
         if self.metrics.is_some() {
             let pages = query.page_keys.len();
             let hit_of = |name: &str| {
@@ -841,89 +506,34 @@ impl Client {
     }
 
     pub fn remove_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> usize {
-        self.timed(Op::Remove, || self.remove_keys_inner(keys))
-    }
-
-    fn remove_keys_inner<K: AsRef<[u8]>>(&self, keys: &[K]) -> usize {
-        match &self.backend {
-            Backend::Embedded(slot) => match slot.read().as_ref() {
-                Some(engine) => keys.iter().filter(|k| engine.remove(k.as_ref())).count(),
-                None => 0,
-            },
-            Backend::Server(remote) => {
-                let keys: Vec<Vec<u8>> = keys.iter().map(|k| k.as_ref().to_vec()).collect();
-                remote.remove_keys(&keys).unwrap_or(0)
-            }
-            Backend::Cluster(cluster) => {
-                let keys: Vec<Vec<u8>> = keys.iter().map(|k| k.as_ref().to_vec()).collect();
-                cluster.remove_keys(&keys).unwrap_or(0)
-            }
-        }
+        self.timed(Op::Remove, || self.store.remove_keys(keys))
     }
 
     pub fn clear(&self) {
-        self.timed(Op::Clear, || self.clear_inner());
-    }
-
-    fn clear_inner(&self) {
-        match &self.backend {
-            Backend::Embedded(slot) => {
-                if let Some(engine) = slot.read().as_ref() {
-                    engine.clear();
-                }
-            }
-            Backend::Server(remote) => {
-                let _ = remote.clear();
-            }
-            Backend::Cluster(cluster) => {
-                if let Err(e) = cluster.clear() {
-                    tracing::warn!(error = %e, "kvtier cluster: clear did not reach every node");
-                }
-            }
-        }
+        self.timed(Op::Clear, || self.store.clear());
     }
 
     /// Make every acknowledged put as durable as the configuration promises. The DRAM tier has
     /// nothing to flush; the SSD tier's copy pipeline drains here.
     pub fn flush(&self) -> Result<(), ClientError> {
         self.ensure_open()?;
-        self.timed(Op::Flush, || match &self.backend {
-            Backend::Embedded(slot) => match slot.read().as_ref() {
-                Some(engine) => Ok(engine.flush()?),
-                None => Err(ClientError::Closed),
-            },
-            Backend::Server(remote) => remote.flush(),
-            // Nodes own their durability; an acknowledged put is already visible.
-            Backend::Cluster(_) => Ok(()),
-        })
+        self.timed(Op::Flush, || self.store.flush())
     }
 
     /// Close the store: later calls fail cleanly. Idempotent. In server mode this ends the
     /// session: the server unmaps this process's memory.
     pub fn close(&self) {
         if !self.closed.swap(true, Ordering::AcqRel) {
-            match &self.backend {
-                Backend::Server(remote) => remote.close(),
-                Backend::Cluster(_) => {}
-                Backend::Embedded(slot) => {
-                    // Waits for batches in flight; dropping flushes the SSD tier and frees
-                    // its directory for the next store.
-                    if let Some(engine) = slot.write().take() {
-                        if let Err(e) = engine.close() {
-                            tracing::warn!(error = %e, "kvtier: flushing the store at close failed");
-                        }
-                    }
-                }
-            }
+            self.store.close();
             self.regions.clear();
         }
     }
 
     /// Run `f` on the engine of embedded mode (`None` in server mode or once closed).
     pub fn with_engine<R>(&self, f: impl FnOnce(&Engine) -> R) -> Option<R> {
-        match &self.backend {
-            Backend::Embedded(slot) => slot.read().as_ref().map(f),
-            Backend::Server(_) | Backend::Cluster(_) => None,
+        match &self.store {
+            Stores::Embedded(embedded) => embedded.with_engine(f),
+            Stores::Server(_) | Stores::Cluster(_) => None,
         }
     }
 
@@ -939,13 +549,13 @@ impl Client {
             map.insert("metrics_addr".into(), addr.to_string().into());
         }
         // Issue 17: the data transport per cluster peer.
-        if let Backend::Cluster(cluster) = &self.backend {
+        if let Stores::Cluster(cluster) = &self.store {
             map.insert(
                 "peer_transports".into(),
                 serde_json::to_value(cluster.peer_transports()).unwrap_or_default(),
             );
         }
-        if let Backend::Server(remote) = &self.backend {
+        if let Stores::Server(remote) = &self.store {
             map.extend(remote.local_stats());
             if let Ok(server) = remote.server_stats() {
                 if let Some(serde_json::Value::Object(engine)) = server.get("you_engine_stats") {
@@ -968,31 +578,11 @@ impl Client {
     pub fn stats(&self) -> ClientStats {
         let regions = self.regions.regions();
         ClientStats {
-            engine: match &self.backend {
-                Backend::Embedded(slot) => {
-                    slot.read().as_ref().map(Engine::stats).unwrap_or_default()
-                }
-                Backend::Server(_) | Backend::Cluster(_) => EngineStats::default(),
-            },
-            rejected_buffers: self.rejected_buffers.load(Ordering::Relaxed),
+            engine: self.store.engine_stats(),
+            rejected_buffers: self.store.rejected_buffers(),
             rejected_batches: self.rejected_batches.load(Ordering::Relaxed),
             registered_regions: regions.len() as u64,
             registered_bytes: regions.iter().map(|r| r.len as u64).sum(),
         }
-    }
-}
-
-/// A page batch as the server protocol's [`kvtier_proto::server::PageKeys`].
-fn page_keys_message<K: AsRef<[u8]>, S: AsRef<[u8]>>(
-    batch: &PageBatch<'_, K, S>,
-) -> kvtier_proto::server::PageKeys {
-    kvtier_proto::server::PageKeys {
-        prefix: batch.prefix.to_vec(),
-        page_keys: batch
-            .page_keys
-            .iter()
-            .map(|k| k.as_ref().to_vec())
-            .collect(),
-        suffixes: batch.suffixes.iter().map(|s| s.as_ref().to_vec()).collect(),
     }
 }

@@ -9,12 +9,15 @@
 //! - [`batch`] describes page batches (`prefix ++ page_key ++ suffix` keys) and their results.
 //! - [`metrics`] owns the Prometheus side: the process's recorder, the `/metrics` endpoint and
 //!   the name of every metric (embedded mode opts in with `metrics_addr`).
-//! - [`client`] is the [`Client`]: it resolves memory, composes keys and calls the mode's store.
-//!   Embedded mode runs the engine in this process; server mode ([`remote`]) talks to a local
-//!   `kvtier serve` (selected by `server_socket`) behind the same methods.
+//! - [`store`] is the seam (issue 16): the [`store::Store`] trait for page batches and its three
+//!   implementations: embedded (the engine in this process, also what `kvtier serve` hosts),
+//!   local server ([`store::local_server`], a local `kvtier serve` selected by `server_socket`;
+//!   [`remote`] is its old name) and cluster (over [`cluster::ClusterStore`]).
+//! - [`client`] is the [`Client`]: config, caller memory, metrics and one store.
 //!
 //! Cluster mode ([`cluster`]) reaches the master through the stubs of `kvtier-rpc` only: this
-//! crate (and so the Python module) does not link `kvtier-master` or `etcd-client`.
+//! crate (and so the Python module) does not link `kvtier-master` or `etcd-client`. Its data
+//! plane is TCP frames or, per peer, UCX one-sided reads ([`transport`]).
 
 pub mod batch;
 pub mod client;
@@ -25,8 +28,11 @@ pub mod memory;
 pub mod metrics;
 // Issue 18: ranged gets for SGLang's direct linker.
 pub mod ranged;
-pub mod remote;
+pub mod store;
 pub mod transport;
+
+/// The local-server store under its old module name (issue 16 renamed it).
+pub use store::local_server as remote;
 
 pub use batch::{BatchResult, MemRef, PageBatch};
 pub use client::Client;

@@ -601,58 +601,10 @@ impl ClientMetrics {
     }
 }
 
-/// The pool a key component suffix belongs to, from kvtier's key scheme
-/// `[tag "/"] hash "@" fingerprint [".tp"N] [".pp"N] [".cp"N] [".dcp"N] "." component`:
-/// `k`, `v`, `kv`, `page` and `cN` are the KV pool (`kv`); `<pool>` and `<pool>.<part>` are
-/// side pool `<pool>`. Works on a suffix (`@fp.tp0.k`) or a whole key. `other` for keys
-/// outside the scheme.
-pub fn pool_of(suffix_or_key: &[u8]) -> &str {
-    const OTHER: &str = "other";
-    let Some(at) = suffix_or_key.iter().rposition(|&b| b == b'@') else {
-        return OTHER;
-    };
-    let Ok(rest) = std::str::from_utf8(&suffix_or_key[at + 1..]) else {
-        return OTHER;
-    };
-    let mut parts = rest.split('.');
-    let fingerprint = parts.next().unwrap_or("");
-    if fingerprint.is_empty() || !fingerprint.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return OTHER;
-    }
-    let is_rank = |p: &str| {
-        ["tp", "pp", "cp", "dcp"].iter().any(|tag| {
-            p.strip_prefix(tag)
-                .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
-        })
-    };
-    let Some(first) = parts.find(|p| !is_rank(p)) else {
-        return OTHER;
-    };
-    let kv_part = matches!(first, "k" | "v" | "kv" | "page")
-        || (first.len() > 1
-            && first.starts_with('c')
-            && first[1..].bytes().all(|b| b.is_ascii_digit()));
-    if kv_part {
-        "kv"
-    } else {
-        pool_label(first)
-    }
-}
-
-/// `name` as a `pool` label value: itself when it is 1 to 64 ASCII letters, digits, `_` or
-/// `-`, else `other` (label values must not carry arbitrary caller bytes).
-pub fn pool_label(name: &str) -> &str {
-    let ok = !name.is_empty()
-        && name.len() <= 64
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
-    if ok {
-        name
-    } else {
-        "other"
-    }
-}
+/// The pool a key component suffix belongs to (`kv`, a side pool's name, or `other`); works
+/// on a suffix (`@fp.tp0.k`) or a whole key. The key scheme lives in `kvtier_proto::keys`
+/// (issue 16); `pool_label` bounds a pool name to a label value.
+pub use kvtier_proto::keys::{pool_label, pool_of};
 
 /// The pool of a page batch: that of its suffixes when they agree (`mixed` when they do
 /// not); for whole-key batches (empty suffixes), that of the first key.

@@ -7,6 +7,7 @@
 //! (credential proofs) and `xxhash-rust` (object checksums) in [`auth`].
 //!
 //! - [`auth`]: proofs of the cluster token (data ports, master RPCs), object checksums.
+//! - [`keys`]: the object key scheme (compose, parse, pools, page groups; issue 16).
 //! - [`query`]: the v2 existence query model and its fold.
 //! - [`messages`]: the other request/reply bodies (batches, handshake, error reply).
 //! - [`codec`]: the binary encoding of every body ([`Encode`] / [`Decode`]).
@@ -25,6 +26,7 @@ pub mod auth;
 pub mod codec;
 pub mod error;
 pub mod frame;
+pub mod keys;
 pub mod limits;
 pub mod messages;
 pub mod opcode;

@@ -129,11 +129,7 @@ impl ExistsV2Query {
 /// `prefix ++ page_key ++ suffix` into `out` (cleared first). The one definition of a kvtier
 /// object key, shared by every batch call so that puts and lookups always agree.
 pub fn compose_key(prefix: &[u8], page_key: &[u8], suffix: &[u8], out: &mut Vec<u8>) {
-    out.clear();
-    out.reserve(prefix.len() + page_key.len() + suffix.len());
-    out.extend_from_slice(prefix);
-    out.extend_from_slice(page_key);
-    out.extend_from_slice(suffix);
+    crate::keys::compose(prefix, page_key, suffix, out)
 }
 
 /// Evaluate a query against any presence oracle. The engine calls this with its index; the

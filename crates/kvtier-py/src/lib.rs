@@ -13,7 +13,8 @@
 
 mod batch_queue; // issue 19
 mod buffer_access;
-// Issue 18: SGLang's direct linker (LinkerCore).
+mod keys; // issue 16: the key scheme
+          // Issue 18: SGLang's direct linker (LinkerCore).
 mod linker;
 
 use std::sync::Arc;
@@ -157,6 +158,21 @@ impl Store {
 
     fn config_toml(&self) -> String {
         self.client.config().to_toml()
+    }
+
+    /// The KV-event settings (issue 16: read natively, not by re-parsing `config_toml()`):
+    /// a dict of `publish_endpoint` (or None), `publish_topic`, `subscriber`, `endpoint`,
+    /// `topic`, `buffer`.
+    fn kv_events_settings<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = self.client.config();
+        let d = PyDict::new(py);
+        d.set_item("publish_endpoint", c.kv_events_publish_endpoint.clone())?;
+        d.set_item("publish_topic", c.kv_events_publish_topic.clone())?;
+        d.set_item("subscriber", c.kv_events_subscriber)?;
+        d.set_item("endpoint", c.kv_events_endpoint.clone())?;
+        d.set_item("topic", c.kv_events_topic.clone())?;
+        d.set_item("buffer", c.kv_events_buffer)?;
+        Ok(d)
     }
 
     /// Register `[ptr, ptr+size)` for zero-copy batches. The caller must keep that memory
@@ -596,6 +612,7 @@ impl Store {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Store>()?;
+    keys::register(m)?; // issue 16
     m.add_class::<linker::LinkerCore>()?; // issue 18
     m.add_class::<batch_queue::BatchQueue>()?; // issue 19
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

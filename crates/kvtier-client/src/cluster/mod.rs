@@ -246,6 +246,20 @@ impl ClusterStore {
         values: &[Result<&[u8], String>],
         depths: &[Option<u32>],
     ) -> Vec<Result<(), String>> {
+        self.put_objects_noting(keys, values, depths, &mut Vec::new())
+    }
+
+    /// [`put_objects`](Self::put_objects) that also sets `fresh[i]` for every object this call
+    /// committed (not the ones already present): what a page rollback may remove (issue 16).
+    pub fn put_objects_noting(
+        &self,
+        keys: &[Vec<u8>],
+        values: &[Result<&[u8], String>],
+        depths: &[Option<u32>],
+        fresh: &mut Vec<bool>,
+    ) -> Vec<Result<(), String>> {
+        fresh.clear();
+        fresh.resize(keys.len(), false);
         let mut out: Vec<Result<(), String>> = values
             .iter()
             .map(|v| v.as_ref().map(|_| ()).map_err(Clone::clone))
@@ -330,6 +344,7 @@ impl ClusterStore {
             Ok(reply) if reply.committed.len() == to_commit.len() => {
                 for (&slot, committed) in to_commit.iter().zip(reply.committed) {
                     let i = wanted[slot];
+                    fresh[i] = committed;
                     if !committed {
                         out[i] = Err(match (stored.get(&i), write_errors.get(&i)) {
                             (Some(n), _) if !n.is_empty() => {
@@ -627,7 +642,11 @@ impl ClusterStore {
             let depths: Vec<Option<u32>> = (0..keys.len())
                 .map(|o| depths.map(|d| d[o / comps.max(1)]))
                 .collect();
-            self.put_objects(&keys, &sources, &depths)
+            let mut fresh = Vec::new();
+            let out = self.put_objects_noting(&keys, &sources, &depths, &mut fresh);
+            // issue 16: a failed page leaves none of its components behind.
+            self.roll_back_failed_pages(&keys, &out, &fresh, comps);
+            out
         } else {
             let dsts: Vec<Result<&mut [u8], String>> = regions
                 .destination_slices(buffers)
@@ -693,6 +712,11 @@ impl ClusterStore {
     /// Remove keys from the directory and from the nodes holding them; how many were held.
     pub fn remove_keys(&self, keys: &[Vec<u8>]) -> Result<usize, ClusterError> {
         let full: Vec<Vec<u8>> = keys.iter().map(|k| self.full_key(&[], k, &[])).collect();
+        self.remove_full_keys(full)
+    }
+
+    /// As [`remove_keys`](Self::remove_keys) for keys that are already namespaced.
+    pub fn remove_full_keys(&self, full: Vec<Vec<u8>>) -> Result<usize, ClusterError> {
         let request = ForgetRequest { keys: full.clone() };
         let reply = self.runtime.block_on(self.master.call(|mut c| {
             let request = request.clone();

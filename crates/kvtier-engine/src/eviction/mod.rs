@@ -45,13 +45,9 @@ pub use prefix_depth::PrefixDepth;
 use crate::config::EvictionPolicyKind;
 
 /// The page group of `key`: the bytes up to and including its first `@` (tenant tag and page
-/// hash in kvtier's key scheme), or the whole key when it has no `@`.
-pub fn group_of(key: &[u8]) -> &[u8] {
-    match key.iter().position(|&b| b == b'@') {
-        Some(at) => &key[..=at],
-        None => key,
-    }
-}
+/// hash in kvtier's key scheme), or the whole key when it has no `@`. Defined with the rest of
+/// the key scheme in `kvtier_proto::keys` (issue 16).
+pub use kvtier_proto::keys::group_of;
 
 /// What an insert or remove did to the key's group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,11 +1,12 @@
-//! Server mode: the store lives in a local `kvtier serve` process, reached over a Unix socket.
+//! The local-server store (server mode): the store lives in a local `kvtier serve` process,
+//! reached over a Unix socket. Formerly `remote.rs`; `kvtier_client::remote` still names it.
 //!
 //! - One *session* per client: opened by a keeper connection that is never used for requests
 //!   (so the session, and the server's mappings of this process's memory, live exactly as long
-//!   as this [`RemoteStore`]), with request connections attached to it by ticket. Concurrent
+//!   as this [`LocalServerStore`]), with request connections attached to it by ticket. Concurrent
 //!   callers each check out their own connection (pool, created on demand), so calls from
 //!   SGLang's prefetch and backup threads never wait for each other.
-//! - Zero copy: memory registered with [`RemoteStore::register_memfd`] (a pool buffer allocated
+//! - Zero copy: memory registered with [`LocalServerStore::register_memfd`] (a pool buffer allocated
 //!   from a memfd, e.g. SGLang's `ShmHostTensorAllocator`) is sent once as a file descriptor
 //!   with `SCM_RIGHTS`; page buffers inside it travel as (region, offset, length) and the server
 //!   copies straight between its tiers and this process's pages.
@@ -85,9 +86,12 @@ struct Conn {
     body: Vec<u8>,
 }
 
+/// The old name of [`LocalServerStore`], kept for callers of `kvtier_client::remote`.
+pub type RemoteStore = LocalServerStore;
+
 /// The server-mode store of a [`crate::Client`].
 #[derive(Debug)]
-pub struct RemoteStore {
+pub struct LocalServerStore {
     socket: PathBuf,
     tenant: String,
     client_name: String,
@@ -176,12 +180,12 @@ fn decode<T: Decode>(socket: &Path, body: &[u8]) -> Result<T, ClientError> {
     T::decode(body).map_err(|e| remote_err(socket, format!("bad reply: {e}")))
 }
 
-impl RemoteStore {
+impl LocalServerStore {
     /// A store that talks to `config.server_socket`. Connects (and, with `server_auto_start`,
     /// starts the server) right away so that a wrong socket fails at construction.
-    pub fn connect(config: &KvtierConfig) -> Result<RemoteStore, ClientError> {
+    pub fn connect(config: &KvtierConfig) -> Result<LocalServerStore, ClientError> {
         let socket = PathBuf::from(config.server_socket.clone().unwrap_or_default());
-        let store = RemoteStore {
+        let store = LocalServerStore {
             socket,
             tenant: config.extra_backend_tag.clone().unwrap_or_default(),
             client_name: format!("pid{}", std::process::id()),
@@ -1042,5 +1046,112 @@ impl Encode for EmptyBody {
 impl Decode for EmptyBody {
     fn read_from(_reader: &mut kvtier_proto::Reader<'_>) -> Result<Self, kvtier_proto::ProtoError> {
         Ok(EmptyBody)
+    }
+}
+
+// ----------------------------------------------------------------------------- the seam
+
+impl super::Store for LocalServerStore {
+    fn mode(&self) -> &'static str {
+        "server"
+    }
+
+    fn put_pages<K: AsRef<[u8]> + Sync, S: AsRef<[u8]> + Sync>(
+        &self,
+        regions: &RegionRegistry,
+        batch: &crate::batch::PageBatch<'_, K, S>,
+        buffers: &[MemRef],
+        depths: Option<&[u32]>,
+    ) -> BatchResult {
+        self.page_io(
+            regions,
+            true,
+            batch.prefix,
+            batch.page_keys,
+            batch.suffixes,
+            buffers,
+            depths,
+        )
+    }
+
+    fn get_pages<K: AsRef<[u8]> + Sync, S: AsRef<[u8]> + Sync>(
+        &self,
+        regions: &RegionRegistry,
+        batch: &crate::batch::PageBatch<'_, K, S>,
+        buffers: &[MemRef],
+    ) -> BatchResult {
+        self.page_io(
+            regions,
+            false,
+            batch.prefix,
+            batch.page_keys,
+            batch.suffixes,
+            buffers,
+            None,
+        )
+    }
+
+    fn put_slice(
+        &self,
+        key: &[u8],
+        value: &[u8],
+        depth: Option<u32>,
+    ) -> Result<kvtier_engine::PutOutcome, ClientError> {
+        // The server does not say whether the key was new; both count as stored.
+        LocalServerStore::put_slice(self, key, value, depth)
+            .map(|()| kvtier_engine::PutOutcome::Stored)
+    }
+
+    fn get_into_slice(&self, key: &[u8], dst: &mut [u8]) -> Result<(), ClientError> {
+        match LocalServerStore::get_into_slice(self, key, dst)? {
+            true => Ok(()),
+            false => Err(ClientError::Engine(kvtier_engine::EngineError::NotFound)),
+        }
+    }
+
+    fn object_len(&self, key: &[u8]) -> Option<u64> {
+        LocalServerStore::object_len(self, key).ok().flatten()
+    }
+
+    fn exists_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> Vec<bool> {
+        LocalServerStore::exists_keys(self, &super::owned_keys(keys))
+            .unwrap_or_else(|_| vec![false; keys.len()])
+    }
+
+    fn exists_pages_prefix<K: AsRef<[u8]>, S: AsRef<[u8]>>(
+        &self,
+        batch: &crate::batch::PageBatch<'_, K, S>,
+    ) -> usize {
+        LocalServerStore::exists_pages_prefix(self, super::page_keys_message(batch)).unwrap_or(0)
+    }
+
+    fn demote_pages<K: AsRef<[u8]>, S: AsRef<[u8]>>(
+        &self,
+        batch: &crate::batch::PageBatch<'_, K, S>,
+    ) -> usize {
+        LocalServerStore::demote_pages(self, super::page_keys_message(batch)).unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "kvtier: demote hint not delivered");
+            0
+        })
+    }
+
+    fn exists_v2(&self, query: &ExistsV2Query) -> ExistsV2Answer {
+        LocalServerStore::exists_v2(self, query).unwrap_or_default()
+    }
+
+    fn remove_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> usize {
+        LocalServerStore::remove_keys(self, &super::owned_keys(keys)).unwrap_or(0)
+    }
+
+    fn clear(&self) {
+        let _ = LocalServerStore::clear(self);
+    }
+
+    fn flush(&self) -> Result<(), ClientError> {
+        LocalServerStore::flush(self)
+    }
+
+    fn close(&self) {
+        LocalServerStore::close(self)
     }
 }

@@ -1,0 +1,376 @@
+//! The embedded store: a [`kvtier_engine::Engine`] in this process behind the [`Store`] seam.
+//!
+//! Owns: the engine slot (`None` once closed), the composition of page-batch keys
+//! (`prefix ++ page_key ++ suffix`), per-page rollback of puts, and the split of large batches
+//! across copy threads. Used by embedded-mode clients and, directly, by `kvtier serve` for its
+//! tenants and the cluster node's data port.
+//!
+//! Invariants:
+//! - A page whose put fails leaves none of the components this call stored (they are removed
+//!   before the page's result is reported); components that were already present stay.
+//! - Closing takes the slot's write lock, so it waits for batches in flight (which hold the
+//!   read lock) and every later call sees `None` and fails cleanly.
+//! - Every caller buffer is checked against the caller's registry before the engine touches it.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::RwLock;
+
+use kvtier_engine::{
+    Engine, EngineConfig, EngineError, EngineStats, PinnedObject, PutMeta, PutOutcome,
+};
+use kvtier_proto::query::compose_key;
+use kvtier_proto::{ExistsV2Answer, ExistsV2Query};
+
+use super::Store;
+use crate::batch::{BatchResult, MemRef, PageBatch};
+use crate::error::ClientError;
+use crate::memory::RegionRegistry;
+
+/// A batch is split across copy threads only when each thread gets at least this many bytes:
+/// below it, starting a thread costs more than it saves.
+pub const PARALLEL_COPY_MIN_BYTES_PER_THREAD: usize = 8 << 20;
+
+/// The embedded engine; `None` once closed. Shared with the metrics collector.
+pub type EngineSlot = Arc<RwLock<Option<Engine>>>;
+
+/// An engine in this process (see the module doc).
+#[derive(Debug)]
+pub struct EmbeddedStore {
+    engine: EngineSlot,
+    copy_threads: usize,
+    rejected_buffers: AtomicU64,
+}
+
+impl EmbeddedStore {
+    /// Open the engine; `copy_threads` (at least 1) bounds the threads of one large batch.
+    pub fn open(config: EngineConfig, copy_threads: usize) -> Result<EmbeddedStore, ClientError> {
+        Ok(EmbeddedStore {
+            engine: Arc::new(RwLock::new(Some(Engine::open(config)?))),
+            copy_threads: copy_threads.max(1),
+            rejected_buffers: AtomicU64::new(0),
+        })
+    }
+
+    /// The engine slot (for scrape-time collectors).
+    pub fn slot(&self) -> &EngineSlot {
+        &self.engine
+    }
+
+    /// Run `f` on the engine (`None` once closed).
+    pub fn with_engine<R>(&self, f: impl FnOnce(&Engine) -> R) -> Option<R> {
+        self.engine.read().as_ref().map(f)
+    }
+
+    fn note(&self, result: &mut BatchResult, key: &[u8], err: &ClientError) {
+        if matches!(err, ClientError::OutsideRegisteredMemory { .. }) {
+            self.rejected_buffers.fetch_add(1, Ordering::Relaxed);
+        }
+        result.note_error(format!("{}: {err}", String::from_utf8_lossy(key)));
+    }
+
+    /// Store one object from caller memory (put-if-absent).
+    fn put_one(
+        engine: &Engine,
+        regions: &RegionRegistry,
+        key: &[u8],
+        buf: MemRef,
+        depth: Option<u32>,
+    ) -> Result<PutOutcome, ClientError> {
+        let meta = PutMeta { depth };
+        regions
+            .with_checked_source(buf.ptr, buf.len, |src, intact| {
+                engine.put_verified(key, src, meta, intact)
+            })?
+            .map_err(Into::into)
+    }
+
+    fn get_one(
+        engine: &Engine,
+        regions: &RegionRegistry,
+        key: &[u8],
+        buf: MemRef,
+    ) -> Result<(), ClientError> {
+        regions
+            .with_destination(buf.ptr, buf.len, |dst| engine.get_into(key, dst))?
+            .map_err(Into::into)
+    }
+
+    /// Run `range_op` over the batch's pages on the open engine (split across copy threads).
+    fn page_batch<K: AsRef<[u8]>, S: AsRef<[u8]>>(
+        &self,
+        batch: &PageBatch<'_, K, S>,
+        buffers: &[MemRef],
+        range_op: impl Fn(&Engine, Range<usize>) -> BatchResult + Sync,
+    ) -> BatchResult {
+        let guard = self.engine.read();
+        let Some(engine) = guard.as_ref() else {
+            return BatchResult::all_failed(batch.pages(), ClientError::Closed.to_string());
+        };
+        self.split_pages(batch.pages(), buffers, |range| range_op(engine, range))
+    }
+
+    fn put_page_range<K: AsRef<[u8]>, S: AsRef<[u8]>>(
+        &self,
+        engine: &Engine,
+        regions: &RegionRegistry,
+        batch: &PageBatch<'_, K, S>,
+        buffers: &[MemRef],
+        depths: Option<&[u32]>,
+        range: Range<usize>,
+    ) -> BatchResult {
+        let comps = batch.components();
+        let mut result = BatchResult::with_capacity(range.len());
+        let mut key = Vec::new();
+        let mut stored_now: Vec<Vec<u8>> = Vec::new();
+        for i in range {
+            let page_key = batch.page_keys[i].as_ref();
+            let depth = depths.map(|d| d[i]);
+            stored_now.clear();
+            let mut page_ok = true;
+            for (j, suffix) in batch.suffixes.iter().enumerate() {
+                compose_key(batch.prefix, page_key, suffix.as_ref(), &mut key);
+                match Self::put_one(engine, regions, &key, buffers[i * comps + j], depth) {
+                    Ok(PutOutcome::Stored) => stored_now.push(key.clone()),
+                    Ok(PutOutcome::AlreadyPresent) => {}
+                    Err(err) => {
+                        self.note(&mut result, &key, &err);
+                        page_ok = false;
+                        break;
+                    }
+                }
+            }
+            if !page_ok {
+                for k in &stored_now {
+                    engine.remove(k);
+                }
+            }
+            result.ok.push(page_ok);
+        }
+        result
+    }
+
+    fn get_page_range<K: AsRef<[u8]>, S: AsRef<[u8]>>(
+        &self,
+        engine: &Engine,
+        regions: &RegionRegistry,
+        batch: &PageBatch<'_, K, S>,
+        buffers: &[MemRef],
+        range: Range<usize>,
+    ) -> BatchResult {
+        let comps = batch.components();
+        let mut result = BatchResult::with_capacity(range.len());
+        let mut key = Vec::new();
+        for i in range {
+            let page_key = batch.page_keys[i].as_ref();
+            let mut page_ok = true;
+            for (j, suffix) in batch.suffixes.iter().enumerate() {
+                compose_key(batch.prefix, page_key, suffix.as_ref(), &mut key);
+                if let Err(err) = Self::get_one(engine, regions, &key, buffers[i * comps + j]) {
+                    // A miss is the normal answer for a cold page; only real problems are noted.
+                    if !matches!(err, ClientError::Engine(EngineError::NotFound)) {
+                        self.note(&mut result, &key, &err);
+                    }
+                    page_ok = false;
+                    break;
+                }
+            }
+            result.ok.push(page_ok);
+        }
+        result
+    }
+
+    /// Run `work` over `pages` pages: inline for small batches, else over contiguous page
+    /// ranges on up to `copy_threads` threads (this one included). Results keep page order.
+    fn split_pages(
+        &self,
+        pages: usize,
+        buffers: &[MemRef],
+        work: impl Fn(Range<usize>) -> BatchResult + Sync,
+    ) -> BatchResult {
+        let bytes: usize = buffers.iter().map(|b| b.len).sum();
+        let by_bytes = bytes / PARALLEL_COPY_MIN_BYTES_PER_THREAD;
+        let threads = self.copy_threads.min(pages).min(by_bytes.max(1));
+        if threads <= 1 {
+            return work(0..pages);
+        }
+        let chunk = pages.div_ceil(threads);
+        let ranges: Vec<Range<usize>> = (0..pages)
+            .step_by(chunk)
+            .map(|start| start..(start + chunk).min(pages))
+            .collect();
+        let parts: Vec<BatchResult> = std::thread::scope(|scope| {
+            let work = &work;
+            let handles: Vec<_> = ranges[1..]
+                .iter()
+                .map(|r| {
+                    let r = r.clone();
+                    scope.spawn(move || work(r))
+                })
+                .collect();
+            let mut parts = vec![work(ranges[0].clone())];
+            for (handle, range) in handles.into_iter().zip(&ranges[1..]) {
+                // A panic in a copy thread is a bug; report those pages as failed, not a crash.
+                parts.push(handle.join().unwrap_or_else(|_| {
+                    BatchResult::all_failed(range.len(), "internal error: copy thread panicked")
+                }));
+            }
+            parts
+        });
+        let mut merged = BatchResult::with_capacity(pages);
+        for part in parts {
+            merged.absorb(part);
+        }
+        merged
+    }
+}
+
+impl Store for EmbeddedStore {
+    fn mode(&self) -> &'static str {
+        "embedded"
+    }
+
+    fn put_pages<K: AsRef<[u8]> + Sync, S: AsRef<[u8]> + Sync>(
+        &self,
+        regions: &RegionRegistry,
+        batch: &PageBatch<'_, K, S>,
+        buffers: &[MemRef],
+        depths: Option<&[u32]>,
+    ) -> BatchResult {
+        self.page_batch(batch, buffers, |engine, range| {
+            self.put_page_range(engine, regions, batch, buffers, depths, range)
+        })
+    }
+
+    fn get_pages<K: AsRef<[u8]> + Sync, S: AsRef<[u8]> + Sync>(
+        &self,
+        regions: &RegionRegistry,
+        batch: &PageBatch<'_, K, S>,
+        buffers: &[MemRef],
+    ) -> BatchResult {
+        self.page_batch(batch, buffers, |engine, range| {
+            self.get_page_range(engine, regions, batch, buffers, range)
+        })
+    }
+
+    fn put_slice(
+        &self,
+        key: &[u8],
+        value: &[u8],
+        depth: Option<u32>,
+    ) -> Result<PutOutcome, ClientError> {
+        let guard = self.engine.read();
+        let engine = guard.as_ref().ok_or(ClientError::Closed)?;
+        Ok(engine.put(key, value, PutMeta { depth })?)
+    }
+
+    fn get_into_slice(&self, key: &[u8], dst: &mut [u8]) -> Result<(), ClientError> {
+        let guard = self.engine.read();
+        let engine = guard.as_ref().ok_or(ClientError::Closed)?;
+        Ok(engine.get_into(key, dst)?)
+    }
+
+    fn object_len(&self, key: &[u8]) -> Option<u64> {
+        self.engine.read().as_ref().and_then(|e| e.object_len(key))
+    }
+
+    fn exists_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> Vec<bool> {
+        match self.engine.read().as_ref() {
+            Some(engine) => keys.iter().map(|k| engine.contains(k.as_ref())).collect(),
+            None => vec![false; keys.len()],
+        }
+    }
+
+    fn exists_pages_prefix<K: AsRef<[u8]>, S: AsRef<[u8]>>(
+        &self,
+        batch: &PageBatch<'_, K, S>,
+    ) -> usize {
+        let guard = self.engine.read();
+        let Some(engine) = guard.as_ref() else {
+            return 0;
+        };
+        let mut key = Vec::new();
+        batch
+            .page_keys
+            .iter()
+            .position(|page_key| {
+                !batch.suffixes.iter().all(|s| {
+                    compose_key(batch.prefix, page_key.as_ref(), s.as_ref(), &mut key);
+                    engine.contains(&key)
+                })
+            })
+            .unwrap_or(batch.pages())
+    }
+
+    fn demote_pages<K: AsRef<[u8]>, S: AsRef<[u8]>>(&self, batch: &PageBatch<'_, K, S>) -> usize {
+        let guard = self.engine.read();
+        let Some(engine) = guard.as_ref() else {
+            return 0;
+        };
+        let mut key = Vec::new();
+        let mut marked = 0;
+        for page_key in batch.page_keys {
+            for suffix in batch.suffixes {
+                compose_key(batch.prefix, page_key.as_ref(), suffix.as_ref(), &mut key);
+                marked += usize::from(engine.demote(&key));
+            }
+        }
+        marked
+    }
+
+    fn exists_v2(&self, query: &ExistsV2Query) -> ExistsV2Answer {
+        self.engine
+            .read()
+            .as_ref()
+            .and_then(|e| e.exists_v2(query).ok())
+            .unwrap_or_default()
+    }
+
+    fn remove_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> usize {
+        match self.engine.read().as_ref() {
+            Some(engine) => keys.iter().filter(|k| engine.remove(k.as_ref())).count(),
+            None => 0,
+        }
+    }
+
+    fn clear(&self) {
+        if let Some(engine) = self.engine.read().as_ref() {
+            engine.clear();
+        }
+    }
+
+    fn flush(&self) -> Result<(), ClientError> {
+        match self.engine.read().as_ref() {
+            Some(engine) => Ok(engine.flush()?),
+            None => Err(ClientError::Closed),
+        }
+    }
+
+    fn close(&self) {
+        // Waits for batches in flight; dropping flushes the SSD tier and frees its directory
+        // for the next store.
+        if let Some(engine) = self.engine.write().take() {
+            if let Err(e) = engine.close() {
+                tracing::warn!(error = %e, "kvtier: flushing the store at close failed");
+            }
+        }
+    }
+
+    fn engine_stats(&self) -> EngineStats {
+        self.engine
+            .read()
+            .as_ref()
+            .map(Engine::stats)
+            .unwrap_or_default()
+    }
+
+    fn rejected_buffers(&self) -> u64 {
+        self.rejected_buffers.load(Ordering::Relaxed)
+    }
+
+    fn pin(&self, key: &[u8]) -> Option<PinnedObject> {
+        self.engine.read().as_ref().and_then(|e| e.pin(key))
+    }
+}

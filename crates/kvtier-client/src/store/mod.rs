@@ -1,0 +1,250 @@
+//! The store seam: one [`Store`] trait for page batches and whole-key calls, three
+//! implementations, and the [`Stores`] enum a [`crate::Client`] owns.
+//!
+//! - [`embedded::EmbeddedStore`]: an engine in this process, key composition, per-page
+//!   rollback and the copy threads. `kvtier serve` hosts its tenants' stores with it directly.
+//! - [`local_server::LocalServerStore`]: a session with a local `kvtier serve` (server mode).
+//! - [`cluster`]: the trait over [`crate::cluster::ClusterStore`] (cluster mode); the cluster
+//!   internals stay in `cluster/`.
+//!
+//! Contract every implementation keeps (the `Client` relies on it and adds nothing):
+//! - Calls never panic on caller input; a bad buffer, a size mismatch or a full store is a
+//!   `false` for that item plus a reason in the [`BatchResult`].
+//! - `put_pages`: `ok[i]` is true when every component of page `i` is visible (stored now or
+//!   already). A page that fails leaves none of the components this call stored behind
+//!   (per-page rollback). The cluster store's rollback is best effort across processes: see
+//!   [`cluster::PAGE_ROLLBACK`].
+//! - `get_pages`: `ok[i]` is true when every component of page `i` was copied; a miss is not an
+//!   error message.
+//! - Buffers are checked against the caller's [`RegionRegistry`] before a byte is touched
+//!   (zero-copy buffers of the local-server store are checked by the server instead).
+//!
+//! The caller (the `Client`) has already checked the batch shape (buffers = pages x
+//! components, one depth per page) and that the client is open: implementations index
+//! `buffers[i * C + j]` and `depths[i]` without checking again.
+//!
+//! Why an enum and not `Box<dyn Store>`: the page calls are generic over the key types (no
+//! copy of SGLang's key lists), which a trait object cannot carry, and a `match` on three
+//! variants costs nothing next to a page copy.
+
+pub mod cluster;
+pub mod embedded;
+pub mod local_server;
+
+use kvtier_engine::{EngineStats, PinnedObject, PutOutcome};
+use kvtier_proto::{ExistsV2Answer, ExistsV2Query};
+
+use crate::batch::{BatchResult, MemRef, PageBatch};
+use crate::cluster::ClusterStore;
+use crate::error::ClientError;
+use crate::memory::RegionRegistry;
+
+pub use embedded::EmbeddedStore;
+pub use local_server::LocalServerStore;
+
+/// Page batches and whole-key calls over one place objects live (see the module doc).
+pub trait Store: Send + Sync {
+    /// `"embedded"`, `"server"` or `"cluster"`.
+    fn mode(&self) -> &'static str;
+
+    /// Put every component of every page (put-if-absent, per-page rollback).
+    fn put_pages<K: AsRef<[u8]> + Sync, S: AsRef<[u8]> + Sync>(
+        &self,
+        regions: &RegionRegistry,
+        batch: &PageBatch<'_, K, S>,
+        buffers: &[MemRef],
+        depths: Option<&[u32]>,
+    ) -> BatchResult;
+
+    /// Get every component of every page into caller memory.
+    fn get_pages<K: AsRef<[u8]> + Sync, S: AsRef<[u8]> + Sync>(
+        &self,
+        regions: &RegionRegistry,
+        batch: &PageBatch<'_, K, S>,
+        buffers: &[MemRef],
+    ) -> BatchResult;
+
+    /// Store bytes the caller owns as a slice (the legacy tensor path).
+    fn put_slice(
+        &self,
+        key: &[u8],
+        value: &[u8],
+        depth: Option<u32>,
+    ) -> Result<PutOutcome, ClientError>;
+
+    /// Copy an object into a slice; its length must match. A miss is `Engine(NotFound)`.
+    fn get_into_slice(&self, key: &[u8], dst: &mut [u8]) -> Result<(), ClientError>;
+
+    /// The object's length when known (`None` when absent or unknown).
+    fn object_len(&self, key: &[u8]) -> Option<u64>;
+
+    fn exists_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> Vec<bool>;
+
+    /// Number of leading pages whose every component exists.
+    fn exists_pages_prefix<K: AsRef<[u8]>, S: AsRef<[u8]>>(
+        &self,
+        batch: &PageBatch<'_, K, S>,
+    ) -> usize;
+
+    /// Mark every component of these pages superseded window state; how many were marked.
+    fn demote_pages<K: AsRef<[u8]>, S: AsRef<[u8]>>(&self, batch: &PageBatch<'_, K, S>) -> usize;
+
+    /// One whole v2 existence query (already checked with `check_work`).
+    fn exists_v2(&self, query: &ExistsV2Query) -> ExistsV2Answer;
+
+    /// Remove whole keys; how many were held.
+    fn remove_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> usize;
+
+    fn clear(&self);
+
+    /// Make every acknowledged put as durable as the configuration promises.
+    fn flush(&self) -> Result<(), ClientError>;
+
+    /// Release the store (later calls fail or answer empty). Called once.
+    fn close(&self);
+
+    /// The engine's counters (embedded only; zero elsewhere).
+    fn engine_stats(&self) -> EngineStats {
+        EngineStats::default()
+    }
+
+    /// Buffers this store refused because they were outside registered memory.
+    fn rejected_buffers(&self) -> u64 {
+        0
+    }
+
+    /// Pin `key` for reading in place (embedded only).
+    fn pin(&self, _key: &[u8]) -> Option<PinnedObject> {
+        None
+    }
+}
+
+/// The one store a [`crate::Client`] owns.
+#[derive(Debug)]
+pub enum Stores {
+    Embedded(EmbeddedStore),
+    Server(Box<LocalServerStore>),
+    Cluster(Box<ClusterStore>),
+}
+
+/// Forward one call to the variant's [`Store`] implementation. Called as `Store::f(..)`
+/// explicitly: the server and cluster stores have inherent methods of the same names (their
+/// wire-level calls), which method syntax would pick first.
+macro_rules! forward {
+    ($self:ident, $method:ident($($arg:expr),*)) => {
+        match $self {
+            Stores::Embedded(s) => Store::$method(s, $($arg),*),
+            Stores::Server(s) => Store::$method(&**s, $($arg),*),
+            Stores::Cluster(s) => Store::$method(&**s, $($arg),*),
+        }
+    };
+}
+
+impl Store for Stores {
+    fn mode(&self) -> &'static str {
+        forward!(self, mode())
+    }
+
+    fn put_pages<K: AsRef<[u8]> + Sync, S: AsRef<[u8]> + Sync>(
+        &self,
+        regions: &RegionRegistry,
+        batch: &PageBatch<'_, K, S>,
+        buffers: &[MemRef],
+        depths: Option<&[u32]>,
+    ) -> BatchResult {
+        forward!(self, put_pages(regions, batch, buffers, depths))
+    }
+
+    fn get_pages<K: AsRef<[u8]> + Sync, S: AsRef<[u8]> + Sync>(
+        &self,
+        regions: &RegionRegistry,
+        batch: &PageBatch<'_, K, S>,
+        buffers: &[MemRef],
+    ) -> BatchResult {
+        forward!(self, get_pages(regions, batch, buffers))
+    }
+
+    fn put_slice(
+        &self,
+        key: &[u8],
+        value: &[u8],
+        depth: Option<u32>,
+    ) -> Result<PutOutcome, ClientError> {
+        forward!(self, put_slice(key, value, depth))
+    }
+
+    fn get_into_slice(&self, key: &[u8], dst: &mut [u8]) -> Result<(), ClientError> {
+        forward!(self, get_into_slice(key, dst))
+    }
+
+    fn object_len(&self, key: &[u8]) -> Option<u64> {
+        forward!(self, object_len(key))
+    }
+
+    fn exists_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> Vec<bool> {
+        forward!(self, exists_keys(keys))
+    }
+
+    fn exists_pages_prefix<K: AsRef<[u8]>, S: AsRef<[u8]>>(
+        &self,
+        batch: &PageBatch<'_, K, S>,
+    ) -> usize {
+        forward!(self, exists_pages_prefix(batch))
+    }
+
+    fn demote_pages<K: AsRef<[u8]>, S: AsRef<[u8]>>(&self, batch: &PageBatch<'_, K, S>) -> usize {
+        forward!(self, demote_pages(batch))
+    }
+
+    fn exists_v2(&self, query: &ExistsV2Query) -> ExistsV2Answer {
+        forward!(self, exists_v2(query))
+    }
+
+    fn remove_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> usize {
+        forward!(self, remove_keys(keys))
+    }
+
+    fn clear(&self) {
+        forward!(self, clear())
+    }
+
+    fn flush(&self) -> Result<(), ClientError> {
+        forward!(self, flush())
+    }
+
+    fn close(&self) {
+        forward!(self, close())
+    }
+
+    fn engine_stats(&self) -> EngineStats {
+        forward!(self, engine_stats())
+    }
+
+    fn rejected_buffers(&self) -> u64 {
+        forward!(self, rejected_buffers())
+    }
+
+    fn pin(&self, key: &[u8]) -> Option<PinnedObject> {
+        forward!(self, pin(key))
+    }
+}
+
+/// A page batch as the server protocol's [`kvtier_proto::server::PageKeys`].
+pub(crate) fn page_keys_message<K: AsRef<[u8]>, S: AsRef<[u8]>>(
+    batch: &PageBatch<'_, K, S>,
+) -> kvtier_proto::server::PageKeys {
+    kvtier_proto::server::PageKeys {
+        prefix: batch.prefix.to_vec(),
+        page_keys: batch
+            .page_keys
+            .iter()
+            .map(|k| k.as_ref().to_vec())
+            .collect(),
+        suffixes: batch.suffixes.iter().map(|s| s.as_ref().to_vec()).collect(),
+    }
+}
+
+/// Owned copies of whole keys (the wire and RPC calls take `Vec<u8>` keys).
+pub(crate) fn owned_keys<K: AsRef<[u8]>>(keys: &[K]) -> Vec<Vec<u8>> {
+    keys.iter().map(|k| k.as_ref().to_vec()).collect()
+}

@@ -1,0 +1,124 @@
+//! `kvtier._native` key-scheme functions: the Python face of `kvtier_proto::keys` (issue 16).
+//!
+//! The SGLang adapter gathers SGLang's facts (ranks, pool names, component counts, the layout
+//! fingerprint) and composes and parses keys only through these functions, so the adapter,
+//! the engine's eviction groups, the metrics and the KV events agree on one definition. Every
+//! function is pure and takes plain values; none can fail on odd input (a key outside the
+//! scheme parses to `None` / pool `other`).
+
+use kvtier_proto::keys::{self, MambaShape, RankLayout};
+use pyo3::prelude::*;
+
+/// `(tag, page_hash, fingerprint, [rank parts], component)` of a parsed key.
+type ParsedReply = (Option<String>, String, String, Vec<String>, String);
+
+/// The key format version every fingerprint includes.
+#[pyfunction]
+fn key_format_version() -> u32 {
+    keys::KEY_FORMAT_VERSION
+}
+
+/// The rank part of a suffix (`.tp0.pp1`); `tp_rank=None` for a replicated pool.
+#[pyfunction]
+#[pyo3(signature = (tp_rank, pp_size=1, pp_rank=0, cp_size=1, cp_rank=0, dcp_size=1, dcp_rank=0))]
+fn key_rank_tag(
+    tp_rank: Option<u32>,
+    pp_size: u32,
+    pp_rank: u32,
+    cp_size: u32,
+    cp_rank: u32,
+    dcp_size: u32,
+    dcp_rank: u32,
+) -> String {
+    keys::rank_tag(&RankLayout {
+        tp_rank,
+        pp_size,
+        pp_rank,
+        cp_size,
+        cp_rank,
+        dcp_size,
+        dcp_rank,
+    })
+}
+
+/// Component names of a page (`mamba=(conv_buffers, has_temporal)` for the Mamba pool).
+#[pyfunction]
+#[pyo3(signature = (base, count, mamba=None))]
+fn key_component_names(
+    base: Option<&str>,
+    count: usize,
+    mamba: Option<(usize, bool)>,
+) -> Vec<String> {
+    let shape = mamba.map(|(conv, temporal)| MambaShape { conv, temporal });
+    keys::component_names(base, count, shape)
+}
+
+/// `@fingerprint rank_tag . component`.
+#[pyfunction]
+fn key_suffix(fingerprint: &str, rank_tag: &str, component: &str) -> String {
+    keys::suffix(fingerprint, rank_tag, component)
+}
+
+/// `prefix ++ page_key ++ suffix`.
+#[pyfunction]
+fn key_compose(prefix: &str, page_key: &str, suffix: &str) -> String {
+    format!("{prefix}{page_key}{suffix}")
+}
+
+/// The page group `[tag/]page_hash@` of a key (the whole key without `@`).
+#[pyfunction]
+fn key_group_of(key: &str) -> String {
+    String::from_utf8_lossy(keys::group_of(key.as_bytes())).into_owned()
+}
+
+/// The page hash of a key or group.
+#[pyfunction]
+fn key_page_hash(key: &str) -> String {
+    String::from_utf8_lossy(keys::page_hash_of(key.as_bytes())).into_owned()
+}
+
+/// The metrics pool label of a key or suffix (`kv`, a side pool, `other`).
+#[pyfunction]
+fn key_pool_of(key: &str) -> String {
+    keys::pool_of(key.as_bytes()).to_string()
+}
+
+/// The fields of a key, or `None` outside the scheme.
+#[pyfunction]
+fn key_parse(key: &str) -> Option<ParsedReply> {
+    keys::parse(key.as_bytes()).map(|p| {
+        (
+            p.tag.map(str::to_string),
+            p.page_hash.to_string(),
+            p.fingerprint.to_string(),
+            p.ranks.iter().map(|r| r.to_string()).collect(),
+            p.component.to_string(),
+        )
+    })
+}
+
+/// `(start, stop)` of the chain pages a backup superseded, or `None` (see
+/// `kvtier_proto::keys::superseded_range`).
+#[pyfunction]
+fn key_superseded_range(
+    prefix_pages: usize,
+    new_pages: usize,
+    window: usize,
+) -> Option<(usize, usize)> {
+    keys::superseded_range(prefix_pages, new_pages, window).map(|r| (r.start, r.end))
+}
+
+/// Register the functions on the `_native` module.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(key_format_version, m)?)?;
+    m.add_function(wrap_pyfunction!(key_rank_tag, m)?)?;
+    m.add_function(wrap_pyfunction!(key_component_names, m)?)?;
+    m.add_function(wrap_pyfunction!(key_suffix, m)?)?;
+    m.add_function(wrap_pyfunction!(key_compose, m)?)?;
+    m.add_function(wrap_pyfunction!(key_group_of, m)?)?;
+    m.add_function(wrap_pyfunction!(key_page_hash, m)?)?;
+    m.add_function(wrap_pyfunction!(key_pool_of, m)?)?;
+    m.add_function(wrap_pyfunction!(key_parse, m)?)?;
+    m.add_function(wrap_pyfunction!(key_superseded_range, m)?)?;
+    Ok(())
+}
