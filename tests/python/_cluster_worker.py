@@ -80,6 +80,26 @@ def v1_exists_timed(keys):
     return hit, time.perf_counter() - started
 
 
+def set_env(env):
+    """Set (a value) or unset (None) environment variables of this process: UCX reads
+    ``UCX_TLS`` / ``UCX_NET_DEVICES`` when a client creates its UCX context, at setup."""
+    import os
+
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    return True
+
+
+def stats_json():
+    """The store's whole stats document (with ``peer_transports``), parsed."""
+    import json
+
+    return json.loads(STATE["store"]._store.stats_json())
+
+
 COMMANDS = {
     f.__name__: f
     for f in (
@@ -90,6 +110,8 @@ COMMANDS = {
         v1_write_hashed,
         v1_read_hashed,
         v1_exists_timed,
+        set_env,
+        stats_json,
     )
 }
 

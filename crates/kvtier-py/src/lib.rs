@@ -607,6 +607,14 @@ impl Store {
         }
         Ok(dict)
     }
+
+    /// Issue 17: the client's whole stats document as JSON text. `stats()` keeps the scalar
+    /// counters only; this one also carries the lists, e.g. `peer_transports` (the data
+    /// transport in use per peer), so a Python caller can tell UCX reads from frames.
+    fn stats_json(&self, py: Python<'_>) -> String {
+        let client = &self.client;
+        py.detach(|| client.stats_json()).to_string()
+    }
 }
 
 #[pymodule]

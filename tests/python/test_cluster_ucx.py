@@ -1,0 +1,98 @@
+"""The UCX data plane (issue 17) under SGLang's real DeepSeek-V4 pool group.
+
+A real ``kvtier master`` and two real ``kvtier serve --master`` nodes (node-a on 127.0.0.2,
+node-b on 127.0.0.3, both with ``--engine cluster_transport=ucx``), started as test_cluster.py
+starts them. Two SGLang host processes (_cluster_worker, the harness's DSV4 HostPoolGroup:
+logical KV anchor plus side pools): the prefill host writes a span with the real controller
+backup flow (batch_set_v2) through its node-a client; the decode host, a client of node-b with
+``cluster_transport = "ucx"``, reads every page of every side pool back (batch_exists_v2 +
+batch_get_v2) and compares it byte for byte (sha256) with what was written.
+
+It runs twice, UCX pinned to TCP on loopback (``UCX_TLS=tcp UCX_NET_DEVICES=lo``) and to shared
+memory (``UCX_TLS=posix,cma,self``), the two settings of crates/kvtier-cli/tests/cluster_ucx.rs.
+The nodes inherit the variables from this process; the host processes set them before their
+store (and so their UCX context) is created. The test cannot pass on frames: the decode
+client's stats (``peer_transports``) must name ``ucx`` for node-a after the reads (a UCX
+failure falls back to frames and reports ``tcp`` there), with the UCX_TLS both sides used.
+It skips, naming itself, where libucp cannot be loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+
+import pytest
+
+import test_cluster as tc
+from test_cluster import _host_pool, cluster, hosts, kvtier_bin  # noqa: F401  (fixtures)
+
+TRANSPORTS = {
+    "tcp": {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"},
+    "shm": {"UCX_TLS": "posix,cma,self", "UCX_NET_DEVICES": "lo"},
+}
+PAGES = 6
+
+
+def _libucp_missing():
+    for name in ("libucp.so.0", "libucp.so"):
+        try:
+            ctypes.CDLL(name)
+            return None
+        except OSError as e:
+            reason = str(e)
+    return reason
+
+
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+def test_dsv4_group_read_byte_exact_through_another_node_over_ucx(
+    transport, cluster, hosts, monkeypatch
+):
+    missing = _libucp_missing()
+    if missing:
+        pytest.skip(f"test_cluster_ucx needs libucp (UCX): {missing}")
+    env = TRANSPORTS[transport]
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)  # inherited by the nodes
+    started = time.perf_counter()
+    c = cluster()
+    a = c.add_node("node-a", "127.0.0.2", "--engine", "cluster_transport=ucx")
+    b = c.add_node("node-b", "127.0.0.3", "--engine", "cluster_transport=ucx")
+    c.master.wait_nodes(["node-a", "node-b"])
+    prefill, decode = hosts
+    tc.in_parallel((prefill, "set_env", {"env": env}), (decode, "set_env", {"env": env}))
+    dsv4 = dict(kind="dsv4", tp_rank=0, tp_size=1, socket=None, allocator="default")
+    ucx = dict(cluster_transport="ucx", cluster_request_timeout_ms=2000)
+    info, _ = tc.in_parallel(
+        (prefill, "setup", {**dsv4, **c.store_config("node-a", **ucx)}),
+        (decode, "setup", {**dsv4, **c.store_config("node-b", **ucx)}),
+    )
+    assert info["mode"] == "cluster"
+    tc.log(f"[{transport}] cluster and DSV4 stores up in {time.perf_counter() - started:.1f} s")
+
+    keys = tc.keys_for(PAGES, f"ucx-{transport}-")
+    completed, pool_hits, truth, t_put = prefill("v2_backup_hashed", keys=keys, seed=17)
+    assert completed == PAGES and all(v > 0 for v in pool_hits.values()), pool_hits
+    assert truth and all(truth.values()), truth
+    # Written through node-a only: node-b holds nothing, so every page decode reads is remote.
+    on_a = a.keys()
+    assert on_a and b.objects() == 0, (on_a, b.stat()["stores"])
+
+    hit, kv_hit, read, t_get = decode("v2_prefetch_hashed", keys=keys)
+    assert hit == kv_hit == PAGES, (hit, kv_hit)
+    assert read == truth, "decode read different bytes than prefill wrote"
+    pages = sum(len(p) for p in read.values())
+    assert b.objects() == 0, "the reads copied objects into node-b"
+
+    stats = decode("stats_json")
+    peers = {p["peer"]: p for p in stats.get("peer_transports", [])}
+    assert a.data_addr in peers, f"no transport reported for node-a {a.data_addr}: {stats}"
+    used = peers[a.data_addr]
+    assert used["transport"] == "ucx", f"node-a was read over frames: {used}"
+    tls = env["UCX_TLS"]
+    assert f"node UCX_TLS {tls}" in used["reason"] and f"here {tls}" in used["reason"], used
+    tc.log(
+        f"[{transport}] batch_set_v2 of {PAGES} pages via node-a {t_put * 1e3:.1f} ms; "
+        f"decode read {pages} side-pool pages from node-a byte-exact in {t_get * 1e3:.1f} ms "
+        f"over {used['transport']} ({used['reason']})"
+    )
