@@ -13,14 +13,20 @@ memory (``UCX_TLS=posix,cma,self``), the two settings of crates/kvtier-cli/tests
 The nodes inherit the variables from this process; the host processes set them before their
 store (and so their UCX context) is created. The test cannot pass on frames: the decode
 client's stats (``peer_transports``) must name ``ucx`` for node-a after the reads (a UCX
-failure falls back to frames and reports ``tcp`` there), with the UCX_TLS both sides used.
-It skips, naming itself, where libucp cannot be loaded.
+failure falls back to frames and reports ``tcp`` there), with the UCX_TLS both sides used;
+and node-a's ``/metrics`` must show no page bytes sent over its TCP frames during the reads
+(while its frame counter did count the puts coming in).
+It skips, naming itself, where libucp cannot be loaded. Under shared memory UCX logs one
+"no active messages transport ... no peer failure handler" error: the endpoint is asked for
+with peer failure handling first, which UCX's shm transports lack, then made without it
+(``Worker::connect`` in transport/ucx/plane.rs); expected.
 """
 
 from __future__ import annotations
 
 import ctypes
 import time
+import urllib.request
 
 import pytest
 
@@ -32,6 +38,21 @@ TRANSPORTS = {
     "shm": {"UCX_TLS": "posix,cma,self", "UCX_NET_DEVICES": "lo"},
 }
 PAGES = 6
+
+
+def frame_bytes(metrics_addr):
+    """Page bytes a node moved over its TCP frames, by direction (its ``/metrics``:
+    ``kvtier_peer_transfer_bytes_total``, summed over peers)."""
+    with urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    moved = {"in": 0.0, "out": 0.0}
+    for line in text.splitlines():
+        if line.startswith("kvtier_peer_transfer_bytes_total{"):
+            labels, value = line.rsplit(" ", 1)
+            for d in moved:
+                if f'direction="{d}"' in labels:
+                    moved[d] += float(value)
+    return moved
 
 
 def _libucp_missing():
@@ -56,7 +77,10 @@ def test_dsv4_group_read_byte_exact_through_another_node_over_ucx(
         monkeypatch.setenv(k, v)  # inherited by the nodes
     started = time.perf_counter()
     c = cluster()
-    a = c.add_node("node-a", "127.0.0.2", "--engine", "cluster_transport=ucx")
+    metrics_a = f"127.0.0.2:{tc.free_port('127.0.0.2')}"
+    a = c.add_node(
+        "node-a", "127.0.0.2", "--engine", "cluster_transport=ucx", "--metrics-addr", metrics_a
+    )
     b = c.add_node("node-b", "127.0.0.3", "--engine", "cluster_transport=ucx")
     c.master.wait_nodes(["node-a", "node-b"])
     prefill, decode = hosts
@@ -78,6 +102,9 @@ def test_dsv4_group_read_byte_exact_through_another_node_over_ucx(
     on_a = a.keys()
     assert on_a and b.objects() == 0, (on_a, b.stat()["stores"])
 
+    before = frame_bytes(metrics_a)
+    assert before["in"] > 0, f"node-a counted no frame bytes for the puts: {before}"
+
     hit, kv_hit, read, t_get = decode("v2_prefetch_hashed", keys=keys)
     assert hit == kv_hit == PAGES, (hit, kv_hit)
     assert read == truth, "decode read different bytes than prefill wrote"
@@ -91,6 +118,10 @@ def test_dsv4_group_read_byte_exact_through_another_node_over_ucx(
     assert used["transport"] == "ucx", f"node-a was read over frames: {used}"
     tls = env["UCX_TLS"]
     assert f"node UCX_TLS {tls}" in used["reason"] and f"here {tls}" in used["reason"], used
+    # And node-a sent no page bytes over its frames for those reads: every page went one-sided
+    # (an object the node cannot lease is read over frames without changing peer_transports).
+    after = frame_bytes(metrics_a)
+    assert after["out"] == before["out"], f"node-a served page bytes over frames: {after}"
     tc.log(
         f"[{transport}] batch_set_v2 of {PAGES} pages via node-a {t_put * 1e3:.1f} ms; "
         f"decode read {pages} side-pool pages from node-a byte-exact in {t_get * 1e3:.1f} ms "
