@@ -9,6 +9,7 @@
 //! nodes inherit them. Covered: byte-exact round trip with the transport reported as `ucx`,
 //! a node killed mid-read (its objects fail cleanly, the other node's stay intact), and
 //! eviction racing remote reads (a read is byte-exact or a miss, never other bytes).
+//! `kvtier stat` names each node's data plane: UCX (with its `UCX_TLS`) or TCP frames and why.
 
 mod common;
 
@@ -371,4 +372,90 @@ fn child_eviction_racing_reads() {
     let node_a = &cluster.nodes[0].1;
     let (transport, reason) = transport_of(&reader, node_a).expect("node A read from");
     println!("node A read over {transport}: {reason}");
+}
+
+/// The real `kvtier stat` against a real node once its data plane is reported (the node
+/// starts its cluster part after its socket listens): (human output, JSON document).
+fn stat_with_data_plane(socket: &std::path::Path) -> (String, serde_json::Value) {
+    let run = |json: bool| {
+        let mut args = vec!["stat", "--socket", socket.to_str().unwrap()];
+        if json {
+            args.push("--json");
+        }
+        let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+            .args(&args)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let mut human = String::new();
+    wait_for(Duration::from_secs(10), "stat names the data plane", || {
+        human = run(false);
+        human.contains("data plane:")
+    });
+    let doc = serde_json::from_str(&run(true)).unwrap();
+    (human, doc)
+}
+
+#[test]
+fn stat_names_the_data_plane() {
+    if let Err(reason) = kvtier_client::transport::ucx::ffi::Ucp::get() {
+        eprintln!("SKIP: libucp is not available here: {reason}");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let master = format!("127.0.0.1:{}", free_port("127.0.0.1"));
+    let _master_proc = spawn_master(&master, 1000, &[]);
+    let mut nodes = Vec::new();
+    for (id, ip, transport) in [
+        ("node-u", "127.0.0.2", "ucx"),
+        ("node-t", "127.0.0.3", "tcp"),
+    ] {
+        let data = format!("{ip}:{}", free_port(ip));
+        let socket = dir.path().join(format!("{id}.sock"));
+        let engine = format!("cluster_transport={transport}");
+        let args = [
+            "serve",
+            "--socket",
+            socket.to_str().unwrap(),
+            "--dram-capacity",
+            "16MiB",
+            "--engine",
+            "dram_prefault=false",
+            "--engine",
+            &engine,
+            "--master",
+            &master,
+            "--data-addr",
+            &data,
+            "--node-id",
+            id,
+        ];
+        let envs = [
+            ("KVTIER_CLUSTER_TOKEN", TOKEN),
+            ("UCX_TLS", TCP),
+            ("UCX_NET_DEVICES", "lo"),
+        ];
+        let proc = Proc::spawn(id, &args, &envs);
+        nodes.push((socket.clone(), proc));
+    }
+    let (human, doc) = stat_with_data_plane(&nodes[0].0);
+    println!("ucx node: {human}");
+    let line = human.lines().find(|l| l.contains("data plane:")).unwrap();
+    assert!(line.contains("data plane: UCX (UCX_TLS tcp,"), "{human}");
+    assert!(line.contains("16 MiB registered"), "{human}");
+    let plane = &doc["data_plane"];
+    assert_eq!(plane["transport"], "ucx", "{doc}");
+    assert_eq!(plane["enabled"], true, "{doc}");
+    assert_eq!(plane["ucx_tls"], TCP, "{doc}");
+    assert_eq!(plane["leases_held"], 0, "{doc}");
+
+    let (human, doc) = stat_with_data_plane(&nodes[1].0);
+    println!("tcp node: {human}");
+    assert!(
+        human.contains("data plane: TCP frames (no UCX: cluster_transport = \"tcp\")"),
+        "{human}"
+    );
+    assert_eq!(doc["data_plane"]["transport"], "frames", "{doc}");
+    assert_eq!(doc["data_plane"]["enabled"], false, "{doc}");
 }

@@ -246,6 +246,9 @@ pub fn serve_main(args: ServeArgs) -> i32 {
             return 1;
         }
     };
+    if let Some(node) = &cluster {
+        running.set_data_plane(node.data_plane.clone()); // issue 17
+    }
     let signal = signals.forever().next();
     drop(cluster);
     eprintln!(
@@ -443,6 +446,26 @@ pub fn print_json(doc: &Value) {
     );
 }
 
+/// Issue 17: the `kvtier stat` line naming a cluster node's data plane.
+fn data_plane_line(plane: &Value) -> String {
+    if plane["transport"] == "ucx" {
+        format!(
+            "UCX (UCX_TLS {}, {} MiB registered, leases held {} / total {}, refused {}, objects not remote {}; TCP frames as fallback)",
+            plane["ucx_tls"].as_str().unwrap_or("?"),
+            plane["registered_bytes"].as_u64().unwrap_or(0) >> 20,
+            plane["leases_held"],
+            plane["leases_total"],
+            plane["leases_refused_full"],
+            plane["objects_not_remote"]
+        )
+    } else {
+        format!(
+            "TCP frames (no UCX: {})",
+            plane["reason"].as_str().unwrap_or("?")
+        )
+    }
+}
+
 /// Run `kvtier stat`; returns the exit code.
 pub fn stat_main(args: StatArgs) -> i32 {
     let socket = match socket_or_default(&args.socket) {
@@ -480,6 +503,9 @@ pub fn stat_main(args: StatArgs) -> i32 {
         s["mapped_regions"],
         s["mapped_bytes"].as_u64().unwrap_or(0) >> 20
     );
+    if let Some(plane) = doc.get("data_plane") {
+        println!("  data plane: {}", data_plane_line(plane)); // issue 17
+    }
     if let Some(stores) = doc["stores"].as_object() {
         for (name, st) in stores {
             println!(
@@ -517,16 +543,18 @@ pub fn stat_main(args: StatArgs) -> i32 {
 pub struct ClusterNode {
     pub agent: crate::node::NodeAgent,
     pub port: crate::peer::DataPort,
+    /// Issue 17: what `stats` names as the node's data plane.
+    pub data_plane: crate::server::DataPlane,
 }
 
 /// Issue 17: the node's UCX data plane unless `cluster_transport = "tcp"`; a node that
-/// cannot serve it says why and serves frames only.
+/// cannot serve it says why and serves frames only (`Err(why)`).
 fn start_ucx_node(
     settings: &kvtier_client::KvtierConfig,
     store: &kvtier_client::Client,
-) -> Option<std::sync::Arc<crate::ucx_node::UcxNode>> {
+) -> Result<std::sync::Arc<crate::ucx_node::UcxNode>, String> {
     if settings.cluster_transport == "tcp" {
-        return None;
+        return Err("cluster_transport = \"tcp\"".into());
     }
     match crate::ucx_node::UcxNode::start(store) {
         Ok(node) => {
@@ -535,11 +563,11 @@ fn start_ucx_node(
                 node.offer().transports,
                 node.describe()["registered_bytes"].as_u64().unwrap_or(0) >> 20
             );
-            Some(std::sync::Arc::new(node))
+            Ok(std::sync::Arc::new(node))
         }
         Err(why) => {
             eprintln!("kvtier serve: no UCX data plane ({why}); peers read over TCP frames");
-            None
+            Err(why)
         }
     }
 }
@@ -571,11 +599,15 @@ pub fn start_cluster_node(
         .unwrap_or_default()
         .into_bytes();
     let ucx = start_ucx_node(settings, &store);
+    let data_plane = match &ucx {
+        Ok(node) => crate::server::DataPlane::Ucx(std::sync::Arc::downgrade(node)),
+        Err(why) => crate::server::DataPlane::Frames(why.clone()),
+    };
     let port = crate::peer::DataPort::start_with_ucx(
         addr,
         std::sync::Arc::clone(&store),
         token.clone(),
-        ucx,
+        ucx.ok(),
     )
     .map_err(|e| format!("cannot bind the data port {data}: {e}"))?;
     let data_address = port.local_addr().to_string();
@@ -599,5 +631,9 @@ pub fn start_cluster_node(
         port.held(),
     )
     .map_err(|e| format!("cannot start the node agent: {e}"))?;
-    Ok(Some(ClusterNode { agent, port }))
+    Ok(Some(ClusterNode {
+        agent,
+        port,
+        data_plane,
+    }))
 }

@@ -191,6 +191,39 @@ struct Shared {
     /// Open connections per peer uid (`max_connections_per_uid`).
     connections_per_uid: Mutex<HashMap<u32, u64>>,
     metrics: Option<Arc<Endpoint>>,
+    /// Issue 17: the cluster node's data plane, set once the node starts (`stats` "data_plane").
+    data_plane: Mutex<Option<DataPlane>>,
+}
+
+/// Issue 17: a cluster node's data plane as `stats` reports it under "data_plane".
+#[derive(Debug, Clone)]
+pub enum DataPlane {
+    /// UCX served (peers read the DRAM arena one-sided; frames stay the fallback). Weak: the
+    /// cluster node owns the UCX plane and stops it before the server's store drops.
+    Ucx(std::sync::Weak<crate::ucx_node::UcxNode>),
+    /// TCP frames only, and why not UCX.
+    Frames(String),
+}
+
+impl DataPlane {
+    /// The "data_plane" object of the stats document.
+    pub fn describe(&self) -> Value {
+        match self {
+            DataPlane::Ucx(node) => match node.upgrade() {
+                Some(node) => {
+                    let mut doc = node.describe();
+                    doc["transport"] = json!("ucx");
+                    doc
+                }
+                None => {
+                    json!({ "enabled": false, "transport": "frames", "reason": "UCX plane stopped" })
+                }
+            },
+            DataPlane::Frames(why) => {
+                json!({ "enabled": false, "transport": "frames", "reason": why })
+            }
+        }
+    }
 }
 
 impl Collector for Shared {
@@ -358,6 +391,7 @@ impl Server {
                 mapped_total: AtomicU64::new(0),
                 connections_per_uid: Mutex::new(HashMap::new()),
                 metrics,
+                data_plane: Mutex::new(None),
             }),
             listener,
         })
@@ -404,6 +438,11 @@ impl RunningServer {
     /// The bound address of the metrics endpoint (`metrics_addr`), if any.
     pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
         self.shared.metrics.as_ref().map(|e| e.addr())
+    }
+
+    /// Issue 17: name the cluster node's data plane in `stats` ("data_plane").
+    pub fn set_data_plane(&self, plane: DataPlane) {
+        *self.shared.data_plane.lock() = Some(plane);
     }
 
     /// The stats document `Stats` returns (without a requesting session).
@@ -1606,6 +1645,10 @@ fn stats_document(shared: &Shared, you: Option<&Session>) -> Value {
         "stores": stores,
         "sessions": list,
     });
+    // Issue 17: a cluster node names its data plane (UCX or frames, and why).
+    if let Some(plane) = shared.data_plane.lock().as_ref() {
+        doc["data_plane"] = plane.describe();
+    }
     if let Some(you) = you {
         doc["you"] = json!({ "session": you.id, "store": you.store.name, "tenant": you.tenant });
         doc["you_engine_stats"] = doc["stores"][you.store.name.as_str()].clone();
