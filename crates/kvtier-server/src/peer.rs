@@ -635,7 +635,11 @@ fn serve_connection(
     let moved_in =
         metrics::counter!(names::PEER_TRANSFER_BYTES, "peer" => host, "direction" => "in");
     let mut reader = BufReader::with_capacity(READ_BUFFER, stream);
-    let served = serve_requests(shared, &mut reader, &mut body, &mut replies, &moved_in);
+    let served = serve_requests(shared, id, &mut reader, &mut body, &mut replies, &moved_in);
+    // The UCX leases this connection took pin store memory: they end with it.
+    if let Some(ucx) = &shared.ucx {
+        ucx.release_connection(id);
+    }
     // The writer ends once every queued reply is written (or the socket failed).
     drop(replies);
     let written = writer
@@ -811,6 +815,7 @@ fn frame_buffered(reader: &BufReader<TcpStream>) -> bool {
 
 fn serve_requests(
     shared: &PortShared,
+    connection: u64,
     stream: &mut BufReader<TcpStream>,
     body: &mut Vec<u8>,
     replies: &mut Replies,
@@ -963,8 +968,14 @@ fn serve_requests(
             Ok(Opcode::Ping) => replies.ok(Opcode::Ping, id)?,
             // Issue 17: hello / lease / release of the UCX data plane.
             Ok(op @ (Opcode::PeerUcxHello | Opcode::PeerUcxLease | Opcode::PeerUcxRelease)) => {
-                let frame =
-                    crate::ucx_node::serve(shared.ucx.as_deref(), &shared.store, op, id, body)?;
+                let frame = crate::ucx_node::serve(
+                    shared.ucx.as_deref(),
+                    &shared.store,
+                    connection,
+                    op,
+                    id,
+                    body,
+                )?;
                 replies.queue(Reply::Frame(frame))?
             }
             _ => replies.error(

@@ -11,6 +11,9 @@
 //!   evicted or reused until the lease is released or expires ([`LEASE_TIME`]); at most
 //!   [`MAX_LEASES`] leases are held (a new one beyond is refused, the reader uses frames), so
 //!   a peer cannot pin the store full. Expired leases are dropped by the progress thread.
+//! - A lease belongs to the data-port connection that took it: only that connection releases
+//!   it, and its leases are dropped when it ends ([`UcxNode::release_connection`]), so a peer
+//!   that dies holds nothing past its connection and cannot release another reader's pins.
 //! - Only extents inside the registered arena are handed out; an object held elsewhere (read
 //!   from the SSD tier for the pin) is answered `NotRemote` and read over frames.
 //! - Peers only read: nothing writes into the arena from outside the engine.
@@ -45,6 +48,8 @@ pub const LEASES_FULL: u16 = 40;
 const PROGRESS_WAIT: Duration = Duration::from_millis(100);
 
 struct Lease {
+    /// The data-port connection that took it.
+    connection: u64,
     _pins: Vec<PinnedObject>,
     expires: Instant,
 }
@@ -55,8 +60,16 @@ struct Leases {
 }
 
 impl Leases {
-    fn reap(&mut self, now: Instant) {
-        self.held.retain(|_, l| l.expires > now);
+    /// Remove the leases `drop_it` picks and hand them back, so their pins drop after the
+    /// table's lock is released.
+    fn take(&mut self, mut drop_it: impl FnMut(&Lease) -> bool) -> Vec<Lease> {
+        let ids: Vec<u64> = self
+            .held
+            .iter()
+            .filter(|(_, lease)| drop_it(lease))
+            .map(|(id, _)| *id)
+            .collect();
+        ids.iter().filter_map(|id| self.held.remove(id)).collect()
     }
 }
 
@@ -165,16 +178,24 @@ impl UcxNode {
         })
     }
 
-    /// Pin the requested objects; `Err`: refused (the lease table is full).
-    pub fn lease(&self, store: &Client, request: &UcxLeaseRequest) -> Result<UcxLeaseReply, u16> {
-        {
+    /// Pin the requested objects for `connection`; `Err`: refused (the lease table is full).
+    pub fn lease(
+        &self,
+        store: &Client,
+        connection: u64,
+        request: &UcxLeaseRequest,
+    ) -> Result<UcxLeaseReply, u16> {
+        let expired = {
             let mut leases = self.leases.lock();
-            leases.reap(Instant::now());
+            let now = Instant::now();
+            let expired = leases.take(|lease| lease.expires <= now);
             if leases.held.len() >= MAX_LEASES {
                 self.counters.refused_full.fetch_add(1, Ordering::Relaxed);
                 return Err(LEASES_FULL);
             }
-        }
+            expired
+        };
+        drop(expired);
         let (start, end) = (self.base, self.base + self.len);
         let mut pins = Vec::new();
         let mut items = Vec::with_capacity(request.objects.len());
@@ -218,6 +239,7 @@ impl UcxNode {
             self.leases.lock().held.insert(
                 lease_id,
                 Lease {
+                    connection,
                     _pins: pins,
                     expires: Instant::now() + LEASE_TIME,
                 },
@@ -226,10 +248,26 @@ impl UcxNode {
         Ok(UcxLeaseReply { lease_id, items })
     }
 
-    /// Drop a lease's pins (unknown or expired: nothing to do).
-    pub fn release(&self, lease_id: u64) {
-        let lease = self.leases.lock().held.remove(&lease_id);
+    /// Drop the pins of `connection`'s lease `lease_id` (unknown, expired or another
+    /// connection's: nothing to do).
+    pub fn release(&self, connection: u64, lease_id: u64) {
+        let lease = {
+            let mut leases = self.leases.lock();
+            match leases.held.get(&lease_id) {
+                Some(lease) if lease.connection == connection => leases.held.remove(&lease_id),
+                _ => None,
+            }
+        };
         drop(lease); // the pins drop outside the lock
+    }
+
+    /// Drop every lease `connection` still holds: called when that connection ends.
+    pub fn release_connection(&self, connection: u64) {
+        let leases = self
+            .leases
+            .lock()
+            .take(|lease| lease.connection == connection);
+        drop(leases);
     }
 }
 
@@ -253,18 +291,7 @@ fn progress_loop(worker: &Worker, stop: &AtomicBool, leases: &Mutex<Leases>) {
         }
         if last_reap.elapsed() >= PROGRESS_WAIT {
             let now = Instant::now();
-            let expired: Vec<Lease> = {
-                let mut l = leases.lock();
-                let ids: Vec<u64> = l
-                    .held
-                    .iter()
-                    .filter(|(_, v)| v.expires <= now)
-                    .map(|(k, _)| *k)
-                    .collect();
-                ids.into_iter()
-                    .filter_map(|id| l.held.remove(&id))
-                    .collect()
-            };
+            let expired = leases.lock().take(|lease| lease.expires <= now);
             drop(expired);
             last_reap = now;
         }
@@ -290,11 +317,12 @@ fn refuse(opcode: Opcode, id: u64, code: u16, message: String) -> io::Result<Vec
     Ok(frame)
 }
 
-/// Answer one UCX control request of an authenticated data-port connection: the whole reply
-/// frame (an error frame when the node serves no UCX or the body is malformed).
+/// Answer one UCX control request of the authenticated data-port connection `connection`:
+/// the whole reply frame (an error frame when the node serves no UCX or the body is malformed).
 pub fn serve(
     node: Option<&UcxNode>,
     store: &Client,
+    connection: u64,
     opcode: Opcode,
     id: u64,
     body: &[u8],
@@ -313,7 +341,7 @@ pub fn serve(
             Err(e) => refuse(opcode, id, error_code::MALFORMED, e.to_string()),
         },
         Opcode::PeerUcxLease => match UcxLeaseRequest::decode(body) {
-            Ok(request) => match node.lease(store, &request) {
+            Ok(request) => match node.lease(store, connection, &request) {
                 Ok(lease) => reply(opcode, id, &lease),
                 Err(code) => refuse(
                     opcode,
@@ -326,7 +354,7 @@ pub fn serve(
         },
         Opcode::PeerUcxRelease => match UcxRelease::decode(body) {
             Ok(release) => {
-                node.release(release.lease_id);
+                node.release(connection, release.lease_id);
                 reply(opcode, id, &UcxHello)
             }
             Err(e) => refuse(opcode, id, error_code::MALFORMED, e.to_string()),

@@ -959,32 +959,88 @@ impl TcpTransport {
     }
 
     /// One request/reply of a small control exchange with any body (issue 17: the UCX data
-    /// plane's hello, lease and release ride on the authenticated pooled connections). Only
-    /// for requests that are harmless when sent again: a stale pooled connection is retried
-    /// once on a fresh one. A node's error reply is [`TransportError::Refused`] with its code.
+    /// plane's hello rides on the authenticated pooled connections). Only for requests that are
+    /// harmless when sent again: a stale pooled connection is retried once on a fresh one. A
+    /// node's error reply is [`TransportError::Refused`] with its code.
     pub fn control<T: Decode>(
         &self,
         peer: &str,
         opcode: Opcode,
         body: &impl Encode,
     ) -> Result<T, TransportError> {
+        self.session(peer)?.control(opcode, body)
+    }
+
+    /// Hold one connection to `peer` for several control exchanges: state a node keeps per
+    /// connection (a UCX lease) is released on the connection that took it, and freed by the
+    /// node if that connection ends first.
+    pub fn session<'a>(&'a self, peer: &'a str) -> Result<ControlSession<'a>, TransportError> {
+        let (stream, pooled) = self.checkout(peer)?;
+        Ok(ControlSession {
+            transport: self,
+            peer,
+            stream: Some(stream),
+            pooled,
+        })
+    }
+}
+
+/// One connection to a peer held for a sequence of control exchanges
+/// ([`TcpTransport::session`]); back to the pool when dropped, unless an exchange failed.
+pub struct ControlSession<'a> {
+    transport: &'a TcpTransport,
+    peer: &'a str,
+    /// `None` once an exchange failed: the connection is dropped, not pooled.
+    stream: Option<TcpStream>,
+    /// Taken from the pool and not yet answered on: a stale failure may be retried once.
+    pooled: bool,
+}
+
+impl ControlSession<'_> {
+    /// One request/reply on this session's connection (see [`TcpTransport::control`]).
+    pub fn control<T: Decode>(
+        &mut self,
+        opcode: Opcode,
+        body: &impl Encode,
+    ) -> Result<T, TransportError> {
+        let peer = self.peer;
         let mut frame = Vec::new();
-        encode_frame(&mut frame, opcode, 1, 0, body).map_err(|e| Self::proto_error(peer, e))?;
-        let (mut stream, mut pooled) = self.checkout(peer)?;
+        encode_frame(&mut frame, opcode, 1, 0, body)
+            .map_err(|e| TcpTransport::proto_error(peer, e))?;
         loop {
-            match Self::exchange_on::<T>(&mut stream, peer, &frame) {
+            let Some(stream) = self.stream.as_mut() else {
+                return Err(TransportError::Io {
+                    peer: peer.to_string(),
+                    source: std::io::Error::new(
+                        std::io::ErrorKind::NotConnected,
+                        "this session's connection failed earlier",
+                    ),
+                });
+            };
+            match TcpTransport::exchange_on::<T>(stream, peer, &frame) {
                 Ok(reply) => {
-                    self.checkin(peer, stream);
+                    self.pooled = false;
                     return Ok(reply);
                 }
                 // Stale before any reply: the request did not reach a live process.
-                Err(e) if pooled && is_stale(&e) => {
-                    drop(stream);
-                    stream = self.reconnect_stale(peer, &e.to_string())?;
-                    pooled = false;
+                Err(e) if self.pooled && is_stale(&e) => {
+                    self.stream = None;
+                    self.pooled = false;
+                    self.stream = Some(self.transport.reconnect_stale(peer, &e.to_string())?);
                 }
-                Err(e) => return Err(e),
+                Err(e) => {
+                    self.stream = None;
+                    return Err(e);
+                }
             }
+        }
+    }
+}
+
+impl Drop for ControlSession<'_> {
+    fn drop(&mut self) {
+        if let Some(stream) = self.stream.take() {
+            self.transport.checkin(self.peer, stream);
         }
     }
 }

@@ -36,7 +36,7 @@ use kvtier_proto::peer_ucx::{
 use kvtier_proto::Opcode;
 use parking_lot::Mutex;
 
-use super::tcp::TcpTransport;
+use super::tcp::{ControlSession, TcpTransport};
 use super::{GetItem, PutItem, Transport, TransportError};
 use crate::metrics::names;
 pub use plane::{Context, Endpoint, Registration, RemoteExtent, UcxError, Worker};
@@ -364,21 +364,19 @@ impl UcxTransport {
                 .map(|i| (i.key.to_vec(), (i.dst.len() + CHECKSUM_LEN) as u64))
                 .collect(),
         };
-        let lease: UcxLeaseReply = self
-            .tcp
-            .control(peer, Opcode::PeerUcxLease, &request)
+        // The node ties a lease to the connection that took it: the release rides on the same
+        // one, and if that connection fails the node drops the lease itself.
+        let mut session = self.tcp.session(peer).map_err(|e| format!("lease: {e}"))?;
+        let lease: UcxLeaseReply = session
+            .control(Opcode::PeerUcxLease, &request)
             .map_err(|e| format!("lease: {e}"))?;
-        let release = || {
-            let _: Result<kvtier_proto::peer_ucx::UcxHello, _> = self.tcp.control(
-                peer,
-                Opcode::PeerUcxRelease,
-                &UcxRelease {
-                    lease_id: lease.lease_id,
-                },
-            );
+        let lease_id = lease.lease_id;
+        let release = move |session: &mut ControlSession<'_>| {
+            let _: Result<kvtier_proto::peer_ucx::UcxHello, _> =
+                session.control(Opcode::PeerUcxRelease, &UcxRelease { lease_id });
         };
         if lease.items.len() != items.len() {
-            release();
+            release(&mut session);
             return Err(format!(
                 "lease answered {} objects for {}",
                 lease.items.len(),
@@ -395,7 +393,7 @@ impl UcxTransport {
                 LeaseItem::Extents(parts) => {
                     let total: u64 = parts.iter().map(|p| p.1).sum();
                     if total != (item.dst.len() + CHECKSUM_LEN) as u64 {
-                        release();
+                        release(&mut session);
                         return Err(format!(
                             "lease of {total} bytes for an object of {}",
                             item.dst.len() + CHECKSUM_LEN
@@ -446,7 +444,7 @@ impl UcxTransport {
             endpoint.lock().get(&extents, &mut dsts, self.timeout)
         };
         drop(dsts);
-        release();
+        release(&mut session);
         read.map_err(|e| format!("one-sided read: {e}"))?;
         metrics::counter!(names::PEER_TRANSFER_BYTES, "peer" => peer.to_string(), "direction" => "in")
             .increment(bytes);

@@ -1,0 +1,132 @@
+//! UCX leases belong to the data-port connection that took them (issue 17): another
+//! authenticated connection cannot release them, and they are dropped when their connection
+//! ends, so a reader that dies holds no pins past its connection. In-process: a real data port
+//! with a real UCX node (UCX pinned to loopback TCP), driven by real `TcpTransport`s.
+#![allow(clippy::unwrap_used)]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvtier_client::transport::tcp::{TcpTransport, TcpTransportConfig};
+use kvtier_client::transport::{PutItem, Transport};
+use kvtier_client::{Client, KvtierConfig};
+use kvtier_proto::auth::CHECKSUM_LEN;
+use kvtier_proto::peer_ucx::{LeaseItem, UcxHello, UcxLeaseReply, UcxLeaseRequest, UcxRelease};
+use kvtier_proto::Opcode;
+use kvtier_server::peer::DataPort;
+use kvtier_server::ucx_node::UcxNode;
+
+const TOKEN: &[u8] = b"lease-token";
+
+fn transport() -> TcpTransport {
+    TcpTransport::new(TcpTransportConfig {
+        token: TOKEN.to_vec(),
+        end_to_end_checksums: true,
+        name: "lease-test".into(),
+        connections_per_peer: 2,
+        request_timeout: Duration::from_secs(2),
+        ..TcpTransportConfig::default()
+    })
+}
+
+fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn leases_are_owned_by_their_connection_and_end_with_it() {
+    // Pin UCX to loopback TCP before its context reads the environment.
+    std::env::set_var("UCX_TLS", "tcp");
+    std::env::set_var("UCX_NET_DEVICES", "lo");
+    let store = Arc::new(
+        Client::open(KvtierConfig {
+            dram_capacity_bytes: 32 << 20,
+            dram_prefault: false,
+            ..KvtierConfig::default()
+        })
+        .unwrap(),
+    );
+    let node = match UcxNode::start(&store) {
+        Ok(node) => Arc::new(node),
+        Err(reason) if reason.contains("libucp") => {
+            eprintln!("SKIP: UCX is not installed here ({reason})");
+            return;
+        }
+        Err(reason) => panic!("UCX node did not start: {reason}"),
+    };
+    let addr: SocketAddr = "127.0.0.1:0".parse().unwrap();
+    let port = DataPort::start_with_ucx(
+        addr,
+        Arc::clone(&store),
+        TOKEN.to_vec(),
+        Some(Arc::clone(&node)),
+    )
+    .unwrap();
+    let peer = port.local_addr().to_string();
+
+    let owner = transport();
+    let value = vec![7u8; 64 << 10];
+    let put = owner.put(
+        &peer,
+        &[PutItem {
+            key: b"leased",
+            value: &value,
+            depth: Some(1),
+        }],
+    );
+    assert!(put.iter().all(Result::is_ok), "{put:?}");
+    let request = UcxLeaseRequest {
+        objects: vec![(b"leased".to_vec(), (value.len() + CHECKSUM_LEN) as u64)],
+    };
+
+    // A lease taken and released on one session: nothing stays pinned.
+    {
+        let mut session = owner.session(&peer).unwrap();
+        let lease: UcxLeaseReply = session.control(Opcode::PeerUcxLease, &request).unwrap();
+        assert!(matches!(lease.items[0], LeaseItem::Extents(_)), "{lease:?}");
+        assert_eq!(node.leases_held(), 1);
+        let _: UcxHello = session
+            .control(
+                Opcode::PeerUcxRelease,
+                &UcxRelease {
+                    lease_id: lease.lease_id,
+                },
+            )
+            .unwrap();
+        assert_eq!(node.leases_held(), 0);
+    }
+
+    // The attack: another authenticated connection releases (guessed) lease ids of the first.
+    let mut session = owner.session(&peer).unwrap();
+    let lease: UcxLeaseReply = session.control(Opcode::PeerUcxLease, &request).unwrap();
+    let other = transport();
+    let mut intruder = other.session(&peer).unwrap();
+    for lease_id in lease.lease_id.saturating_sub(4)..lease.lease_id + 4 {
+        let _: UcxHello = intruder
+            .control(Opcode::PeerUcxRelease, &UcxRelease { lease_id })
+            .unwrap();
+    }
+    assert_eq!(
+        node.leases_held(),
+        1,
+        "another connection released the lease"
+    );
+
+    // The owner's connection ends without releasing: the node drops its lease then, well
+    // before the lease would expire.
+    drop(session);
+    drop(owner);
+    wait_for("the dead connection's lease to be dropped", || {
+        node.leases_held() == 0
+    });
+    assert!(
+        Duration::from_secs(3) < kvtier_server::ucx_node::LEASE_TIME,
+        "the wait above must be shorter than the lease time to prove anything"
+    );
+    drop(intruder);
+}
