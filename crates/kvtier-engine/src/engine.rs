@@ -844,12 +844,24 @@ impl Engine {
     /// Check every invariant this module's docs state that can be checked from outside an
     /// operation: [`Self::verify_accounting`] (allocator, blocks, counters, the policy
     /// tracking exactly the index) and the policy's own bookkeeping
-    /// ([`EvictionPolicy::check_invariants`]). Quiescence only, as for `verify_accounting`.
+    /// ([`EvictionPolicy::check_invariants`]) and, with the SSD tier on, the tier's index,
+    /// segment table and pipeline (`ssd::tier::invariants`). Quiescence only, as for
+    /// `verify_accounting`.
     pub fn check_invariants(&self) -> Result<(), String> {
         self.verify_accounting()?;
         self.policy
             .check_invariants()
-            .map_err(|e| format!("eviction policy: {e}"))
+            .map_err(|e| format!("eviction policy: {e}"))?;
+        match &self.ssd {
+            Some(ssd) => ssd.check_invariants(),
+            None => Ok(()),
+        }
+    }
+
+    /// The SSD tier, for the unit tests of its invariant checker (which break its state).
+    #[cfg(test)]
+    pub(crate) fn ssd_tier(&self) -> Option<&SsdTier> {
+        self.ssd.as_ref()
     }
 
     /// Check the engine's accounting: allocator invariants, free + used blocks == capacity,

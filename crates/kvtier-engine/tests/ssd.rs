@@ -93,6 +93,7 @@ fn dram_misses_scenario(backend: SsdIoBackend) {
     let s = e.stats();
     assert!(s.ssd_enabled && s.evictions_capacity > 0, "{s:?}");
     assert_eq!(s.ssd_objects, 100, "{s:?}");
+    e.check_invariants().unwrap(); // issue 16: SSD index / segment / pipeline invariants
     for k in 0..100 {
         assert!(e.contains(&key(k)));
         assert_eq!(e.object_len(&key(k)), Some(len_for(k) as u64));
@@ -441,6 +442,7 @@ fn write_back_copies_on_eviction_only() {
     for k in 0..80 {
         assert_k(&e, k);
     }
+    e.check_invariants().unwrap();
 }
 
 #[test]
@@ -469,6 +471,7 @@ fn write_errors_fail_strict_puts_and_drop_relaxed_copies() {
     assert!(!e.stats().ssd_degraded, "a good write clears degraded");
     assert_k(&e, 0);
     assert_k(&e, 3);
+    e.check_invariants().unwrap();
     drop(e);
 
     let dir = tempfile::tempdir().unwrap();
@@ -522,6 +525,7 @@ fn disk_full_caps_the_tier_without_failing() {
             }
         }
         assert_k(&e, 299);
+        e.check_invariants().unwrap();
     });
     let _ = std::process::Command::new("umount")
         .arg(mnt.path())
@@ -555,6 +559,7 @@ fn reclaim_evicts_whole_segments_and_never_serves_wrong_bytes() {
     }
     assert!(present > 50, "{present} objects left");
     assert_k(&e, 399);
+    e.check_invariants().unwrap();
     drop(e);
     // What survives a restart is exactly what was indexed, and is intact.
     std::fs::remove_file(dir.path().join("index.ckpt")).unwrap();

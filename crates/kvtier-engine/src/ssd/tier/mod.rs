@@ -13,7 +13,7 @@
 //! key -> record map; `segments` the segment table and space reservation; `pipeline` the
 //! copy queue and batch writes; `read` the read path and its bounce buffers; `reclaim`
 //! segment eviction and the background thread; `recovery` opening the tier and rebuilding
-//! the index.
+//! the index; `invariants` checks the invariants the others state (tests only).
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::BuildHasher;
@@ -44,6 +44,7 @@ use crate::stats::EngineStats;
 
 // Split by the state each part owns (issue 16): see each file's module doc.
 mod index;
+mod invariants;
 mod pipeline;
 mod read;
 mod reclaim;
