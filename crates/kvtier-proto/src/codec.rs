@@ -24,7 +24,8 @@
 //!                   count varint(delta)*               restorable prefixes, delta-coded
 //! KeyBatch       := count(n) bytes(key)*n
 //! PutBatchHeader := count(n) bytes(key)*n varint(size)*n (0x00 | 0x01 varint(depth)*n)
-//! BatchResult    := count bool* count str*
+//! BatchResult    := count bool* count str*           a last `... and N more distinct errors`
+//!                                                      carries suppressed_errors = N > 0
 //! Handshake      := varint(version) str(client_name)
 //! ErrorReply     := varint(code) str(message)
 //! ```
@@ -787,16 +788,40 @@ impl Decode for PutBatchHeader {
     }
 }
 
+/// The last error message of a [`BatchResult`] that carries its `suppressed_errors` count.
+const SUPPRESSED_PREFIX: &str = "... and ";
+const SUPPRESSED_SUFFIX: &str = " more distinct errors";
+
+/// The count a `... and N more distinct errors` message carries, if `message` is exactly that
+/// form with `N` > 0 in canonical decimal (so decoding then encoding gives back the bytes).
+fn suppressed_count(message: &str) -> Option<usize> {
+    let digits = message
+        .strip_prefix(SUPPRESSED_PREFIX)?
+        .strip_suffix(SUPPRESSED_SUFFIX)?;
+    let n: usize = digits.parse().ok()?;
+    (n > 0 && n.to_string() == digits).then_some(n)
+}
+
 impl Encode for BatchResult {
     fn encode_fields(&self, out: &mut Vec<u8>) -> Result<(), ProtoError> {
         put_len(out, "result count", self.ok.len(), MAX_KEYS_PER_BATCH)?;
         for &ok in &self.ok {
             put_bool(out, ok);
         }
-        put_len(out, "error count", self.errors.len(), MAX_KEYS_PER_BATCH)?;
-        self.errors.iter().try_for_each(|error| {
-            put_bytes(out, "error message", error.as_bytes(), MAX_MESSAGE_LEN)
-        })
+        let marker = (self.suppressed_errors > 0).then(|| {
+            format!(
+                "{SUPPRESSED_PREFIX}{}{SUPPRESSED_SUFFIX}",
+                self.suppressed_errors
+            )
+        });
+        let count = self.errors.len() + usize::from(marker.is_some());
+        put_len(out, "error count", count, MAX_KEYS_PER_BATCH)?;
+        self.errors
+            .iter()
+            .chain(marker.as_ref())
+            .try_for_each(|error| {
+                put_bytes(out, "error message", error.as_bytes(), MAX_MESSAGE_LEN)
+            })
     }
 }
 
@@ -812,7 +837,18 @@ impl Decode for BatchResult {
         for _ in 0..error_count {
             errors.push(reader.read_string("error message", MAX_MESSAGE_LEN)?);
         }
-        Ok(BatchResult { ok, errors })
+        let suppressed_errors = match errors.last().and_then(|e| suppressed_count(e)) {
+            Some(n) => {
+                errors.pop();
+                n
+            }
+            None => 0,
+        };
+        Ok(BatchResult {
+            ok,
+            errors,
+            suppressed_errors,
+        })
     }
 }
 
@@ -1439,6 +1475,7 @@ mod tests {
         let result = BatchResult {
             ok: vec![true],
             errors: vec!["e".repeat(MAX_MESSAGE_LEN + 1)],
+            suppressed_errors: 0,
         };
         assert!(matches!(
             result.encode_to_vec(),
@@ -1499,5 +1536,68 @@ mod tests {
             answer.encode_to_vec().unwrap(),
             [0xac, 0x02, 0, 3, 1, 1, 0xaa, 0x02]
         );
+    }
+
+    /// Issue 16: one `BatchResult`; its suppressed-error count survives the wire as the
+    /// trailing message servers always sent, and only the canonical form is folded back.
+    #[test]
+    fn batch_result_carries_suppressed_errors() {
+        use crate::messages::MAX_ERRORS_PER_BATCH;
+        let result = BatchResult {
+            ok: vec![false, true],
+            errors: vec!["disk full".into()],
+            suppressed_errors: 7,
+        };
+        let bytes = result.encode_to_vec().unwrap();
+        assert_eq!(BatchResult::decode(&bytes).unwrap(), result);
+        // The wire form is the one the previous two-type code produced.
+        let legacy = BatchResult {
+            ok: vec![false, true],
+            errors: vec!["disk full".into(), "... and 7 more distinct errors".into()],
+            suppressed_errors: 0,
+        };
+        let mut legacy_bytes = Vec::new();
+        put_len(&mut legacy_bytes, "result count", 2, MAX_KEYS_PER_BATCH).unwrap();
+        put_bool(&mut legacy_bytes, false);
+        put_bool(&mut legacy_bytes, true);
+        put_len(&mut legacy_bytes, "error count", 2, MAX_KEYS_PER_BATCH).unwrap();
+        for e in &legacy.errors {
+            put_bytes(
+                &mut legacy_bytes,
+                "error message",
+                e.as_bytes(),
+                MAX_MESSAGE_LEN,
+            )
+            .unwrap();
+        }
+        assert_eq!(bytes, legacy_bytes);
+        // Non-canonical counts stay plain messages.
+        for odd in [
+            "... and 0 more distinct errors",
+            "... and 07 more distinct errors",
+            "... and +7 more distinct errors",
+            "... and 99999999999999999999999 more distinct errors",
+        ] {
+            let r = BatchResult {
+                ok: vec![],
+                errors: vec![odd.into()],
+                suppressed_errors: 0,
+            };
+            assert_eq!(BatchResult::decode(&r.encode_to_vec().unwrap()).unwrap(), r);
+        }
+        // note_error keeps MAX_ERRORS_PER_BATCH distinct messages and counts every later
+        // message it did not keep (a repeat of a dropped one counts again: it is not stored).
+        let mut r = BatchResult::with_capacity(0);
+        for i in 0..MAX_ERRORS_PER_BATCH + 3 {
+            r.note_error(format!("e{i}"));
+            r.note_error(format!("e{i}"));
+        }
+        assert_eq!(
+            (r.errors.len(), r.suppressed_errors),
+            (MAX_ERRORS_PER_BATCH, 6)
+        );
+        let long = BatchResult::all_failed(1, "é".repeat(MAX_MESSAGE_LEN)).fit_messages();
+        assert!(long.errors[0].len() <= MAX_MESSAGE_LEN);
+        long.encode_to_vec().unwrap();
     }
 }

@@ -57,6 +57,7 @@ fn corpus() -> Vec<Vec<u8>> {
         BatchResult {
             ok: vec![true, false, true],
             errors: vec!["disk full".into()],
+            suppressed_errors: 2,
         }
         .encode_to_vec(),
         Handshake {

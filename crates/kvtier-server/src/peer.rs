@@ -935,7 +935,7 @@ fn serve_requests(
                             })
                             .unwrap_or_else(|| vec![false; batch.keys.len()])
                     };
-                    let reply = WireResult { ok, errors: vec![] };
+                    let reply = WireResult::flags(ok);
                     let mut frame = Vec::new();
                     encode_frame(&mut frame, op, id, FLAG_RESPONSE, &reply)
                         .map_err(io::Error::other)?;

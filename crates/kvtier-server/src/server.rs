@@ -1021,10 +1021,7 @@ impl<'a> Connection<'a> {
                 let keys = KeyBatch::decode(body)?;
                 let session = self.session()?;
                 let keys: Vec<Vec<u8>> = keys.keys.iter().map(|k| session.ns(k)).collect();
-                encode(&WireResult {
-                    ok: session.store.client.exists_keys(&keys),
-                    errors: Vec::new(),
-                })
+                encode(&WireResult::flags(session.store.client.exists_keys(&keys)))
             }
             Opcode::ObjectLen => {
                 let keys = KeyBatch::decode(body)?;
@@ -1044,10 +1041,7 @@ impl<'a> Connection<'a> {
                     .iter()
                     .map(|k| session.store.client.remove_keys(&[session.ns(k)]) == 1)
                     .collect();
-                encode(&WireResult {
-                    ok,
-                    errors: Vec::new(),
-                })
+                encode(&WireResult::flags(ok))
             }
             Opcode::Clear => {
                 empty(body, "clear")?;
@@ -1360,25 +1354,8 @@ impl Encode for RawBody<'_> {
 }
 
 fn wire_result(result: BatchResult) -> WireResult {
-    let mut errors = result.errors;
-    if result.suppressed_errors > 0 {
-        errors.push(format!(
-            "... and {} more distinct errors",
-            result.suppressed_errors
-        ));
-    }
-    for e in &mut errors {
-        if e.len() > kvtier_proto::limits::MAX_MESSAGE_LEN {
-            e.truncate(kvtier_proto::limits::MAX_MESSAGE_LEN);
-            while !e.is_char_boundary(e.len()) {
-                e.pop();
-            }
-        }
-    }
-    WireResult {
-        ok: result.ok,
-        errors,
-    }
+    // One type since issue 16: the encoder carries `suppressed_errors`; only cut long messages.
+    result.fit_messages()
 }
 
 /// Serve one page batch: check every buffer against the session's mappings, fail the pages

@@ -770,6 +770,7 @@ impl LocalServerStore {
                 format!("{} results for {} pages", reply.ok.len(), chunk.pages.len()),
             ));
         }
+        result.suppressed_errors += reply.suppressed_errors;
         for error in reply.errors {
             result.note_error(error);
         }

@@ -92,8 +92,13 @@ pub fn put_batch_header() -> impl Strategy<Value = PutBatchHeader> {
 }
 
 pub fn batch_result() -> impl Strategy<Value = BatchResult> {
-    (vec(any::<bool>(), 0..64), vec(text(), 0..6))
-        .prop_map(|(ok, errors)| BatchResult { ok, errors })
+    (vec(any::<bool>(), 0..64), vec(text(), 0..6), 0usize..3).prop_map(
+        |(ok, errors, suppressed_errors)| BatchResult {
+            ok,
+            errors,
+            suppressed_errors,
+        },
+    )
 }
 
 pub fn handshake() -> impl Strategy<Value = Handshake> {
