@@ -364,7 +364,11 @@ class KvtierStore(HiCacheStorage):
         own = kvtier_extra_config(extra)
         # Every rank is its own process with its own embedded store, so each needs its own
         # segment log; the same ranks find the same directory again after a restart.
-        if "KVTIER_SSD_STORAGE_SUBDIR" not in os.environ:
+        # The key may also be given in the [engine] section (issue 16): setting the flat one
+        # as well would be refused as given twice.
+        engine_section = own.get("engine")
+        in_section = isinstance(engine_section, dict) and "ssd_storage_subdir" in engine_section
+        if "KVTIER_SSD_STORAGE_SUBDIR" not in os.environ and not in_section:
             own.setdefault("ssd_storage_subdir", ssd_rank_subdir(storage_config))
         # Raises ValueError naming the key for an unknown key or a bad value.
         self._store = _native.Store(json.dumps(own))

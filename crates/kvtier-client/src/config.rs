@@ -6,6 +6,12 @@
 //! value of the wrong type, an out-of-range number or a boolean that is not one of
 //! `true/false/1/0/yes/no/on/off` is a [`ConfigError`] naming the key and where it came from.
 //! Sizes accept plain integers or binary suffixes (`64KiB`, `512MiB`, `4GiB`, `1TiB`).
+//!
+//! Issue 16: every map source (file, extra_config, `kvtier serve`'s `[engine]` table) may group
+//! keys by audience in `[engine]`, `[server]`, `[cluster]` and `[events]` sections
+//! ([`SECTIONS`]); [`unsection`] maps them to the flat keys, refusing an unknown key in a
+//! section and a key given both flat and in its section (errors name the spelling used). The
+//! in-memory [`KvtierConfig`] stays flat.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -348,6 +354,10 @@ impl KvtierConfig {
         let known = Self::known_keys();
         let mut merged: Map<String, Value> = Map::new();
         let mut origins: BTreeMap<String, Origin> = BTreeMap::new();
+        // How each merged key was spelled in the source it came from (errors name that).
+        let mut spelled: BTreeMap<String, String> = BTreeMap::new();
+        let (base, base_spelled) = unsection(base, &base_origin)?;
+        spelled.extend(base_spelled);
         for (key, value) in base {
             origins.insert(key.clone(), base_origin.clone());
             merged.insert(key, value);
@@ -386,15 +396,21 @@ impl KvtierConfig {
         }
 
         if let Some((path, origin)) = file_path {
-            for (key, value) in read_toml(&path, &origin)? {
+            let (file, file_spelled) =
+                unsection(read_toml(&path, &origin)?, &Origin::File(path.clone()))?;
+            spelled.extend(file_spelled);
+            for (key, value) in file {
                 origins.insert(key.clone(), Origin::File(path.clone()));
                 merged.insert(key, value);
             }
         }
         for (key, value, origin) in env {
             origins.insert(key.clone(), origin);
+            spelled.insert(key.clone(), key.clone());
             merged.insert(key, value);
         }
+        let (extra, extra_spelled) = unsection(extra, &Origin::ExtraConfig)?;
+        spelled.extend(extra_spelled);
         for (key, value) in extra {
             origins.insert(key.clone(), Origin::ExtraConfig);
             merged.insert(key, value);
@@ -406,7 +422,15 @@ impl KvtierConfig {
                 return Err(ConfigError::new(
                     key.clone(),
                     &origin,
-                    format!("unknown key; known keys are: {}", known.join(", ")),
+                    format!(
+                        "unknown key; known keys are: {} (or in sections [{}])",
+                        known.join(", "),
+                        SECTIONS
+                            .iter()
+                            .map(|(s, _)| *s)
+                            .collect::<Vec<_>>()
+                            .join("], [")
+                    ),
                 ));
             }
         }
@@ -416,12 +440,19 @@ impl KvtierConfig {
             single.insert(key.clone(), value.clone());
             if let Err(err) = serde_json::from_value::<KvtierConfig>(Value::Object(single)) {
                 let origin = origins.get(key).cloned().unwrap_or(Origin::Default);
-                return Err(ConfigError::new(key.clone(), &origin, err.to_string()));
+                let name = spelled.get(key).unwrap_or(key);
+                return Err(ConfigError::new(name.clone(), &origin, err.to_string()));
             }
         }
         let config: KvtierConfig = serde_json::from_value(Value::Object(merged))
             .map_err(|err| ConfigError::new("<config>", &Origin::Default, err.to_string()))?;
-        config.validate(&origins)?;
+        config.validate(&origins).map_err(|mut err| {
+            // Range errors name the key as the source spelled it (`events.buffer`).
+            if let Some(name) = spelled.get(&err.key) {
+                err.key = name.clone();
+            }
+            err
+        })?;
         Ok((config, origins))
     }
 
@@ -662,10 +693,179 @@ impl KvtierConfig {
         }
     }
 
-    /// The effective configuration as TOML (for `config check`).
+    /// The effective configuration as TOML (for `config check`), flat keys: every reader of
+    /// kvtier config accepts them, and Python's `config_toml()` consumers read them.
     pub fn to_toml(&self) -> String {
         toml::to_string_pretty(self).unwrap_or_default()
     }
+
+    /// The effective configuration as TOML in sections (`[engine]`, `[server]`, `[cluster]`,
+    /// `[events]`; the process-wide keys at top level). Loads back to the same configuration.
+    pub fn to_sectioned_toml(&self) -> String {
+        let Ok(Value::Object(flat)) = serde_json::to_value(self) else {
+            return String::new();
+        };
+        let mut out = Map::new();
+        let mut tables: Vec<(&str, Map<String, Value>)> =
+            SECTIONS.iter().map(|(s, _)| (*s, Map::new())).collect();
+        // Unset optional keys are left out (TOML has no null), as `to_toml` does.
+        for (key, value) in flat.into_iter().filter(|(_, v)| !v.is_null()) {
+            let place = SECTIONS.iter().enumerate().find_map(|(i, (_, keys))| {
+                keys.iter().find(|(_, f)| *f == key).map(|(n, _)| (i, *n))
+            });
+            match place {
+                Some((i, name)) => {
+                    tables[i].1.insert(name.to_string(), value);
+                }
+                None => {
+                    out.insert(key, value);
+                }
+            }
+        }
+        for (section, table) in tables {
+            out.insert(section.to_string(), Value::Object(table));
+        }
+        toml::to_string_pretty(&Value::Object(out)).unwrap_or_default()
+    }
+}
+
+/// The sections of a configuration by audience (issue 16) and, for each, its keys as
+/// `(name in the section, flat key)`. Every source that takes a map (TOML file,
+/// `extra_config`, `kvtier serve`'s `[engine]` table) accepts both spellings: `[events]
+/// subscriber = true` is `kv_events_subscriber = true`. `extra_backend_tag` and
+/// `metrics_addr` concern the whole process and stay top-level; environment variables keep
+/// the flat names (`KVTIER_KV_EVENTS_SUBSCRIBER`).
+pub const SECTIONS: &[(&str, &[(&str, &str)])] = &[
+    (
+        "engine",
+        &[
+            ("dram_capacity_bytes", "dram_capacity_bytes"),
+            ("dram_block_size", "dram_block_size"),
+            ("dram_prefault", "dram_prefault"),
+            ("eviction_policy", "eviction_policy"),
+            ("eviction_candidate_window", "eviction_candidate_window"),
+            ("ssd_enabled", "ssd_enabled"),
+            ("ssd_storage_dir", "ssd_storage_dir"),
+            ("ssd_storage_subdir", "ssd_storage_subdir"),
+            ("ssd_capacity_bytes", "ssd_capacity_bytes"),
+            ("ssd_segment_size_bytes", "ssd_segment_size_bytes"),
+            ("ssd_copy_async", "ssd_copy_async"),
+            ("ssd_copy_queue_depth", "ssd_copy_queue_depth"),
+            ("ssd_copy_worker_threads", "ssd_copy_worker_threads"),
+            ("ssd_copy_batch_max_ops", "ssd_copy_batch_max_ops"),
+            ("ssd_durability_mode", "ssd_durability_mode"),
+            ("ssd_io_backend", "ssd_io_backend"),
+            ("ssd_write_policy", "ssd_write_policy"),
+            ("auto_promote_on_read", "auto_promote_on_read"),
+            ("ssd_high_watermark", "ssd_high_watermark"),
+            ("ssd_low_watermark", "ssd_low_watermark"),
+            ("copy_threads", "copy_threads"),
+        ],
+    ),
+    (
+        "server",
+        &[
+            ("socket", "server_socket"),
+            ("auto_start", "server_auto_start"),
+            ("bin", "server_bin"),
+            ("uid", "server_uid"),
+            ("startup_timeout_ms", "server_startup_timeout_ms"),
+            ("staging_bytes", "server_staging_bytes"),
+        ],
+    ),
+    (
+        "cluster",
+        &[
+            ("master_address", "master_address"),
+            ("node_id", "node_id"),
+            ("node_address", "node_address"),
+            ("node_tags", "node_tags"),
+            ("token", "cluster_token"),
+            ("cache_remote_fetches", "cache_remote_fetches"),
+            ("request_timeout_ms", "cluster_request_timeout_ms"),
+            ("master_retry_ms", "cluster_master_retry_ms"),
+            ("connections_per_peer", "cluster_connections_per_peer"),
+            ("transport", "cluster_transport"),
+        ],
+    ),
+    (
+        "events",
+        &[
+            ("subscriber", "kv_events_subscriber"),
+            ("endpoint", "kv_events_endpoint"),
+            ("topic", "kv_events_topic"),
+            ("publish_endpoint", "kv_events_publish_endpoint"),
+            ("publish_topic", "kv_events_publish_topic"),
+            ("buffer", "kv_events_buffer"),
+        ],
+    ),
+];
+
+/// Flat key -> how one source spelled it (`kv_events_topic` or `events.topic`).
+pub type Spellings = BTreeMap<String, String>;
+
+/// The sectioned spelling (`events.subscriber`) of flat key `flat`, if it has one.
+pub fn sectioned_name(flat: &str) -> Option<String> {
+    SECTIONS.iter().find_map(|(section, keys)| {
+        keys.iter()
+            .find(|(_, f)| *f == flat)
+            .map(|(name, _)| format!("{section}.{name}"))
+    })
+}
+
+/// One source's map with its sections (`engine`, `server`, `cluster`, `events`) replaced by
+/// the flat keys they stand for, plus how each flat key was spelled there (for errors).
+/// Errors name the offending spelling: a section that is not a table, a key a section does
+/// not have (`events.bogus`), and a key given both flat and in its section (both spellings).
+pub fn unsection(
+    map: Map<String, Value>,
+    origin: &Origin,
+) -> Result<(Map<String, Value>, Spellings), ConfigError> {
+    let mut flat = Map::new();
+    let mut spelled: BTreeMap<String, String> = BTreeMap::new();
+    let mut sections = Vec::new();
+    for (key, value) in map {
+        match SECTIONS.iter().find(|(name, _)| *name == key) {
+            Some((name, keys)) => sections.push((*name, *keys, value)),
+            None => {
+                spelled.insert(key.clone(), key.clone());
+                flat.insert(key, value);
+            }
+        }
+    }
+    for (section, keys, value) in sections {
+        let Value::Object(table) = value else {
+            return Err(ConfigError::new(
+                section,
+                origin,
+                format!("must be a table of {section} keys, got {value}"),
+            ));
+        };
+        for (name, value) in table {
+            let here = format!("{section}.{name}");
+            let Some((_, key)) = keys.iter().find(|(n, _)| *n == name) else {
+                let known: Vec<&str> = keys.iter().map(|(n, _)| *n).collect();
+                return Err(ConfigError::new(
+                    here,
+                    origin,
+                    format!(
+                        "unknown key in [{section}]; its keys are: {}",
+                        known.join(", ")
+                    ),
+                ));
+            };
+            if let Some(other) = spelled.get(*key) {
+                return Err(ConfigError::new(
+                    here.clone(),
+                    origin,
+                    format!("given twice, as `{other}` and as `{here}`; keep one"),
+                ));
+            }
+            spelled.insert((*key).to_string(), here);
+            flat.insert((*key).to_string(), value);
+        }
+    }
+    Ok((flat, spelled))
 }
 
 /// Read a TOML file as a JSON map (for layered loaders).

@@ -15,6 +15,11 @@
 //! dram_capacity_bytes = "32GiB"
 //! ```
 //!
+//! Issue 16: the server's own keys may also sit in a `[server]` table, and the engine schema's
+//! `[cluster]` / `[events]` sections (kvtier's configuration by audience, see
+//! `kvtier_client::config::SECTIONS`) may be top-level tables here or nested in `[engine]`;
+//! a key given both ways is an error naming both.
+//!
 //! Parsing is as strict as the client's: unknown keys, wrong types and out-of-range values are
 //! a [`ConfigError`] naming the key and its origin.
 
@@ -31,6 +36,10 @@ use serde_json::{Map, Value};
 pub const SERVE_ENV_PREFIX: &str = "KVTIER_SERVE_";
 /// The file table that holds engine keys.
 pub const ENGINE_TABLE: &str = "engine";
+/// The file table that may hold this server's own keys (else they are top-level).
+pub const SERVER_TABLE: &str = "server";
+/// Top-level file tables handed to the engine schema as its sections.
+pub const ENGINE_SIDE_TABLES: &[&str] = &["cluster", "events"];
 
 /// Settings of `kvtier serve` other than the engine's.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -314,7 +323,17 @@ impl ServerConfig {
         let mut engine_origin = Origin::Default;
         if let Some(path) = &sources.file {
             let origin = Origin::File(path.clone());
-            for (key, value) in read_toml(path, &origin)? {
+            let mut file = read_toml(path, &origin)?;
+            // Issue 16: `[server]` holds this server's own keys (top-level keys still work);
+            // `[cluster]` and `[events]` go to the engine schema like its `[engine.cluster]`.
+            let own = file.remove(SERVER_TABLE);
+            let mut moved = Vec::new();
+            for section in ENGINE_SIDE_TABLES {
+                if let Some(table) = file.remove(*section) {
+                    moved.push((*section, table));
+                }
+            }
+            for (key, value) in file {
                 if key == ENGINE_TABLE {
                     match value {
                         Value::Object(table) => {
@@ -333,6 +352,44 @@ impl ServerConfig {
                 }
                 origins.insert(key.clone(), origin.clone());
                 merged.insert(key, value);
+            }
+            for (section, table) in moved {
+                if engine_base.contains_key(section) {
+                    return Err(ConfigError::new(
+                        section,
+                        &origin,
+                        format!(
+                            "given twice, as `[{section}]` and as `[{ENGINE_TABLE}.{section}]`; keep one"
+                        ),
+                    ));
+                }
+                engine_base.insert(section.to_string(), table);
+                engine_origin = origin.clone();
+            }
+            match own {
+                None => {}
+                Some(Value::Object(table)) => {
+                    for (key, value) in table {
+                        if merged.contains_key(&key) {
+                            return Err(ConfigError::new(
+                                format!("{SERVER_TABLE}.{key}"),
+                                &origin,
+                                format!(
+                                    "given twice, as `{key}` and as `{SERVER_TABLE}.{key}`; keep one"
+                                ),
+                            ));
+                        }
+                        origins.insert(key.clone(), origin.clone());
+                        merged.insert(key, value);
+                    }
+                }
+                Some(other) => {
+                    return Err(ConfigError::new(
+                        SERVER_TABLE,
+                        &origin,
+                        format!("must be a table of server keys, got {other}"),
+                    ))
+                }
             }
         }
         for (name, value) in &sources.env {
@@ -708,5 +765,66 @@ mod tests {
         })
         .unwrap_err();
         assert_eq!(e.key, "dram_capacity");
+    }
+
+    /// Issue 16: a serve file in sections loads as its flat form; a key given both ways and
+    /// an unknown key in a section are errors naming them.
+    #[test]
+    fn serve_file_sections() {
+        let dir =
+            std::env::temp_dir().join(format!("kvtier-serve-sections-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let load = |name: &str, text: &str| {
+            let path = dir.join(name);
+            std::fs::write(&path, text).unwrap();
+            ServerConfig::load(ServerSources {
+                file: Some(path),
+                ..Default::default()
+            })
+        };
+        let sectioned = load(
+            "s.toml",
+            "[server]\nmax_connections = 7\n[engine]\ndram_capacity_bytes = \"16MiB\"\n\
+             eviction_policy = \"lru\"\n[cluster]\nrequest_timeout_ms = 55\n\
+             [events]\nbuffer = 9\n",
+        )
+        .unwrap();
+        let flat = load(
+            "f.toml",
+            "max_connections = 7\n[engine]\ndram_capacity_bytes = \"16MiB\"\n\
+             eviction_policy = \"lru\"\ncluster_request_timeout_ms = 55\nkv_events_buffer = 9\n",
+        )
+        .unwrap();
+        assert_eq!(sectioned, flat);
+        assert_eq!(sectioned.settings.max_connections, 7);
+        assert_eq!(sectioned.engine.cluster_request_timeout_ms, 55);
+        assert_eq!(sectioned.engine.kv_events_buffer, 9);
+
+        let e = load(
+            "twice.toml",
+            "max_connections = 1\n[server]\nmax_connections = 2\n",
+        )
+        .unwrap_err();
+        assert_eq!(e.key, "server.max_connections");
+        assert!(e.reason.contains("`max_connections`"), "{e}");
+        let e = load(
+            "twice2.toml",
+            "[cluster]\ntoken = \"a\"\n[engine.cluster]\ntoken = \"b\"\n",
+        )
+        .unwrap_err();
+        assert_eq!(e.key, "cluster");
+        let e = load(
+            "twice3.toml",
+            "[engine]\nkv_events_buffer = 1\n[events]\nbuffer = 2\n",
+        )
+        .unwrap_err();
+        assert_eq!(e.key, "events.buffer", "{e}");
+        let e = load("unknown.toml", "[server]\nnope = 1\n").unwrap_err();
+        assert_eq!(e.key, "nope");
+        let e = load("unknown2.toml", "[events]\nnope = 1\n").unwrap_err();
+        assert_eq!(e.key, "events.nope");
+        let e = load("bad.toml", "[cluster]\nrequest_timeout_ms = \"soon\"\n").unwrap_err();
+        assert_eq!(e.key, "cluster.request_timeout_ms");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
