@@ -424,11 +424,17 @@ fn child_node_kill_mid_read() {
     assert!(hits > 0, "no read of node A succeeded before the kill");
     assert!(failures > 0, "reads of a killed node never failed");
     let stats = reader.stats_json();
-    println!("figures: stats after the kill: {stats}");
+    println!(
+        "figures: after the kill: peer_transports {} ucx_outstanding_requests {}",
+        stats["peer_transports"], stats["ucx_outstanding_requests"]
+    );
+    // Peer-failure handling: nothing of the dead node's reads is left outstanding.
+    assert_eq!(stats["ucx_outstanding_requests"], 0, "{stats}");
     // Node B (same host as the reader) is intact and read byte-exact.
     let dst = Pool::new(kb.len(), OBJ);
     dst.register(&reader);
     let r = reader.get_keys(&kb, &dst.refs());
     assert!(r.ok.iter().all(|&b| b), "{:?}", r.errors);
     assert_exact(&dst, 5000);
+    assert_eq!(reader.stats_json()["ucx_outstanding_requests"], 0);
 }
