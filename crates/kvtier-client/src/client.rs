@@ -554,6 +554,10 @@ impl Client {
                 "peer_transports".into(),
                 serde_json::to_value(cluster.peer_transports()).unwrap_or_default(),
             );
+            map.insert(
+                "ucx_outstanding_requests".into(),
+                cluster.ucx_outstanding_requests().into(),
+            );
         }
         if let Stores::Server(remote) = &self.store {
             map.extend(remote.local_stats());

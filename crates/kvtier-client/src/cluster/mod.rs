@@ -865,6 +865,11 @@ impl ClusterStore {
         self.ucx.peer_transports()
     }
 
+    /// UCX requests issued and not yet released (`ucx_outstanding_requests` in stats).
+    pub fn ucx_outstanding_requests(&self) -> usize {
+        self.ucx.outstanding_requests()
+    }
+
     pub fn integrity_failures(&self) -> u64 {
         self.integrity_failures
             .load(std::sync::atomic::Ordering::Relaxed)

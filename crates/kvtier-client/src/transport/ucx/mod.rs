@@ -218,6 +218,12 @@ impl UcxTransport {
         self.worker.as_ref().err().map(String::as_str)
     }
 
+    /// UCX requests issued by this client and not yet released (0 when idle; a dead peer's
+    /// requests are completed with an error or released by the forced close).
+    pub fn outstanding_requests(&self) -> usize {
+        self.worker.as_ref().map_or(0, Worker::outstanding)
+    }
+
     /// The transport of every peer read from so far.
     pub fn peer_transports(&self) -> Vec<PeerTransport> {
         let mut out: Vec<PeerTransport> = self
@@ -334,6 +340,11 @@ impl UcxTransport {
         endpoint
             .set_remote_key(&offer.rkey)
             .map_err(|e| (e.to_string(), true))?;
+        let reason = if endpoint.has_peer_failure_handling() {
+            reason
+        } else {
+            format!("{reason}; no peer-failure handling on this endpoint (deadline only)")
+        };
         Ok((endpoint, reason))
     }
 

@@ -21,11 +21,19 @@
 //!   of one-sided operations trusts the address: a read outside the registration can crash the
 //!   target), which is why a node hands its key only to peers that proved the cluster token.
 //!   The caller still verifies the bytes' end-to-end checksum.
+//! - Peer failure: endpoints ask for `UCP_ERR_HANDLING_MODE_PEER` with an error callback that
+//!   marks the endpoint failed (a flag the endpoint owns and outlives the callback's use:
+//!   UCP calls it only from progress, under the worker's lock, while the endpoint is open).
+//!   A failed endpoint issues nothing more; its outstanding requests complete with an error
+//!   (or are released by the forced close). Every request issued and not yet freed is
+//!   counted per worker ([`Worker::outstanding`]): after a peer dies it returns to 0 unless
+//!   UCX kept a request past [`CLOSE_BOUND`], which the count then shows.
 
 #![allow(unsafe_code)]
 
 use std::ffi::c_void;
 use std::os::fd::BorrowedFd;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -49,6 +57,8 @@ pub enum UcxError {
     Timeout(Duration),
     #[error("the UCX endpoint was closed after an earlier failure")]
     Closed,
+    #[error("UCX reported the peer failed (peer-failure handling)")]
+    PeerFailed,
     #[error("{0}")]
     Invalid(String),
 }
@@ -159,6 +169,7 @@ impl Context {
             context: Arc::clone(&self.0),
             raw,
             lock: Mutex::new(()),
+            outstanding: AtomicUsize::new(0),
         })))
     }
 }
@@ -229,6 +240,8 @@ struct WorkerRaw {
     raw: ffi::Worker,
     /// Held for every call into the worker or its endpoints (SERIALIZED mode).
     lock: Mutex<()>,
+    /// Requests issued on this worker's endpoints and not yet freed.
+    outstanding: AtomicUsize,
 }
 
 // SAFETY: the worker is created in SERIALIZED mode, and every call into it or its endpoints
@@ -263,8 +276,19 @@ impl std::fmt::Debug for Worker {
     }
 }
 
-extern "C" fn ignore_ep_error(_arg: *mut c_void, _ep: ffi::Ep, _status: ffi::Status) {
-    // Failed requests complete with the error; the transport closes the endpoint then.
+extern "C" fn mark_ep_failed(arg: *mut c_void, _ep: ffi::Ep, status: ffi::Status) {
+    if arg.is_null() {
+        return;
+    }
+    // SAFETY: `arg` is `Arc::as_ptr` of the endpoint's `failed` flag; the endpoint holds that
+    // `Arc` until after its forced close completed, and UCP calls this only from progress on
+    // an open endpoint, so the flag is alive here.
+    let failed = unsafe { &*arg.cast::<AtomicBool>() };
+    failed.store(true, Ordering::Release);
+    tracing::warn!(
+        status,
+        "kvtier: UCX peer failure on an endpoint; it is closed"
+    );
 }
 
 impl Worker {
@@ -283,6 +307,11 @@ impl Worker {
         // SAFETY: `address` came from `ucp_worker_get_address` of this worker; released once.
         unsafe { (ucp.worker_release_address)(self.0.raw, address) };
         Ok(bytes)
+    }
+
+    /// Requests issued on this worker's endpoints and not yet released.
+    pub fn outstanding(&self) -> usize {
+        self.0.outstanding.load(Ordering::Relaxed)
     }
 
     /// Progress once; how many events were handled.
@@ -349,6 +378,7 @@ impl Worker {
             return Err(UcxError::Invalid("empty UCX worker address".into()));
         }
         let ucp = self.0.context.ucp;
+        let failed = Arc::new(AtomicBool::new(false));
         let mut params: ffi::EpParams = ffi::zeroed();
         params.field_mask = ffi::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
         params.address = address.as_ptr().cast::<ffi::Address>();
@@ -357,8 +387,8 @@ impl Worker {
                 ffi::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | ffi::UCP_EP_PARAM_FIELD_ERR_HANDLER;
             params.err_mode = ffi::UCP_ERR_HANDLING_MODE_PEER;
             params.err_handler = ffi::ErrHandler {
-                cb: Some(ignore_ep_error),
-                arg: std::ptr::null_mut(),
+                cb: Some(mark_ep_failed),
+                arg: Arc::as_ptr(&failed).cast_mut().cast::<c_void>(),
             };
         }
         let _guard = self.0.lock.lock();
@@ -373,6 +403,8 @@ impl Worker {
             raw: ep,
             rkey: std::ptr::null_mut(),
             closed: false,
+            failed,
+            peer_failure,
         })
     }
 }
@@ -392,6 +424,10 @@ pub struct Endpoint {
     rkey: ffi::RKey,
     /// Closed by force after a failure: no further operation is issued.
     closed: bool,
+    /// Set by UCP's error callback when the peer failed (see the module doc).
+    failed: Arc<AtomicBool>,
+    /// Whether the endpoint was created with peer-failure handling.
+    peer_failure: bool,
 }
 
 // SAFETY: every call on the endpoint holds its worker's lock (see `WorkerRaw`).
@@ -439,6 +475,17 @@ impl Endpoint {
 
     pub fn is_closed(&self) -> bool {
         self.closed
+    }
+
+    /// Whether UCP reported the peer failed.
+    pub fn peer_failed(&self) -> bool {
+        self.failed.load(Ordering::Acquire)
+    }
+
+    /// Whether the endpoint has peer-failure handling (UCX 1.13's shared-memory transports
+    /// alone do not offer it).
+    pub fn has_peer_failure_handling(&self) -> bool {
+        self.peer_failure
     }
 
     /// Read each extent into the matching destination (same lengths), one-sided; all are
@@ -541,11 +588,16 @@ impl Endpoint {
         let ucp = self.worker.context.ucp;
         let worker = Arc::clone(&self.worker);
         let _guard = worker.lock.lock();
+        if self.peer_failed() {
+            self.close_locked(&worker, &mut Vec::new());
+            return Err(UcxError::PeerFailed);
+        }
         let mut pending: Vec<Pending> = Vec::new();
         let mut failure: Option<UcxError> = None;
         let started = start(&mut |ptr| match ffi::StatusPtr::from_raw(ptr) {
             ffi::StatusPtr::Done => Ok(()),
             ffi::StatusPtr::Request(r) => {
+                worker.outstanding.fetch_add(1, Ordering::Relaxed);
                 pending.push(Pending(r));
                 Ok(())
             }
@@ -573,6 +625,7 @@ impl Endpoint {
                 let done = pending.swap_remove(i);
                 // SAFETY: the request completed; freed once.
                 unsafe { (ucp.request_free)(done.0) };
+                worker.outstanding.fetch_sub(1, Ordering::Relaxed);
                 if status != ffi::UCS_OK && failure.is_none() {
                     failure = Some(UcxError::Call {
                         call: "one-sided transfer",
@@ -582,6 +635,9 @@ impl Endpoint {
                 }
             }
             spins = spins.wrapping_add(1);
+            if failure.is_none() && !pending.is_empty() && self.peer_failed() {
+                failure = Some(UcxError::PeerFailed);
+            }
             if spins & 255 == 0 && Instant::now() >= deadline && !pending.is_empty() {
                 failure = Some(UcxError::Timeout(timeout));
             }
@@ -608,6 +664,7 @@ impl Endpoint {
         // endpoint's outstanding requests with an error.
         let close = unsafe { (ucp.ep_close_nbx)(self.raw, &param) };
         if let ffi::StatusPtr::Request(r) = ffi::StatusPtr::from_raw(close) {
+            worker.outstanding.fetch_add(1, Ordering::Relaxed);
             pending.push(Pending(r));
         }
         // Bounded: a forced close does not wait for the peer, but UCX 1.13 does not always
@@ -625,6 +682,7 @@ impl Endpoint {
                 }
                 // SAFETY: completed; freed once.
                 unsafe { (ucp.request_free)(p.0) };
+                worker.outstanding.fetch_sub(1, Ordering::Relaxed);
                 false
             });
         }
