@@ -30,6 +30,11 @@ pub const CONFIG_FILE_KEY: &str = "config_file";
 /// `KVTIER_SERVE_*` variables configure `kvtier serve` itself and are skipped here.
 pub const SERVER_ENV_INFIX: &str = "SERVE_";
 
+/// Default `put_landing_mib`: room for 32 in-flight 2 MiB pages.
+pub const DEFAULT_PUT_LANDING_MIB: u64 = 64;
+/// Largest `put_landing_mib` (16 GiB).
+pub const MAX_PUT_LANDING_MIB: u64 = 16 << 10;
+
 /// Every setting kvtier accepts. Field names are the keys in all three sources.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -187,6 +192,11 @@ pub struct KvtierConfig {
     /// whenever the peer serves it). Any UCX failure falls back to frames, logged.
     #[serde(deserialize_with = "strict::string")]
     pub cluster_transport: String,
+    /// Issue 17. Cluster node: MiB of the UCX put landing area, the registered memory peers
+    /// write one-sided puts into before the node verifies and stores them (separate from the
+    /// DRAM arena, which peers can only read). 0: no one-sided puts (peers put over frames).
+    #[serde(deserialize_with = "strict::count")]
+    pub put_landing_mib: u64,
     /// Embedded mode: serve Prometheus metrics at `http://HOST:PORT/metrics` (port 0 picks a
     /// free port; the bound address is in the stats as `metrics_addr`). Unset: no endpoint.
     /// `kvtier serve` takes its own `metrics_addr` / `--metrics-addr` instead.
@@ -242,6 +252,7 @@ impl Default for KvtierConfig {
             cluster_master_retry_ms: 5_000,
             cluster_connections_per_peer: 4,
             cluster_transport: "auto".into(),
+            put_landing_mib: DEFAULT_PUT_LANDING_MIB,
             metrics_addr: None,
         }
     }
@@ -598,6 +609,15 @@ impl KvtierConfig {
             ));
         }
         // Issue 17.
+        if self.put_landing_mib > MAX_PUT_LANDING_MIB {
+            return Err(bad(
+                "put_landing_mib",
+                format!(
+                    "{} must be from 0 to {MAX_PUT_LANDING_MIB}",
+                    self.put_landing_mib
+                ),
+            ));
+        }
         if let Err(reason) = crate::transport::ucx::TransportChoice::parse(&self.cluster_transport)
         {
             return Err(bad("cluster_transport", reason));

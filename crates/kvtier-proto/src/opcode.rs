@@ -92,11 +92,24 @@ pub enum Opcode {
     PeerUcxLease = 41,
     /// Peer data port. Request: [`crate::peer_ucx::UcxRelease`]. Response: empty body.
     PeerUcxRelease = 42,
+    /// Issue 17, one-sided puts. Request: empty. Response: [`crate::peer_ucx::UcxLanding`]
+    /// (the remote key of the node's put landing area and its bounds), or `UNSUPPORTED`.
+    PeerUcxPutHello = 43,
+    /// Request: [`crate::peer_ucx::UcxReserveRequest`]. Response:
+    /// [`crate::peer_ucx::UcxReserveReply`]: per object an extent of the landing area or a
+    /// refusal.
+    PeerUcxReserve = 44,
+    /// Request: [`crate::peer_ucx::UcxCommit`]. Response: [`crate::peer_ucx::UcxCommitReply`]:
+    /// per reservation, stored (checksum verified) or why not.
+    PeerUcxCommit = 45,
+    /// Request: [`crate::peer_ucx::UcxCommit`] (the reservations to free unstored). Response:
+    /// empty body.
+    PeerUcxAbort = 46,
 }
 
 impl Opcode {
     /// Every opcode, in wire-value order.
-    pub const ALL: [Opcode; 28] = [
+    pub const ALL: [Opcode; 32] = [
         Opcode::Handshake,
         Opcode::Ping,
         Opcode::ExistsV2,
@@ -125,6 +138,10 @@ impl Opcode {
         Opcode::PeerUcxHello,
         Opcode::PeerUcxLease,
         Opcode::PeerUcxRelease,
+        Opcode::PeerUcxPutHello,
+        Opcode::PeerUcxReserve,
+        Opcode::PeerUcxCommit,
+        Opcode::PeerUcxAbort,
     ];
 
     /// The wire value.
@@ -172,6 +189,10 @@ impl TryFrom<u16> for Opcode {
             40 => Opcode::PeerUcxHello,
             41 => Opcode::PeerUcxLease,
             42 => Opcode::PeerUcxRelease,
+            43 => Opcode::PeerUcxPutHello,
+            44 => Opcode::PeerUcxReserve,
+            45 => Opcode::PeerUcxCommit,
+            46 => Opcode::PeerUcxAbort,
             other => return Err(ProtoError::UnknownOpcode(other)),
         })
     }
@@ -200,7 +221,7 @@ mod tests {
 
     #[test]
     fn unknown_values_are_rejected_by_name() {
-        for value in [0, 26, 39, 43, 0x0100, u16::MAX] {
+        for value in [0, 26, 39, 47, 0x0100, u16::MAX] {
             let err = Opcode::try_from(value).unwrap_err();
             assert!(matches!(err, ProtoError::UnknownOpcode(v) if v == value));
             assert!(err.to_string().contains(&value.to_string()));

@@ -19,6 +19,22 @@
 //! The reader still verifies each object's end-to-end checksum trailer after the read: a lease
 //! that expired mid-read (a stalled client) can never yield wrong bytes as a hit.
 //!
+//! One-sided puts (the node's put landing area, separate from its arena):
+//!
+//! 4. `PeerUcxPutHello` (empty body): the node answers [`UcxLanding`] (the remote key of its
+//!    landing area, registered for remote write, and the reservation bounds), or `UNSUPPORTED`.
+//! 5. `PeerUcxReserve` ([`UcxReserveRequest`]: keys, lengths including the 8-byte checksum
+//!    trailer, depths): per object a [`ReserveItem`]: an extent of the landing area (its
+//!    reservation id and remote address) or a refusal (full, too big, already present).
+//! 6. The client writes each object and its trailer into its extent (UCP put) and flushes.
+//! 7. `PeerUcxCommit` ([`UcxCommit`]: reservation ids): the node copies each extent out of the
+//!    landing area, verifies the trailer on that copy, stores the copy put-if-absent and frees
+//!    the extent; [`UcxCommitReply`] gives one [`CommitItem`] per id.
+//! 8. `PeerUcxAbort` ([`UcxCommit`]): frees the extents without storing; empty answer.
+//!
+//! Reservations belong to the data-port connection that made them (only it commits or aborts;
+//! they are freed when it ends) and expire after `reservation_ms`.
+//!
 //! Wire forms (same primitives as [`crate::codec`]):
 //! ```text
 //! UcxOffer        := bytes(worker_address) bytes(rkey) varint(max_leases) varint(lease_ms)
@@ -26,6 +42,11 @@
 //! UcxLeaseRequest := varint(n) n*( bytes(key) varint(expected_len) )
 //! UcxLeaseReply   := varint(lease_id) varint(n) n*( u8 status [status 0: varint(m) m*(varint(addr) varint(len))] )
 //! UcxRelease      := varint(lease_id)
+//! UcxLanding      := bytes(rkey) varint(size) varint(max_connection_bytes) varint(reservation_ms)
+//! UcxReserveRequest := varint(n) n*( bytes(key) varint(len) varint(depth + 1, 0: none) )
+//! UcxReserveReply := varint(n) n*( u8 status [status 0: varint(id) varint(addr)] )
+//! UcxCommit       := varint(n) n*varint(id)
+//! UcxCommitReply  := varint(n) n*( u8 status )
 //! ```
 
 use crate::codec::{put_bytes, put_len, put_varint, Decode, Encode, Reader};
@@ -41,6 +62,11 @@ pub const MAX_UCX_RKEY_LEN: usize = 64 << 10;
 pub const MAX_LEASE_OBJECTS: usize = 1024;
 /// Most extents per leased object (an object fragmented further is served over frames).
 pub const MAX_LEASE_EXTENTS: usize = 4096;
+/// Most objects in one reserve request (and ids in one commit or abort).
+pub const MAX_RESERVE_OBJECTS: usize = 1024;
+/// Most bytes one reserve request asks for in total (a node bounds it further by its landing
+/// area and per-connection share).
+pub const MAX_RESERVE_BYTES: u64 = 1 << 30;
 /// Longest transport description.
 const MAX_TRANSPORTS_LEN: usize = 1024;
 
@@ -237,6 +263,254 @@ impl Decode for UcxRelease {
     }
 }
 
+/// The node's answer to `PeerUcxPutHello`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UcxLanding {
+    /// Packed remote key of the landing area (remote write).
+    pub rkey: Vec<u8>,
+    /// The landing area's size in bytes.
+    pub size: u64,
+    /// Most bytes one connection may hold reserved at once.
+    pub max_connection_bytes: u64,
+    /// How long a reservation lives unless committed or aborted first.
+    pub reservation_ms: u64,
+}
+
+/// Reserve landing extents for these objects: (key, length including the checksum trailer,
+/// depth).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UcxReserveRequest {
+    pub objects: Vec<(Vec<u8>, u64, Option<u32>)>,
+}
+
+/// What the node reserved for one object.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReserveItem {
+    /// Write the object (and its trailer) at `addr` in the landing area, then commit `id`.
+    Extent { id: u64, addr: u64 },
+    /// No room now (the landing area, this connection's share or the reservation table is
+    /// full): send it over frames.
+    Full,
+    /// Larger than the landing area, empty, or the node cannot store it: send it over frames.
+    TooBig,
+    /// The node already stores the key: nothing to send (put-if-absent).
+    Present,
+}
+
+/// The extents of one reserve request, in order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UcxReserveReply {
+    pub items: Vec<ReserveItem>,
+}
+
+/// Reservation ids to commit (or abort).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UcxCommit {
+    pub ids: Vec<u64>,
+}
+
+/// What the commit did with one reservation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CommitItem {
+    /// Verified and stored.
+    Stored,
+    /// The key was stored meanwhile: nothing changed (put-if-absent).
+    Present,
+    /// The bytes in the extent do not match their checksum trailer: nothing stored.
+    Checksum,
+    /// Not a live reservation of this connection (expired, never made, another's).
+    Unknown,
+    /// The store refused the object (no space with everything pinned, ...): nothing stored.
+    StoreFailed,
+}
+
+/// Per reservation of a commit, in order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UcxCommitReply {
+    pub items: Vec<CommitItem>,
+}
+
+impl Encode for UcxLanding {
+    fn encode_fields(&self, out: &mut Vec<u8>) -> Result<(), ProtoError> {
+        put_bytes(out, "landing key", &self.rkey, MAX_UCX_RKEY_LEN)?;
+        put_varint(out, self.size);
+        put_varint(out, self.max_connection_bytes);
+        put_varint(out, self.reservation_ms);
+        Ok(())
+    }
+}
+
+impl Decode for UcxLanding {
+    fn read_from(reader: &mut Reader<'_>) -> Result<Self, ProtoError> {
+        Ok(UcxLanding {
+            rkey: reader.read_bytes("landing key", MAX_UCX_RKEY_LEN)?.to_vec(),
+            size: reader.read_varint("landing size")?,
+            max_connection_bytes: reader.read_varint("connection bytes")?,
+            reservation_ms: reader.read_varint("reservation ms")?,
+        })
+    }
+}
+
+impl Encode for UcxReserveRequest {
+    fn encode_fields(&self, out: &mut Vec<u8>) -> Result<(), ProtoError> {
+        put_len(
+            out,
+            "reserve objects",
+            self.objects.len(),
+            MAX_RESERVE_OBJECTS,
+        )?;
+        let mut total = 0u64;
+        for (key, len, depth) in &self.objects {
+            total = total.saturating_add(*len);
+            put_bytes(out, "key", key, MAX_KEY_LEN)?;
+            put_varint(out, *len);
+            put_varint(out, depth.map_or(0, |d| u64::from(d) + 1));
+        }
+        if total > MAX_RESERVE_BYTES {
+            return Err(ProtoError::LimitExceeded {
+                what: "reserved bytes",
+                value: total,
+                limit: MAX_RESERVE_BYTES,
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Decode for UcxReserveRequest {
+    fn read_from(reader: &mut Reader<'_>) -> Result<Self, ProtoError> {
+        let n = reader.read_count("reserve objects", MAX_RESERVE_OBJECTS, 3)?;
+        let mut objects = Vec::with_capacity(n);
+        let mut total = 0u64;
+        for _ in 0..n {
+            let key = reader.read_bytes("key", MAX_KEY_LEN)?.to_vec();
+            let len = reader.read_varint("object length")?;
+            total = total.saturating_add(len);
+            if total > MAX_RESERVE_BYTES {
+                return Err(ProtoError::LimitExceeded {
+                    what: "reserved bytes",
+                    value: total,
+                    limit: MAX_RESERVE_BYTES,
+                });
+            }
+            let depth = match reader.read_varint("depth")? {
+                0 => None,
+                d => Some(u32::try_from(d - 1).map_err(|_| ProtoError::LimitExceeded {
+                    what: "depth",
+                    value: d,
+                    limit: u64::from(u32::MAX),
+                })?),
+            };
+            objects.push((key, len, depth));
+        }
+        Ok(UcxReserveRequest { objects })
+    }
+}
+
+impl Encode for UcxReserveReply {
+    fn encode_fields(&self, out: &mut Vec<u8>) -> Result<(), ProtoError> {
+        put_len(out, "reserve items", self.items.len(), MAX_RESERVE_OBJECTS)?;
+        for item in &self.items {
+            match item {
+                ReserveItem::Extent { id, addr } => {
+                    out.push(0);
+                    put_varint(out, *id);
+                    put_varint(out, *addr);
+                }
+                ReserveItem::Full => out.push(1),
+                ReserveItem::TooBig => out.push(2),
+                ReserveItem::Present => out.push(3),
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Decode for UcxReserveReply {
+    fn read_from(reader: &mut Reader<'_>) -> Result<Self, ProtoError> {
+        let n = reader.read_count("reserve items", MAX_RESERVE_OBJECTS, 1)?;
+        let mut items = Vec::with_capacity(n);
+        for _ in 0..n {
+            items.push(match reader.read_u8("reserve item")? {
+                0 => ReserveItem::Extent {
+                    id: reader.read_varint("reservation id")?,
+                    addr: reader.read_varint("extent address")?,
+                },
+                1 => ReserveItem::Full,
+                2 => ReserveItem::TooBig,
+                3 => ReserveItem::Present,
+                tag => {
+                    return Err(ProtoError::InvalidTag {
+                        what: "reserve item",
+                        tag,
+                    })
+                }
+            });
+        }
+        Ok(UcxReserveReply { items })
+    }
+}
+
+impl Encode for UcxCommit {
+    fn encode_fields(&self, out: &mut Vec<u8>) -> Result<(), ProtoError> {
+        put_len(out, "reservation ids", self.ids.len(), MAX_RESERVE_OBJECTS)?;
+        for id in &self.ids {
+            put_varint(out, *id);
+        }
+        Ok(())
+    }
+}
+
+impl Decode for UcxCommit {
+    fn read_from(reader: &mut Reader<'_>) -> Result<Self, ProtoError> {
+        let n = reader.read_count("reservation ids", MAX_RESERVE_OBJECTS, 1)?;
+        let mut ids = Vec::with_capacity(n);
+        for _ in 0..n {
+            ids.push(reader.read_varint("reservation id")?);
+        }
+        Ok(UcxCommit { ids })
+    }
+}
+
+impl Encode for UcxCommitReply {
+    fn encode_fields(&self, out: &mut Vec<u8>) -> Result<(), ProtoError> {
+        put_len(out, "commit items", self.items.len(), MAX_RESERVE_OBJECTS)?;
+        for item in &self.items {
+            out.push(match item {
+                CommitItem::Stored => 0,
+                CommitItem::Present => 1,
+                CommitItem::Checksum => 2,
+                CommitItem::Unknown => 3,
+                CommitItem::StoreFailed => 4,
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Decode for UcxCommitReply {
+    fn read_from(reader: &mut Reader<'_>) -> Result<Self, ProtoError> {
+        let n = reader.read_count("commit items", MAX_RESERVE_OBJECTS, 1)?;
+        let mut items = Vec::with_capacity(n);
+        for _ in 0..n {
+            items.push(match reader.read_u8("commit item")? {
+                0 => CommitItem::Stored,
+                1 => CommitItem::Present,
+                2 => CommitItem::Checksum,
+                3 => CommitItem::Unknown,
+                4 => CommitItem::StoreFailed,
+                tag => {
+                    return Err(ProtoError::InvalidTag {
+                        what: "commit item",
+                        tag,
+                    })
+                }
+            });
+        }
+        Ok(UcxCommitReply { items })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -283,5 +557,79 @@ mod tests {
             UcxRelease::decode(&release.encode_to_vec().unwrap()).unwrap(),
             release
         );
+    }
+
+    #[test]
+    fn put_bodies_round_trip_and_reject_garbage() {
+        let landing = UcxLanding {
+            rkey: vec![3; 50],
+            size: 64 << 20,
+            max_connection_bytes: 32 << 20,
+            reservation_ms: 5000,
+        };
+        assert_eq!(
+            UcxLanding::decode(&landing.encode_to_vec().unwrap()).unwrap(),
+            landing
+        );
+        let request = UcxReserveRequest {
+            objects: vec![(b"k".to_vec(), 4104, Some(3)), (b"kk".to_vec(), 9, None)],
+        };
+        assert_eq!(
+            UcxReserveRequest::decode(&request.encode_to_vec().unwrap()).unwrap(),
+            request
+        );
+        // More bytes than one request may reserve: refused both ways.
+        let greedy = UcxReserveRequest {
+            objects: vec![
+                (b"a".to_vec(), MAX_RESERVE_BYTES, None),
+                (b"b".to_vec(), 1, None),
+            ],
+        };
+        assert!(greedy.encode_to_vec().is_err());
+        let mut forged = vec![2u8, 1, b'a'];
+        put_varint(&mut forged, MAX_RESERVE_BYTES);
+        forged.extend([0, 1, b'b', 1, 0]);
+        assert!(UcxReserveRequest::decode(&forged).is_err());
+        // A depth beyond u32 is refused.
+        let mut deep = vec![1u8, 1, b'a', 9];
+        put_varint(&mut deep, u64::from(u32::MAX) + 2);
+        assert!(UcxReserveRequest::decode(&deep).is_err());
+        let reply = UcxReserveReply {
+            items: vec![
+                ReserveItem::Extent {
+                    id: 5,
+                    addr: 0x7f00_0000_0000,
+                },
+                ReserveItem::Full,
+                ReserveItem::TooBig,
+                ReserveItem::Present,
+            ],
+        };
+        let bytes = reply.encode_to_vec().unwrap();
+        assert_eq!(UcxReserveReply::decode(&bytes).unwrap(), reply);
+        assert!(UcxReserveReply::decode(&[1, 7]).is_err());
+        let commit = UcxCommit {
+            ids: vec![1, 2, 300],
+        };
+        assert_eq!(
+            UcxCommit::decode(&commit.encode_to_vec().unwrap()).unwrap(),
+            commit
+        );
+        let done = UcxCommitReply {
+            items: vec![
+                CommitItem::Stored,
+                CommitItem::Present,
+                CommitItem::Checksum,
+                CommitItem::Unknown,
+                CommitItem::StoreFailed,
+            ],
+        };
+        assert_eq!(
+            UcxCommitReply::decode(&done.encode_to_vec().unwrap()).unwrap(),
+            done
+        );
+        assert!(UcxCommitReply::decode(&[1, 5]).is_err());
+        // Counts beyond the bytes left are refused before any allocation.
+        assert!(UcxCommit::decode(&[0x80, 0x08]).is_err());
     }
 }

@@ -19,6 +19,8 @@ pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod fault_guard;
+/// Issue 17: the UCX put landing area and its extent allocator.
+pub mod landing;
 pub mod limits; // issue 16: the crate's bounds, cross-checked
 pub mod node;
 pub mod peer;

@@ -967,14 +967,24 @@ fn serve_requests(
             },
             Ok(Opcode::Ping) => replies.ok(Opcode::Ping, id)?,
             // Issue 17: hello / lease / release of the UCX data plane.
-            Ok(op @ (Opcode::PeerUcxHello | Opcode::PeerUcxLease | Opcode::PeerUcxRelease)) => {
-                let frame = crate::ucx_node::serve(
+            Ok(
+                op @ (Opcode::PeerUcxHello
+                | Opcode::PeerUcxLease
+                | Opcode::PeerUcxRelease
+                | Opcode::PeerUcxPutHello
+                | Opcode::PeerUcxReserve
+                | Opcode::PeerUcxCommit
+                | Opcode::PeerUcxAbort),
+            ) => {
+                // A committed one-sided put is held like a framed one.
+                let frame = crate::ucx_node::serve_with(
                     shared.ucx.as_deref(),
                     &shared.store,
                     connection,
                     op,
                     id,
                     body,
+                    &|key| shared.held.insert(key),
                 )?;
                 replies.queue(Reply::Frame(frame))?
             }

@@ -1058,7 +1058,11 @@ impl<'a> Connection<'a> {
             // Issue 17: the UCX data plane's control messages.
             | Opcode::PeerUcxHello
             | Opcode::PeerUcxLease
-            | Opcode::PeerUcxRelease => Err(Refusal::new(
+            | Opcode::PeerUcxRelease
+            | Opcode::PeerUcxPutHello
+            | Opcode::PeerUcxReserve
+            | Opcode::PeerUcxCommit
+            | Opcode::PeerUcxAbort => Err(Refusal::new(
                 error_code::UNSUPPORTED,
                 "peer opcodes are served on the cluster data port, not the local socket",
             )),

@@ -16,7 +16,15 @@
 //!   that dies holds nothing past its connection and cannot release another reader's pins.
 //! - Only extents inside the registered arena are handed out; an object held elsewhere (read
 //!   from the SSD tier for the pin) is answered `NotRemote` and read over frames.
-//! - Peers only read: nothing writes into the arena from outside the engine.
+//! - Peers only read the arena: nothing writes into it from outside the engine. One-sided
+//!   puts land in a separate landing area ([`crate::landing`], `put_landing_mib`, registered
+//!   writable): a peer reserves extents there, writes, and commits; the node copies each
+//!   extent out, verifies its checksum trailer on that private copy and stores the copy
+//!   put-if-absent, so bytes a peer rewrites after the commit never reach the store.
+//! - A reservation belongs to the data-port connection that made it (only it commits or
+//!   aborts it; [`UcxNode::release_connection`] frees them), expires after
+//!   [`RESERVATION_TIME`], at most [`MAX_RESERVATIONS`] are held, and one connection holds at
+//!   most half the landing area, so no peer can fill it for ever.
 //! - Drop order: the progress thread stops, the leases' pins drop, then the registration, then
 //!   the worker and context (each handle holds what it needs alive).
 
@@ -30,10 +38,15 @@ use std::time::{Duration, Instant};
 use kvtier_client::transport::ucx::{host_id, ucx_tls, Context, Registration, Worker};
 use kvtier_client::Client;
 use kvtier_engine::PinnedObject;
+use kvtier_proto::auth::{object_checksum, CHECKSUM_LEN};
 use kvtier_proto::frame::{FLAG_ERROR, FLAG_RESPONSE};
 use kvtier_proto::peer_ucx::{
-    LeaseItem, UcxHello, UcxLeaseReply, UcxLeaseRequest, UcxOffer, UcxRelease, MAX_LEASE_EXTENTS,
+    CommitItem, LeaseItem, ReserveItem, UcxCommit, UcxCommitReply, UcxHello, UcxLanding,
+    UcxLeaseReply, UcxLeaseRequest, UcxOffer, UcxRelease, UcxReserveReply, UcxReserveRequest,
+    MAX_LEASE_EXTENTS,
 };
+
+use crate::landing::{Extents, LandingMemory};
 use kvtier_proto::server::error_code;
 use kvtier_proto::{encode_frame, Decode, Encode, ErrorReply, Opcode};
 use parking_lot::Mutex;
@@ -44,6 +57,12 @@ pub const MAX_LEASES: usize = 1024;
 pub const LEASE_TIME: Duration = Duration::from_secs(5);
 /// Error code of a lease refused because [`MAX_LEASES`] are held.
 pub const LEASES_FULL: u16 = 40;
+/// Put reservations held at once per node.
+pub const MAX_RESERVATIONS: usize = 4096;
+/// How long a put reservation lives unless committed or aborted first.
+pub const RESERVATION_TIME: Duration = Duration::from_secs(5);
+/// One connection holds at most `1 / CONNECTION_SHARE` of the landing area.
+pub const CONNECTION_SHARE: u64 = 2;
 /// How long the progress thread sleeps on the worker's event descriptor at most.
 const PROGRESS_WAIT: Duration = Duration::from_millis(100);
 
@@ -73,6 +92,70 @@ impl Leases {
     }
 }
 
+struct Reservation {
+    connection: u64,
+    key: Vec<u8>,
+    depth: Option<u32>,
+    offset: u64,
+    len: u64,
+    taken: u64,
+    expires: Instant,
+}
+
+/// The put landing area's bookkeeping.
+struct Reservations {
+    held: HashMap<u64, Reservation>,
+    extents: Extents,
+    /// Bytes (taken) each connection holds reserved.
+    per_connection: HashMap<u64, u64>,
+    next_id: u64,
+}
+
+impl Reservations {
+    /// Forget `id`'s reservation (its extent stays out until [`Self::free`]).
+    fn remove(&mut self, id: u64) -> Option<Reservation> {
+        let r = self.held.remove(&id)?;
+        if let Some(bytes) = self.per_connection.get_mut(&r.connection) {
+            *bytes = bytes.saturating_sub(r.taken);
+            if *bytes == 0 {
+                self.per_connection.remove(&r.connection);
+            }
+        }
+        Some(r)
+    }
+
+    fn free(&mut self, r: &Reservation) {
+        self.extents.free(r.offset, r.taken);
+    }
+
+    /// Free every reservation `drop_it` picks; how many.
+    fn drop_where(&mut self, mut drop_it: impl FnMut(&Reservation) -> bool) -> u64 {
+        let ids: Vec<u64> = self
+            .held
+            .iter()
+            .filter(|(_, r)| drop_it(r))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in &ids {
+            if let Some(r) = self.remove(*id) {
+                self.free(&r);
+            }
+        }
+        ids.len() as u64
+    }
+}
+
+/// The landing area: its memory, registration and bookkeeping.
+struct Landing {
+    reservations: Mutex<Reservations>,
+    offer: UcxLanding,
+    /// Reservations freed at expiry.
+    expired: AtomicU64,
+    // Field order: the registration drops before the memory it registers.
+    _registration: Registration,
+    memory: LandingMemory,
+}
+
 /// Counters of the node's UCX plane.
 #[derive(Debug, Default)]
 pub struct UcxNodeCounters {
@@ -81,6 +164,17 @@ pub struct UcxNodeCounters {
     pub leased_bytes: AtomicU64,
     pub refused_full: AtomicU64,
     pub not_remote: AtomicU64,
+    /// Put extents handed out.
+    pub reservations: AtomicU64,
+    /// Reserve items refused (full, too big).
+    pub reservations_refused: AtomicU64,
+    /// Objects stored through the landing area, and their bytes.
+    pub ucx_puts: AtomicU64,
+    pub ucx_put_bytes: AtomicU64,
+    /// Commits refused: the extent's bytes did not match their checksum.
+    pub commits_refused_checksum: AtomicU64,
+    /// Commits of ids that are not a live reservation of the committing connection.
+    pub commits_unknown: AtomicU64,
 }
 
 /// The node's UCX plane; stops when dropped.
@@ -93,6 +187,7 @@ pub struct UcxNode {
     counters: UcxNodeCounters,
     stop: Arc<AtomicBool>,
     progress: Option<JoinHandle<()>>,
+    landing: Option<Arc<Landing>>,
     worker: Worker,
     // Dropped after the leases' pins (`leases` is only held by this struct and the progress
     // thread, joined in `drop`).
@@ -112,6 +207,12 @@ impl UcxNode {
     /// Register `store`'s DRAM arena and start the worker; an error says why UCX is not
     /// served (libucp absent, registration refused, no embedded engine).
     pub fn start(store: &Client) -> Result<UcxNode, String> {
+        let landing_bytes = store.config().put_landing_mib << 20;
+        Self::start_with_landing(store, landing_bytes)
+    }
+
+    /// [`Self::start`] with a put landing area of `landing_bytes` (0: no one-sided puts).
+    pub fn start_with_landing(store: &Client, landing_bytes: u64) -> Result<UcxNode, String> {
         let (base, len) = store
             .with_engine(|e| e.dram_memory())
             .ok_or("the node's store is not an embedded engine")?;
@@ -128,13 +229,42 @@ impl UcxNode {
             transports: ucx_tls(),
             host: host_id(),
         };
+        let landing = if landing_bytes == 0 {
+            None
+        } else {
+            let len = usize::try_from(landing_bytes).map_err(|e| e.to_string())?;
+            let memory = LandingMemory::new(len)?;
+            let registration = context
+                .register_prot(memory.base(), memory.len(), true)
+                .map_err(|e| format!("cannot register the put landing area: {e}"))?;
+            let extents = Extents::new(landing_bytes);
+            let offer = UcxLanding {
+                rkey: registration.pack_key().map_err(|e| e.to_string())?,
+                size: extents.size(),
+                max_connection_bytes: extents.size() / CONNECTION_SHARE,
+                reservation_ms: RESERVATION_TIME.as_millis() as u64,
+            };
+            Some(Arc::new(Landing {
+                reservations: Mutex::new(Reservations {
+                    held: HashMap::new(),
+                    extents,
+                    per_connection: HashMap::new(),
+                    next_id: 1,
+                }),
+                offer,
+                expired: AtomicU64::new(0),
+                _registration: registration,
+                memory,
+            }))
+        };
         let leases = Arc::new(Mutex::new(Leases::default()));
         let stop = Arc::new(AtomicBool::new(false));
         let progress = {
             let (worker, stop, leases) = (worker.clone(), Arc::clone(&stop), Arc::clone(&leases));
+            let landing = landing.clone();
             std::thread::Builder::new()
                 .name("kvtier-ucx-progress".into())
-                .spawn(move || progress_loop(&worker, &stop, &leases))
+                .spawn(move || progress_loop(&worker, &stop, &leases, landing.as_deref()))
                 .map_err(|e| format!("cannot start the UCX progress thread: {e}"))?
         };
         Ok(UcxNode {
@@ -146,6 +276,7 @@ impl UcxNode {
             counters: UcxNodeCounters::default(),
             stop,
             progress: Some(progress),
+            landing,
             worker,
             _registration: registration,
         })
@@ -164,8 +295,43 @@ impl UcxNode {
         self.leases.lock().held.len()
     }
 
+    /// Put reservations held now.
+    pub fn reservations_held(&self) -> usize {
+        self.landing
+            .as_ref()
+            .map_or(0, |l| l.reservations.lock().held.len())
+    }
+
+    /// Bytes of the landing area reserved now.
+    pub fn landing_used(&self) -> u64 {
+        self.landing
+            .as_ref()
+            .map_or(0, |l| l.reservations.lock().extents.used())
+    }
+
     /// What `kvtier stat` shows of the node's UCX plane.
     pub fn describe(&self) -> serde_json::Value {
+        let c = &self.counters;
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let mut doc = self.describe_reads();
+        doc["put_landing_bytes"] =
+            serde_json::json!(self.landing.as_ref().map_or(0, |l| l.offer.size));
+        doc["put_landing_used"] = serde_json::json!(self.landing_used());
+        doc["reservations_held"] = serde_json::json!(self.reservations_held());
+        doc["reservations_total"] = serde_json::json!(load(&c.reservations));
+        doc["reservations_refused"] = serde_json::json!(load(&c.reservations_refused));
+        doc["reservations_expired"] = serde_json::json!(self
+            .landing
+            .as_ref()
+            .map_or(0, |l| l.expired.load(Ordering::Relaxed)));
+        doc["ucx_puts"] = serde_json::json!(load(&c.ucx_puts));
+        doc["ucx_put_bytes"] = serde_json::json!(load(&c.ucx_put_bytes));
+        doc["commits_refused_checksum"] = serde_json::json!(load(&c.commits_refused_checksum));
+        doc["commits_unknown"] = serde_json::json!(load(&c.commits_unknown));
+        doc
+    }
+
+    fn describe_reads(&self) -> serde_json::Value {
         serde_json::json!({
             "enabled": true,
             "ucx_tls": self.offer.transports,
@@ -261,13 +427,172 @@ impl UcxNode {
         drop(lease); // the pins drop outside the lock
     }
 
-    /// Drop every lease `connection` still holds: called when that connection ends.
+    /// Drop every lease and free every put reservation `connection` still holds: called when
+    /// that connection ends.
     pub fn release_connection(&self, connection: u64) {
         let leases = self
             .leases
             .lock()
             .take(|lease| lease.connection == connection);
         drop(leases);
+        if let Some(landing) = &self.landing {
+            landing
+                .reservations
+                .lock()
+                .drop_where(|r| r.connection == connection);
+        }
+    }
+
+    /// Reserve landing extents for `connection` (see [`kvtier_proto::peer_ucx`]).
+    pub fn reserve(
+        &self,
+        store: &Client,
+        connection: u64,
+        request: &UcxReserveRequest,
+    ) -> UcxReserveReply {
+        let Some(landing) = &self.landing else {
+            return UcxReserveReply {
+                items: vec![ReserveItem::TooBig; request.objects.len()],
+            };
+        };
+        let base = landing.memory.base() as u64;
+        let now = Instant::now();
+        let mut table = landing.reservations.lock();
+        let expired = table.drop_where(|r| r.expires <= now);
+        landing.expired.fetch_add(expired, Ordering::Relaxed);
+        let share = table.extents.size() / CONNECTION_SHARE;
+        let mut items = Vec::with_capacity(request.objects.len());
+        for (key, len, depth) in &request.objects {
+            let item =
+                if key.is_empty() || *len <= CHECKSUM_LEN as u64 || *len > table.extents.size() {
+                    ReserveItem::TooBig
+                } else if store.object_len(key).is_some() {
+                    ReserveItem::Present
+                } else {
+                    let held = table.per_connection.get(&connection).copied().unwrap_or(0);
+                    let fits = Extents::rounded(*len)
+                        .is_some_and(|need| held.saturating_add(need) <= share);
+                    match (fits && table.held.len() < MAX_RESERVATIONS)
+                        .then(|| table.extents.alloc(*len))
+                        .flatten()
+                    {
+                        Some((offset, taken)) => {
+                            let id = table.next_id;
+                            table.next_id += 1;
+                            table.held.insert(
+                                id,
+                                Reservation {
+                                    connection,
+                                    key: key.clone(),
+                                    depth: *depth,
+                                    offset,
+                                    len: *len,
+                                    taken,
+                                    expires: now + RESERVATION_TIME,
+                                },
+                            );
+                            *table.per_connection.entry(connection).or_insert(0) += taken;
+                            self.counters.reservations.fetch_add(1, Ordering::Relaxed);
+                            ReserveItem::Extent {
+                                id,
+                                addr: base + offset,
+                            }
+                        }
+                        None => ReserveItem::Full,
+                    }
+                };
+            if matches!(item, ReserveItem::Full | ReserveItem::TooBig) {
+                self.counters
+                    .reservations_refused
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            items.push(item);
+        }
+        UcxReserveReply { items }
+    }
+
+    /// Free `connection`'s reservations `ids` without storing (others' ids: nothing).
+    pub fn abort(&self, connection: u64, ids: &[u64]) {
+        if let Some(landing) = &self.landing {
+            let mut table = landing.reservations.lock();
+            for id in ids {
+                if table
+                    .held
+                    .get(id)
+                    .is_some_and(|r| r.connection == connection)
+                {
+                    if let Some(r) = table.remove(*id) {
+                        table.free(&r);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Verify and store `connection`'s reservations `ids`; `stored(key)` is called for each
+    /// object the store now holds.
+    pub fn commit(
+        &self,
+        store: &Client,
+        connection: u64,
+        ids: &[u64],
+        stored: &dyn Fn(&[u8]),
+    ) -> UcxCommitReply {
+        let Some(landing) = &self.landing else {
+            return UcxCommitReply {
+                items: vec![CommitItem::Unknown; ids.len()],
+            };
+        };
+        let mut items = Vec::with_capacity(ids.len());
+        for id in ids {
+            let now = Instant::now();
+            let reservation = {
+                let mut table = landing.reservations.lock();
+                match table.held.get(id) {
+                    Some(r) if r.connection == connection && r.expires > now => table.remove(*id),
+                    _ => None,
+                }
+            };
+            let Some(r) = reservation else {
+                self.counters
+                    .commits_unknown
+                    .fetch_add(1, Ordering::Relaxed);
+                items.push(CommitItem::Unknown);
+                continue;
+            };
+            // The extent is out of the table but still allocated: nobody else is handed it
+            // while it is copied.
+            let copy = landing.memory.copy_out(r.offset, r.len);
+            landing.reservations.lock().free(&r);
+            let Some(copy) = copy else {
+                items.push(CommitItem::Unknown);
+                continue;
+            };
+            let body = copy.len() - CHECKSUM_LEN;
+            if object_checksum(&r.key, &copy[..body]).to_le_bytes()[..] != copy[body..] {
+                self.counters
+                    .commits_refused_checksum
+                    .fetch_add(1, Ordering::Relaxed);
+                items.push(CommitItem::Checksum);
+                continue;
+            }
+            items.push(match store.put_slice(&r.key, &copy, r.depth) {
+                Ok(outcome) => {
+                    stored(&r.key);
+                    if outcome == kvtier_engine::PutOutcome::Stored {
+                        self.counters.ucx_puts.fetch_add(1, Ordering::Relaxed);
+                        self.counters
+                            .ucx_put_bytes
+                            .fetch_add(r.len, Ordering::Relaxed);
+                        CommitItem::Stored
+                    } else {
+                        CommitItem::Present
+                    }
+                }
+                Err(_) => CommitItem::StoreFailed,
+            });
+        }
+        UcxCommitReply { items }
     }
 }
 
@@ -282,7 +607,12 @@ impl Drop for UcxNode {
     }
 }
 
-fn progress_loop(worker: &Worker, stop: &AtomicBool, leases: &Mutex<Leases>) {
+fn progress_loop(
+    worker: &Worker,
+    stop: &AtomicBool,
+    leases: &Mutex<Leases>,
+    landing: Option<&Landing>,
+) {
     let mut last_reap = Instant::now();
     while !stop.load(Ordering::Relaxed) {
         if let Err(e) = worker.progress_or_wait(PROGRESS_WAIT) {
@@ -293,6 +623,10 @@ fn progress_loop(worker: &Worker, stop: &AtomicBool, leases: &Mutex<Leases>) {
             let now = Instant::now();
             let expired = leases.lock().take(|lease| lease.expires <= now);
             drop(expired);
+            if let Some(landing) = landing {
+                let expired = landing.reservations.lock().drop_where(|r| r.expires <= now);
+                landing.expired.fetch_add(expired, Ordering::Relaxed);
+            }
             last_reap = now;
         }
     }
@@ -327,6 +661,19 @@ pub fn serve(
     id: u64,
     body: &[u8],
 ) -> io::Result<Vec<u8>> {
+    serve_with(node, store, connection, opcode, id, body, &|_| {})
+}
+
+/// [`serve`], calling `stored(key)` for each object a commit stored.
+pub fn serve_with(
+    node: Option<&UcxNode>,
+    store: &Client,
+    connection: u64,
+    opcode: Opcode,
+    id: u64,
+    body: &[u8],
+    stored: &dyn Fn(&[u8]),
+) -> io::Result<Vec<u8>> {
     let Some(node) = node else {
         return refuse(
             opcode,
@@ -355,6 +702,35 @@ pub fn serve(
         Opcode::PeerUcxRelease => match UcxRelease::decode(body) {
             Ok(release) => {
                 node.release(connection, release.lease_id);
+                reply(opcode, id, &UcxHello)
+            }
+            Err(e) => refuse(opcode, id, error_code::MALFORMED, e.to_string()),
+        },
+        Opcode::PeerUcxPutHello => match (&node.landing, UcxHello::decode(body)) {
+            (Some(landing), Ok(_)) => reply(opcode, id, &landing.offer),
+            (None, Ok(_)) => refuse(
+                opcode,
+                id,
+                error_code::UNSUPPORTED,
+                "this node has no put landing area (put_landing_mib = 0)".into(),
+            ),
+            (_, Err(e)) => refuse(opcode, id, error_code::MALFORMED, e.to_string()),
+        },
+        Opcode::PeerUcxReserve => match UcxReserveRequest::decode(body) {
+            Ok(request) => reply(opcode, id, &node.reserve(store, connection, &request)),
+            Err(e) => refuse(opcode, id, error_code::MALFORMED, e.to_string()),
+        },
+        Opcode::PeerUcxCommit => match UcxCommit::decode(body) {
+            Ok(commit) => reply(
+                opcode,
+                id,
+                &node.commit(store, connection, &commit.ids, stored),
+            ),
+            Err(e) => refuse(opcode, id, error_code::MALFORMED, e.to_string()),
+        },
+        Opcode::PeerUcxAbort => match UcxCommit::decode(body) {
+            Ok(abort) => {
+                node.abort(connection, &abort.ids);
                 reply(opcode, id, &UcxHello)
             }
             Err(e) => refuse(opcode, id, error_code::MALFORMED, e.to_string()),

@@ -59,6 +59,13 @@ pub const UCP_EP_CLOSE_FLAG_FORCE: u32 = 1 << 0;
 
 pub const UCP_MEM_MAP_PARAM_FIELD_ADDRESS: u64 = 1 << 0;
 pub const UCP_MEM_MAP_PARAM_FIELD_LENGTH: u64 = 1 << 1;
+/// Issue 17 (puts): `ucp_mem_map_params.prot` is read.
+pub const UCP_MEM_MAP_PARAM_FIELD_PROT: u64 = 1 << 3;
+/// `ucp_mem_map_prot` (1.13).
+pub const UCP_MEM_MAP_PROT_LOCAL_READ: c_uint = 1 << 0;
+pub const UCP_MEM_MAP_PROT_LOCAL_WRITE: c_uint = 1 << 1;
+pub const UCP_MEM_MAP_PROT_REMOTE_READ: c_uint = 1 << 8;
+pub const UCP_MEM_MAP_PROT_REMOTE_WRITE: c_uint = 1 << 9;
 
 pub const UCP_OP_ATTR_FIELD_FLAGS: u32 = 1 << 4;
 pub const UCP_OP_ATTR_FIELD_MEMH: u32 = 1 << 8;

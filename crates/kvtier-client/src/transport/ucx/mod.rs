@@ -18,9 +18,10 @@
 //!   checksum catches a lease that expired under a stalled reader).
 //! - Any UCX failure falls back to the frames for the items concerned, logs the reason, and
 //!   stops using UCX for that peer for [`RETRY_UCX_AFTER`]; a miss stays a miss.
-//! - Puts, removes and the other control calls always use the frames (a one-sided put into a
-//!   node-reserved extent is not implemented: the node's arena is only written through its
-//!   engine, which is what its invariants rely on).
+//! - Puts, removes and the other control calls use the frames for now. Nodes serve one-sided
+//!   puts (`PeerUcxPutHello` / `Reserve` / `Commit` / `Abort`, [`kvtier_proto::peer_ucx`]:
+//!   extents of a separate landing area, verified on the node's own copy at commit, never the
+//!   arena), but this transport's put path does not use them yet.
 
 pub mod ffi;
 pub mod plane;

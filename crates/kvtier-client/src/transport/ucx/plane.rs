@@ -154,6 +154,45 @@ impl Context {
         })
     }
 
+    /// [`Self::register`] with the remote access peers get: `remote_write = false` registers
+    /// the memory for remote reads only (`UCP_MEM_MAP_PROT_REMOTE_READ`), so a transport that
+    /// enforces memory protection (RDMA: the key's access flags) refuses a peer's write into
+    /// it; `true` allows remote reads and writes (a put landing area). UCX's emulated
+    /// one-sided operations over TCP and shared memory do not check it (see the module doc).
+    pub fn register_prot(
+        &self,
+        base: *mut u8,
+        len: usize,
+        remote_write: bool,
+    ) -> Result<Registration, UcxError> {
+        let ucp = self.0.ucp;
+        let mut params: ffi::MemMapParams = ffi::zeroed();
+        params.field_mask = ffi::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+            | ffi::UCP_MEM_MAP_PARAM_FIELD_LENGTH
+            | ffi::UCP_MEM_MAP_PARAM_FIELD_PROT;
+        params.address = base.cast::<c_void>();
+        params.length = len;
+        params.prot = ffi::UCP_MEM_MAP_PROT_LOCAL_READ
+            | ffi::UCP_MEM_MAP_PROT_LOCAL_WRITE
+            | ffi::UCP_MEM_MAP_PROT_REMOTE_READ
+            | if remote_write {
+                ffi::UCP_MEM_MAP_PROT_REMOTE_WRITE
+            } else {
+                0
+            };
+        let mut memh: ffi::MemH = std::ptr::null_mut();
+        // SAFETY: as in `register`: live context, an address range the caller keeps mapped
+        // while the registration lives, zero-initialised params with the masked fields set.
+        let status = unsafe { (ucp.mem_map)(self.0.raw, &params, &mut memh) };
+        check(ucp, "ucp_mem_map", status)?;
+        Ok(Registration {
+            context: Arc::clone(&self.0),
+            memh,
+            base: base as u64,
+            len: len as u64,
+        })
+    }
+
     /// A worker, serialised by its own lock.
     pub fn worker(&self) -> Result<Worker, UcxError> {
         let ucp = self.0.ucp;
