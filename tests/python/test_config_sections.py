@@ -87,7 +87,9 @@ def test_bad_value_names_the_sectioned_key():
     with pytest.raises(ValueError, match=r"events\.subscriber"):
         check({"events": {"subscriber": "maybe"}})
     with pytest.raises(ValueError, match=r"engine\.dram_capacity_bytes"):
-        KvtierStore(make_storage_config(extra_config=extra(engine={"dram_capacity_bytes": "lots"})), {})
+        KvtierStore(
+            make_storage_config(extra_config=extra(engine={"dram_capacity_bytes": "lots"})), {}
+        )
 
 
 def test_sectioned_config_file(tmp_path):
