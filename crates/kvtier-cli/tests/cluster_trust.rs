@@ -566,11 +566,14 @@ fn forged_torn_or_misplaced_bytes_are_a_miss_and_counted() {
     // A malicious node that holds the token: a real data port over a store the test tampers
     // with, registered under its own id.
     let store = Arc::new(
-        Client::open(KvtierConfig {
-            dram_capacity_bytes: 64 << 20,
-            dram_prefault: false,
-            ..KvtierConfig::default()
-        })
+        kvtier_server::server::TenantStore::open(
+            KvtierConfig {
+                dram_capacity_bytes: 64 << 20,
+                dram_prefault: false,
+                ..KvtierConfig::default()
+            },
+            "main",
+        )
         .unwrap(),
     );
     let port = kvtier_server::peer::DataPort::start(

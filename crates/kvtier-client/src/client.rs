@@ -11,7 +11,6 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
 
 use kvtier_engine::{Engine, EngineStats, PinnedObject, PutOutcome};
 use kvtier_proto::{ExistsV2Answer, ExistsV2Query};
@@ -22,9 +21,8 @@ use crate::cluster::ClusterStore;
 use crate::config::KvtierConfig;
 use crate::error::ClientError;
 use crate::memory::{RegionId, RegionInfo, RegionRegistry};
-use crate::metrics::{self, ClientMetrics, Collector, Endpoint, Lookup, Op, Samples};
-use crate::store::embedded::EngineSlot;
-use crate::store::{EmbeddedStore, LocalServerStore, Store, Stores};
+use crate::metrics::{self, Endpoint, Lookup, Op};
+use crate::store::{check_page_shape, EmbeddedStore, LocalServerStore, Store, StoreMeter, Stores};
 
 pub use crate::store::embedded::PARALLEL_COPY_MIN_BYTES_PER_THREAD;
 
@@ -41,36 +39,16 @@ pub struct ClientStats {
     pub registered_bytes: u64,
 }
 
-/// Publishes an embedded engine's stats at scrape time under its `store` label.
-struct EngineCollector {
-    store: String,
-    engine: EngineSlot,
-}
-
-impl Collector for EngineCollector {
-    fn collect(&self, out: &mut Samples) {
-        if let Some(engine) = self.engine.read().as_ref() {
-            metrics::engine_samples(&self.store, &engine.stats(), out);
-        }
-    }
-}
-
-/// A client's part in the process's metrics (present when the process publishes metrics).
-struct ClientObservability {
-    handles: ClientMetrics,
-    /// The endpoint this client's `metrics_addr` asked for.
-    endpoint: Option<Arc<Endpoint>>,
-    /// Kept alive here; the metrics registry holds it weakly.
-    _collector: Option<Arc<dyn Collector>>,
-}
-
 pub struct Client {
     config: KvtierConfig,
     store: Stores,
     regions: RegionRegistry,
     closed: AtomicBool,
     rejected_batches: AtomicU64,
-    metrics: Option<ClientObservability>,
+    /// What this client's calls record when the process publishes metrics.
+    meter: StoreMeter,
+    /// The endpoint this client's `metrics_addr` asked for.
+    endpoint: Option<Arc<Endpoint>>,
 }
 
 impl Client {
@@ -95,72 +73,37 @@ impl Client {
             Some(addr) => Some(metrics::serve(addr)?),
             None => None,
         };
-        let copy_threads = usize::try_from(config.copy_threads).unwrap_or(1).max(1);
         let backend = if config.master_address.is_some() {
             Stores::Cluster(Box::new(ClusterStore::open(&config)?))
         } else if config.server_socket.is_some() {
             Stores::Server(Box::new(LocalServerStore::connect(&config)?))
         } else {
-            Stores::Embedded(EmbeddedStore::open(config.engine_config(), copy_threads)?)
+            Stores::Embedded(EmbeddedStore::from_config(&config)?)
         };
-        let observability = metrics::enabled().then(|| {
-            let collector: Option<Arc<dyn Collector>> = match &backend {
-                Stores::Embedded(embedded) => Some(Arc::new(EngineCollector {
-                    store: store.to_string(),
-                    engine: Arc::clone(embedded.slot()),
-                })),
-                Stores::Server(_) | Stores::Cluster(_) => None,
-            };
-            if let Some(c) = &collector {
-                metrics::register_collector(Arc::downgrade(c));
-            }
-            ClientObservability {
-                handles: ClientMetrics::new(),
-                endpoint,
-                _collector: collector,
-            }
-        });
+        let engine = match &backend {
+            Stores::Embedded(embedded) => Some(embedded.slot()),
+            Stores::Server(_) | Stores::Cluster(_) => None,
+        };
+        let meter = StoreMeter::new(store, engine);
         Ok(Client {
             config,
             store: backend,
             regions: RegionRegistry::new(),
             closed: AtomicBool::new(false),
             rejected_batches: AtomicU64::new(0),
-            metrics: observability,
+            meter,
+            endpoint,
         })
     }
 
     /// The bound address of the metrics endpoint this client's `metrics_addr` started.
     pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
-        self.metrics.as_ref()?.endpoint.as_ref().map(|e| e.addr())
+        self.endpoint.as_ref().map(|e| e.addr())
     }
 
     /// Time `f` as one call of `op` when metrics are on.
     fn timed<R>(&self, op: Op, f: impl FnOnce() -> R) -> R {
-        match &self.metrics {
-            None => f(),
-            Some(m) => {
-                let start = Instant::now();
-                let r = f();
-                m.handles.observe(op, start);
-                r
-            }
-        }
-    }
-
-    /// Count pool lookups when metrics are on.
-    /// A single-key get (`get_into_slice`, `pin`) in its pool's lookup counters.
-    fn count_one_get(&self, key: &[u8], hit: bool) {
-        if self.metrics.is_some() {
-            self.count_pool(metrics::pool_of(key), Lookup::Get, usize::from(hit), 1);
-        }
-    }
-
-    fn count_pool(&self, pool: &str, lookup: Lookup, hits: usize, asked: usize) {
-        if let Some(m) = &self.metrics {
-            m.handles
-                .pool(pool, lookup, hits as u64, asked.saturating_sub(hits) as u64);
-        }
+        self.meter.timed(op, f)
     }
 
     pub fn config(&self) -> &KvtierConfig {
@@ -276,32 +219,6 @@ impl Client {
         }
     }
 
-    /// Check a page batch's buffers and depths against its shape.
-    fn check_page_shape<K: AsRef<[u8]>, S: AsRef<[u8]>>(
-        &self,
-        batch: &PageBatch<'_, K, S>,
-        buffers: &[MemRef],
-        depths: Option<&[u32]>,
-    ) -> Result<(), String> {
-        let (pages, comps) = (batch.pages(), batch.components());
-        if comps == 0 && pages > 0 {
-            return Err("a page batch needs at least one component suffix".into());
-        }
-        if buffers.len() != pages * comps {
-            return Err(format!(
-                "{} buffers for {pages} pages x {comps} components (want {})",
-                buffers.len(),
-                pages * comps
-            ));
-        }
-        if let Some(d) = depths {
-            if d.len() != pages {
-                return Err(format!("{} depths for {pages} pages", d.len()));
-            }
-        }
-        Ok(())
-    }
-
     fn reject_batch(&self, items: usize, reason: String) -> BatchResult {
         self.rejected_batches.fetch_add(1, Ordering::Relaxed);
         BatchResult::all_failed(items, reason)
@@ -319,7 +236,7 @@ impl Client {
         if let Err(e) = self.ensure_open() {
             return BatchResult::all_failed(pages, e.to_string());
         }
-        if let Err(reason) = self.check_page_shape(batch, buffers, depths) {
+        if let Err(reason) = check_page_shape(batch, buffers.len(), depths) {
             return self.reject_batch(pages, reason);
         }
         call()
@@ -355,10 +272,8 @@ impl Client {
                 self.store.get_pages(&self.regions, batch, buffers)
             })
         });
-        if self.metrics.is_some() {
-            let pool = metrics::pool_of_batch(batch.page_keys, batch.suffixes);
-            self.count_pool(pool, Lookup::Get, result.succeeded(), batch.pages());
-        }
+        self.meter
+            .count_pages(batch, Lookup::Get, result.succeeded());
         result
     }
 
@@ -402,7 +317,7 @@ impl Client {
     pub fn get_into_slice(&self, key: &[u8], dst: &mut [u8]) -> Result<(), ClientError> {
         self.ensure_open()?;
         let result = self.timed(Op::Get, || self.store.get_into_slice(key, dst));
-        self.count_one_get(key, result.is_ok());
+        self.meter.count_get(key, result.is_ok());
         result
     }
 
@@ -413,7 +328,7 @@ impl Client {
     pub fn pin(&self, key: &[u8]) -> Option<PinnedObject> {
         self.ensure_open().ok()?;
         let pinned = self.timed(Op::Get, || self.store.pin(key));
-        self.count_one_get(key, pinned.is_some());
+        self.meter.count_get(key, pinned.is_some());
         pinned
     }
 
@@ -426,16 +341,7 @@ impl Client {
             return vec![false; keys.len()];
         }
         let found = self.timed(Op::Exists, || self.store.exists_keys(keys));
-        if self.metrics.is_some() {
-            for (key, hit) in keys.iter().zip(&found) {
-                self.count_pool(
-                    metrics::pool_of(key.as_ref()),
-                    Lookup::Exists,
-                    usize::from(*hit),
-                    1,
-                );
-            }
-        }
+        self.meter.count_exists_keys(keys, &found);
         found
     }
 
@@ -450,10 +356,7 @@ impl Client {
             }
             self.store.exists_pages_prefix(batch)
         });
-        if self.metrics.is_some() {
-            let pool = metrics::pool_of_batch(batch.page_keys, batch.suffixes);
-            self.count_pool(pool, Lookup::Exists, hit, batch.pages());
-        }
+        self.meter.count_pages(batch, Lookup::Exists, hit);
         hit
     }
 
@@ -485,23 +388,7 @@ impl Client {
             return ExistsV2Answer::default();
         }
         let answer = self.timed(Op::ExistsV2, || self.store.exists_v2(query));
-        if self.metrics.is_some() {
-            let pages = query.page_keys.len();
-            let hit_of = |name: &str| {
-                answer
-                    .pool_hit_pages
-                    .iter()
-                    .find(|(n, _)| n == name)
-                    .map_or(0, |(_, h)| *h as usize)
-            };
-            if matches!(query.kv, kvtier_proto::query::KvComponents::Suffixes(_)) {
-                self.count_pool("kv", Lookup::Exists, hit_of("kv"), pages);
-            }
-            for pool in &query.pools {
-                let label = metrics::pool_label(&pool.name);
-                self.count_pool(label, Lookup::Exists, hit_of(&pool.name), pages);
-            }
-        }
+        self.meter.count_exists_v2(query, &answer);
         answer
     }
 

@@ -551,7 +551,7 @@ pub struct ClusterNode {
 /// cannot serve it says why and serves frames only (`Err(why)`).
 fn start_ucx_node(
     settings: &kvtier_client::KvtierConfig,
-    store: &kvtier_client::Client,
+    store: &crate::server::TenantStore,
 ) -> Result<std::sync::Arc<crate::ucx_node::UcxNode>, String> {
     if settings.cluster_transport == "tcp" {
         return Err("cluster_transport = \"tcp\"".into());
@@ -575,7 +575,7 @@ fn start_ucx_node(
 /// Start the data port and the node agent when the settings name a master.
 pub fn start_cluster_node(
     settings: &kvtier_client::KvtierConfig,
-    store: std::sync::Arc<kvtier_client::Client>,
+    store: std::sync::Arc<crate::server::TenantStore>,
 ) -> Result<Option<ClusterNode>, String> {
     let masters = settings.master_addresses();
     if masters.is_empty() {

@@ -10,7 +10,7 @@
 //! in a guarded mapping replaces that whole mapping (`MAP_FIXED`) with private anonymous zero
 //! memory and marks its slot *revoked*, so the faulting copy resumes and finishes on zeros.
 //! Every copy from or to client memory asks the region's intact check afterwards (see
-//! [`kvtier_client::memory::RegionIntact`]): a put that read revoked memory is not stored, a
+//! [`kvtier_client::store::SharedRegion::intact`]): a put that read revoked memory is not stored, a
 //! get that wrote into it fails, and later requests on the region fail before copying. The
 //! fast path costs nothing (no extra syscall or copy per page); only the fault pays.
 //!
@@ -86,12 +86,6 @@ impl Guard {
     /// Whether the mapping is still the client's memory (no fault replaced it).
     pub fn intact(&self) -> bool {
         !TABLE[self.slot].revoked.load(Ordering::Acquire)
-    }
-
-    /// The check as a closure the client's region registry can hold.
-    pub fn intact_check(&self) -> kvtier_client::memory::RegionIntact {
-        let slot = self.slot;
-        std::sync::Arc::new(move || !TABLE[slot].revoked.load(Ordering::Acquire))
     }
 }
 

@@ -1,7 +1,8 @@
 //! `kvtier serve`: the local cache server shared by every TP/DP rank on a host.
 //!
 //! - [`config`]: [`ServerConfig`] (TOML file, `KVTIER_SERVE_*` / `KVTIER_*` env, flags; strict).
-//! - [`server`]: listener, sessions, dispatch of the wire protocol (`kvtier_proto`).
+//! - [`server`]: listener, sessions, dispatch of the wire protocol (`kvtier_proto`), split by
+//!   the state each part owns (`connection`, `session`, `tenant`, `page_io`, `documents`).
 //! - [`shm`]: client memfds mapped into the server, and [`fault_guard`]: the SIGBUS guard of
 //!   unsealed ones — the crate's only `unsafe` (each opens with `#![allow(unsafe_code)]`
 //!   under the workspace lints).
@@ -9,8 +10,11 @@
 //! - [`node`], [`peer`], [`rereplicate`]: a cluster node's agent, data port, and the copy
 //!   tasks of re-replication.
 //!
-//! The engine behind it is reached through an embedded [`kvtier_client::Client`] per tenant
-//! store, so server mode has exactly the put/get/rollback/fold semantics of embedded mode.
+//! Each tenant store (and the cluster node's store) is a
+//! [`kvtier_client::store::EmbeddedStore`] reached directly ([`server::TenantStore`]), not
+//! through a `Client`, so server mode has exactly the put/get/rollback/fold semantics of
+//! embedded mode. A page buffer is bounds-checked once, against the session's mapping, and
+//! handed to the store as [`kvtier_client::store::CheckedBuffers`]: no region registry.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]

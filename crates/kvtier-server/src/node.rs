@@ -29,8 +29,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use crate::server::TenantStore;
 use kvtier_client::cluster::master::MasterLink;
-use kvtier_client::Client;
 use kvtier_master::rpc::{
     AddNodeKeysRequest, HeartbeatRequest, LeaveNodeRequest, RegisterNodeRequest,
     ReportDroppedRequest,
@@ -60,7 +60,7 @@ pub struct NodeAgent {
 impl NodeAgent {
     pub fn start(
         config: NodeAgentConfig,
-        store: Arc<Client>,
+        store: Arc<TenantStore>,
         held: Arc<HeldKeys>,
     ) -> std::io::Result<NodeAgent> {
         let stop = Arc::new(AtomicBool::new(false));
@@ -101,8 +101,8 @@ impl Drop for NodeAgent {
     }
 }
 
-fn free_bytes(store: &Client) -> (u64, u64) {
-    let stats = store.stats().engine;
+fn free_bytes(store: &TenantStore) -> (u64, u64) {
+    let stats = store.engine_stats();
     (
         stats.capacity_bytes,
         stats.capacity_bytes.saturating_sub(stats.bytes_allocated),
@@ -178,7 +178,7 @@ fn in_calls(mut keys: Vec<Vec<u8>>) -> Vec<Vec<Vec<u8>>> {
 const MAX_REREGISTER_ROUNDS: usize = 4;
 
 /// Every key the store holds now, in any tier (embedded stores only; empty otherwise).
-pub(crate) fn keys_in_store(store: &Client) -> HashSet<Vec<u8>> {
+pub(crate) fn keys_in_store(store: &TenantStore) -> HashSet<Vec<u8>> {
     store
         .with_engine(|engine| {
             engine
@@ -193,7 +193,11 @@ pub(crate) fn keys_in_store(store: &Client) -> HashSet<Vec<u8>> {
 
 /// The keys the node holds for the cluster: what peers stored since start plus what the store
 /// held at start and still holds.
-fn held_now(store: &Client, held: &HeldKeys, recovered: &mut HashSet<Vec<u8>>) -> Vec<Vec<u8>> {
+fn held_now(
+    store: &TenantStore,
+    held: &HeldKeys,
+    recovered: &mut HashSet<Vec<u8>>,
+) -> Vec<Vec<u8>> {
     let mut keys = held.snapshot(store);
     if !recovered.is_empty() {
         let list: Vec<Vec<u8>> = recovered.iter().cloned().collect();
@@ -214,7 +218,7 @@ fn held_now(store: &Client, held: &HeldKeys, recovered: &mut HashSet<Vec<u8>>) -
 }
 
 /// Recovered keys the store no longer holds (forgotten here, reported to the master).
-fn recovered_dropped(store: &Client, recovered: &mut HashSet<Vec<u8>>) -> Vec<Vec<u8>> {
+fn recovered_dropped(store: &TenantStore, recovered: &mut HashSet<Vec<u8>>) -> Vec<Vec<u8>> {
     if recovered.is_empty() {
         return Vec::new();
     }
@@ -233,7 +237,7 @@ fn recovered_dropped(store: &Client, recovered: &mut HashSet<Vec<u8>>) -> Vec<Ve
 
 async fn agent_loop(
     config: NodeAgentConfig,
-    store: Arc<Client>,
+    store: Arc<TenantStore>,
     held: Arc<HeldKeys>,
     copier: &Rereplicator,
     stop: Arc<AtomicBool>,

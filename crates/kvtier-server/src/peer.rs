@@ -20,7 +20,7 @@
 //!   replies of every request already received as one batch (before it would block on the
 //!   socket), so a pipelined run of gets costs a few syscalls and thread wake-ups, not a few
 //!   per object (up to `REPLIES_IN_FLIGHT` batches queued).
-//! - A get is sent without a copy: the reader pins the object ([`Client::pin`]) and the writer
+//! - A get is sent without a copy: the reader pins the object ([`TenantStore::pin`]) and the writer
 //!   sends the header and the pinned DRAM extents with vectored writes straight from the
 //!   store, then drops the pin (so the memory cannot be evicted or reused while it is sent).
 //! - Puts are put-if-absent in the node's store. Every key stored through this port is
@@ -39,9 +39,9 @@ use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::server::TenantStore;
 use kvtier_client::metrics::names;
 use kvtier_client::transport::tcp::write_all_vectored;
-use kvtier_client::Client;
 use kvtier_engine::PinnedObject;
 use kvtier_proto::auth::{proof, verify, NONCE_LEN, PEER_CLIENT_LABEL, PEER_NODE_LABEL};
 use kvtier_proto::frame::{FLAG_ERROR, FLAG_RESPONSE, HEADER_LEN};
@@ -150,7 +150,7 @@ impl HeldKeys {
     }
 
     /// Every key still in `store`.
-    pub fn snapshot(&self, store: &Client) -> Vec<Vec<u8>> {
+    pub fn snapshot(&self, store: &TenantStore) -> Vec<Vec<u8>> {
         let keys: Vec<Vec<u8>> = self.keys.lock().iter().cloned().collect();
         let present = store.exists_keys(&keys);
         keys.into_iter()
@@ -160,7 +160,7 @@ impl HeldKeys {
     }
 
     /// Forget and return the keys the store no longer holds (evicted or removed).
-    pub fn take_dropped(&self, store: &Client) -> Vec<Vec<u8>> {
+    pub fn take_dropped(&self, store: &TenantStore) -> Vec<Vec<u8>> {
         let keys: Vec<Vec<u8>> = self.keys.lock().iter().cloned().collect();
         let present = store.exists_keys(&keys);
         let dropped: Vec<Vec<u8>> = keys
@@ -226,7 +226,7 @@ struct PortShared {
     /// Connections open at once, and in the handshake at once ([`connection_caps`]).
     max_connections: usize,
     max_unauthenticated: usize,
-    store: Arc<Client>,
+    store: Arc<TenantStore>,
     token: Vec<u8>,
     /// This port's address as peers dial it (bound into the handshake proofs).
     address: String,
@@ -264,7 +264,11 @@ pub struct DataPort {
 
 impl DataPort {
     /// Bind `addr` and start serving `store` to peers presenting `token`.
-    pub fn start(addr: SocketAddr, store: Arc<Client>, token: Vec<u8>) -> io::Result<DataPort> {
+    pub fn start(
+        addr: SocketAddr,
+        store: Arc<TenantStore>,
+        token: Vec<u8>,
+    ) -> io::Result<DataPort> {
         Self::start_with_ucx(addr, store, token, None)
     }
 
@@ -272,7 +276,7 @@ impl DataPort {
     /// (issue 17; `None`: they are refused `UNSUPPORTED` and peers read over frames).
     pub fn start_with_ucx(
         addr: SocketAddr,
-        store: Arc<Client>,
+        store: Arc<TenantStore>,
         token: Vec<u8>,
         ucx: Option<Arc<crate::ucx_node::UcxNode>>,
     ) -> io::Result<DataPort> {

@@ -28,11 +28,11 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::server::TenantStore;
 use kvtier_client::cluster::master::MasterLink;
 use kvtier_client::metrics::names;
 use kvtier_client::transport::tcp::{TcpTransport, TcpTransportConfig};
 use kvtier_client::transport::{PutItem, Transport};
-use kvtier_client::Client;
 use kvtier_master::directory::{key_hash, KeyHash};
 use kvtier_master::rpc::{CommitPutsRequest, CopyTask, NodeList};
 
@@ -82,7 +82,7 @@ fn count_failures(reason: &'static str, n: usize) {
 impl Rereplicator {
     pub fn start(
         config: RereplicatorConfig,
-        store: Arc<Client>,
+        store: Arc<TenantStore>,
         held: Arc<HeldKeys>,
     ) -> std::io::Result<Rereplicator> {
         let (tx, rx) = mpsc::sync_channel(QUEUED_REPLIES);
@@ -137,7 +137,7 @@ impl Drop for Rereplicator {
 }
 
 struct Worker {
-    store: Arc<Client>,
+    store: Arc<TenantStore>,
     held: Arc<HeldKeys>,
     runtime: tokio::runtime::Runtime,
     link: MasterLink,
@@ -150,7 +150,7 @@ struct Worker {
 impl Worker {
     fn new(
         config: RereplicatorConfig,
-        store: Arc<Client>,
+        store: Arc<TenantStore>,
         held: Arc<HeldKeys>,
         runtime: tokio::runtime::Runtime,
         stop: Arc<AtomicBool>,

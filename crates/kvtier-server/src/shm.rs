@@ -4,12 +4,13 @@
 //! client sent with `SCM_RIGHTS`, pre-faulted at registration (`MAP_POPULATE`), unmapped when
 //! the last `Arc<Mapping>` goes (its session ended and no request still uses it).
 //!
-//! Every access names `(offset, len)` relative to the region and is checked with overflow-safe
-//! arithmetic against the region's length before any pointer is formed, so the server never
-//! touches memory outside what the client registered. To hand the bytes to the engine through
-//! the embedded [`kvtier_client::Client`] (which owns put/get/rollback semantics), the mapping
-//! registers its exact range in that client's region registry and unregisters it in `Drop`
-//! *before* unmapping, so the registry never holds a range that is not mapped.
+//! A mapping is a [`SharedRegion`]: every access names `(offset, len)` relative to the region
+//! and is checked once, with overflow-safe arithmetic against the region's length, by
+//! [`kvtier_client::store::CheckedBuffers::push`] before any pointer is formed, so the server
+//! never touches memory outside what the client registered. The checked buffers hold an `Arc`
+//! of the mapping, so it stays mapped until the last request using it has finished; the
+//! embedded store (which owns put/get/rollback semantics) copies through them directly, and
+//! no region registry holds the range (issue 16: one bounds check, not two).
 //!
 //! Only shared-memory files are accepted: `F_GET_SEALS` must succeed and the file system must
 //! be tmpfs or hugetlbfs (a memfd is either), so a client cannot make server threads block in
@@ -32,7 +33,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use kvtier_client::memory::RegionId;
-use kvtier_client::{Client, MemRef};
+use kvtier_client::store::SharedRegion;
+use kvtier_client::Client;
 use rustix::fs::{fcntl_add_seals, fcntl_get_seals, fstat, fstatfs, FileType, SealFlags};
 
 use crate::fault_guard::{self, Guard, GuardError};
@@ -62,8 +64,6 @@ pub enum ShmError {
     Stat(#[source] std::io::Error),
     #[error("mmap of the memfd failed: {0}")]
     Map(#[source] std::io::Error),
-    #[error("cannot register the mapping: {0}")]
-    Register(String),
     #[error(
         "buffer at offset {offset} of {len} bytes lies outside region {region} \
          ({label:?}, {region_len} bytes)"
@@ -90,14 +90,12 @@ pub struct Mapping {
     guard: Option<Guard>,
     label: String,
     region: u64,
-    /// The embedded client whose registry holds `[data, data+len)`, and the id there.
-    registered: Option<(Arc<Client>, RegionId)>,
     /// Server-wide count of live mappings (decremented after munmap).
     live: Arc<AtomicU64>,
 }
 
 // SAFETY: a Mapping is plain shared memory plus immutable metadata; every access goes through
-// bounds-checked methods that hand the bytes to the engine for one copy.
+// CheckedBuffers, which bounds-checks it and hands the bytes to the engine for one copy.
 unsafe impl Send for Mapping {}
 // SAFETY: see Send.
 unsafe impl Sync for Mapping {}
@@ -115,9 +113,8 @@ impl std::fmt::Debug for Mapping {
 
 impl Mapping {
     /// Map `[fd_offset, fd_offset + len)` of `fd` read-write and shared, pre-faulted when
-    /// `prefault`, and register it in `client`'s region registry. The descriptor is closed
-    /// afterwards (the mapping keeps the memory alive). `live` counts mappings that exist.
-    #[allow(clippy::too_many_arguments)]
+    /// `prefault`. The descriptor is closed afterwards (the mapping keeps the memory alive).
+    /// `live` counts mappings that exist.
     pub fn map(
         fd: OwnedFd,
         fd_offset: u64,
@@ -125,7 +122,6 @@ impl Mapping {
         prefault: bool,
         label: &str,
         region: u64,
-        client: &Arc<Client>,
         live: Arc<AtomicU64>,
     ) -> Result<Mapping, ShmError> {
         if len == 0 {
@@ -207,7 +203,6 @@ impl Mapping {
             guard: None,
             label: label.to_string(),
             region,
-            registered: None,
             live,
         };
         // An unsealed memfd can shrink under us, and a hugetlbfs page can fail to materialise
@@ -216,18 +211,6 @@ impl Mapping {
         if !sealed || hugetlb {
             mapping.guard = Some(fault_guard::guard(base, map_len)?);
         }
-        let id = match &mapping.guard {
-            // SAFETY: `[data, data+len)` is inside the mapping created above, which stays
-            // mapped until Drop (revoked memory is replaced in place, and the check says so),
-            // and Drop unregisters it from `client` before unmapping.
-            Some(guard) => unsafe {
-                client.register_region_checked(mapping.data, len, label, guard.intact_check())
-            },
-            // SAFETY: as above; a sealed memfd cannot lose pages, so no check is needed.
-            None => unsafe { client.register_region(mapping.data, len, label) },
-        }
-        .map_err(|e| ShmError::Register(e.to_string()))?;
-        mapping.registered = Some((Arc::clone(client), id));
         Ok(mapping)
     }
 
@@ -252,28 +235,20 @@ impl Mapping {
     pub fn label(&self) -> &str {
         &self.label
     }
+}
 
-    /// The buffer `(offset, len)` of this region as an address range the registered client
-    /// accepts, after the bounds check.
-    pub fn resolve(&self, offset: u64, len: u64) -> Result<MemRef, ShmError> {
-        let out_of_bounds = || ShmError::OutOfBounds {
-            region: self.region,
-            label: self.label.clone(),
-            region_len: self.len,
-            offset,
-            len,
-        };
-        let end = offset.checked_add(len).ok_or_else(out_of_bounds)?;
-        if end > self.len as u64 {
-            return Err(out_of_bounds());
-        }
-        // end <= self.len, so both fit usize and data + offset stays inside the mapping.
-        let offset = usize::try_from(offset).map_err(|_| out_of_bounds())?;
-        let len = usize::try_from(len).map_err(|_| out_of_bounds())?;
-        Ok(MemRef {
-            ptr: self.data + offset,
-            len,
-        })
+// SAFETY: `[data, data+len)` lies inside the mapping created in `map`, which stays mapped until
+// `Drop` (that is, while any `Arc` of it, such as one held by CheckedBuffers, lives); a fault on
+// an unsealed or hugetlbfs mapping replaces it in place with anonymous memory and the guard then
+// reports it revoked (`intact` false); sealed tmpfs memory cannot lose pages. No Rust reference
+// to the memory exists outside the copies CheckedBuffers makes.
+unsafe impl SharedRegion for Mapping {
+    fn span(&self) -> (usize, usize) {
+        (self.data, self.len)
+    }
+
+    fn intact(&self) -> bool {
+        !self.revoked()
     }
 }
 
@@ -292,13 +267,10 @@ pub fn register_own_memfd(
 
 impl Drop for Mapping {
     fn drop(&mut self) {
-        if let Some((client, id)) = self.registered.take() {
-            client.unregister_region(id);
-        }
         // Unguard before unmapping, so the handler never sees a range that is not ours.
         drop(self.guard.take());
-        // SAFETY: base/map_len are exactly what mmap returned; the range is no longer in any
-        // registry or guard (above) and no request holds this Mapping (we are its last owner).
+        // SAFETY: base/map_len are exactly what mmap returned; the range is no longer guarded
+        // (above) and no request holds this Mapping (we are its last owner).
         let _ = unsafe { munmap(self.base as *mut c_void, self.map_len) };
         self.live.fetch_sub(1, Ordering::SeqCst);
     }

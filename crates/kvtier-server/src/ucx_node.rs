@@ -35,8 +35,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::server::TenantStore;
 use kvtier_client::transport::ucx::{host_id, ucx_tls, Context, Registration, Worker};
-use kvtier_client::Client;
 use kvtier_engine::PinnedObject;
 use kvtier_proto::auth::{object_checksum, CHECKSUM_LEN};
 use kvtier_proto::frame::{FLAG_ERROR, FLAG_RESPONSE};
@@ -206,13 +206,13 @@ impl std::fmt::Debug for UcxNode {
 impl UcxNode {
     /// Register `store`'s DRAM arena and start the worker; an error says why UCX is not
     /// served (libucp absent, registration refused, no embedded engine).
-    pub fn start(store: &Client) -> Result<UcxNode, String> {
+    pub fn start(store: &TenantStore) -> Result<UcxNode, String> {
         let landing_bytes = store.config().put_landing_mib << 20;
         Self::start_with_landing(store, landing_bytes)
     }
 
     /// [`Self::start`] with a put landing area of `landing_bytes` (0: no one-sided puts).
-    pub fn start_with_landing(store: &Client, landing_bytes: u64) -> Result<UcxNode, String> {
+    pub fn start_with_landing(store: &TenantStore, landing_bytes: u64) -> Result<UcxNode, String> {
         let (base, len) = store
             .with_engine(|e| e.dram_memory())
             .ok_or("the node's store is not an embedded engine")?;
@@ -347,7 +347,7 @@ impl UcxNode {
     /// Pin the requested objects for `connection`; `Err`: refused (the lease table is full).
     pub fn lease(
         &self,
-        store: &Client,
+        store: &TenantStore,
         connection: u64,
         request: &UcxLeaseRequest,
     ) -> Result<UcxLeaseReply, u16> {
@@ -446,7 +446,7 @@ impl UcxNode {
     /// Reserve landing extents for `connection` (see [`kvtier_proto::peer_ucx`]).
     pub fn reserve(
         &self,
-        store: &Client,
+        store: &TenantStore,
         connection: u64,
         request: &UcxReserveRequest,
     ) -> UcxReserveReply {
@@ -533,7 +533,7 @@ impl UcxNode {
     /// object the store now holds.
     pub fn commit(
         &self,
-        store: &Client,
+        store: &TenantStore,
         connection: u64,
         ids: &[u64],
         stored: &dyn Fn(&[u8]),
@@ -655,7 +655,7 @@ fn refuse(opcode: Opcode, id: u64, code: u16, message: String) -> io::Result<Vec
 /// the whole reply frame (an error frame when the node serves no UCX or the body is malformed).
 pub fn serve(
     node: Option<&UcxNode>,
-    store: &Client,
+    store: &TenantStore,
     connection: u64,
     opcode: Opcode,
     id: u64,
@@ -667,7 +667,7 @@ pub fn serve(
 /// [`serve`], calling `stored(key)` for each object a commit stored.
 pub fn serve_with(
     node: Option<&UcxNode>,
-    store: &Client,
+    store: &TenantStore,
     connection: u64,
     opcode: Opcode,
     id: u64,

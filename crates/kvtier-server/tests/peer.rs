@@ -10,19 +10,20 @@ use std::time::{Duration, Instant};
 
 use kvtier_client::transport::tcp::{TcpTransport, TcpTransportConfig};
 use kvtier_client::transport::{GetItem, PutItem, Transport, TransportError};
-use kvtier_client::{Client, KvtierConfig};
+use kvtier_client::KvtierConfig;
 use kvtier_server::peer::DataPort;
+use kvtier_server::server::TenantStore;
 
-fn store() -> Arc<Client> {
+fn store() -> Arc<TenantStore> {
     let config = KvtierConfig {
         dram_capacity_bytes: 64 << 20,
         dram_prefault: false,
         ..KvtierConfig::default()
     };
-    Arc::new(Client::open(config).unwrap())
+    Arc::new(TenantStore::open(config, "main").unwrap())
 }
 
-fn port(token: &[u8]) -> (DataPort, Arc<Client>) {
+fn port(token: &[u8]) -> (DataPort, Arc<TenantStore>) {
     let store = store();
     let addr: SocketAddr = "127.0.0.1:0".parse().unwrap();
     (

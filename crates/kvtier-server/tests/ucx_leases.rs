@@ -10,11 +10,12 @@ use std::time::{Duration, Instant};
 
 use kvtier_client::transport::tcp::{TcpTransport, TcpTransportConfig};
 use kvtier_client::transport::{PutItem, Transport};
-use kvtier_client::{Client, KvtierConfig};
+use kvtier_client::KvtierConfig;
 use kvtier_proto::auth::CHECKSUM_LEN;
 use kvtier_proto::peer_ucx::{LeaseItem, UcxHello, UcxLeaseReply, UcxLeaseRequest, UcxRelease};
 use kvtier_proto::Opcode;
 use kvtier_server::peer::DataPort;
+use kvtier_server::server::TenantStore;
 use kvtier_server::ucx_node::UcxNode;
 
 const TOKEN: &[u8] = b"lease-token";
@@ -44,11 +45,14 @@ fn leases_are_owned_by_their_connection_and_end_with_it() {
     std::env::set_var("UCX_TLS", "tcp");
     std::env::set_var("UCX_NET_DEVICES", "lo");
     let store = Arc::new(
-        Client::open(KvtierConfig {
-            dram_capacity_bytes: 32 << 20,
-            dram_prefault: false,
-            ..KvtierConfig::default()
-        })
+        TenantStore::open(
+            KvtierConfig {
+                dram_capacity_bytes: 32 << 20,
+                dram_prefault: false,
+                ..KvtierConfig::default()
+            },
+            "main",
+        )
         .unwrap(),
     );
     let node = match UcxNode::start(&store) {

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use kvtier_client::transport::tcp::{TcpTransport, TcpTransportConfig};
 use kvtier_client::transport::ucx::{Context, RemoteExtent};
-use kvtier_client::{Client, KvtierConfig};
+use kvtier_client::KvtierConfig;
 use kvtier_proto::auth::object_checksum;
 use kvtier_proto::peer_ucx::{
     CommitItem, ReserveItem, UcxCommit, UcxCommitReply, UcxHello, UcxLanding, UcxOffer,
@@ -20,6 +20,7 @@ use kvtier_proto::peer_ucx::{
 };
 use kvtier_proto::Opcode;
 use kvtier_server::peer::DataPort;
+use kvtier_server::server::TenantStore;
 use kvtier_server::ucx_node::UcxNode;
 
 const TOKEN: &[u8] = b"put-token";
@@ -54,11 +55,14 @@ fn puts_land_verified_and_reservations_are_owned_and_bounded() {
     std::env::set_var("UCX_TLS", "tcp");
     std::env::set_var("UCX_NET_DEVICES", "lo");
     let store = Arc::new(
-        Client::open(KvtierConfig {
-            dram_capacity_bytes: 32 << 20,
-            dram_prefault: false,
-            ..KvtierConfig::default()
-        })
+        TenantStore::open(
+            KvtierConfig {
+                dram_capacity_bytes: 32 << 20,
+                dram_prefault: false,
+                ..KvtierConfig::default()
+            },
+            "main",
+        )
         .unwrap(),
     );
     let node = match UcxNode::start_with_landing(&store, 4 << 20) {

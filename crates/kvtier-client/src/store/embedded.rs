@@ -5,12 +5,21 @@
 //! across copy threads. Used by embedded-mode clients and, directly, by `kvtier serve` for its
 //! tenants and the cluster node's data port.
 //!
+//! Two ways in for a page batch, one page loop behind them ([`PageBuffers`]):
+//! - [`Store::put_pages`] / [`Store::get_pages`]: buffers as caller pointers, each checked
+//!   against the caller's [`RegionRegistry`] before the engine touches it (embedded clients);
+//! - [`EmbeddedStore::put_checked_pages`] / [`EmbeddedStore::get_checked_pages`]: buffers
+//!   `kvtier serve` already proved inside a session's mappings ([`CheckedBuffers`]); no
+//!   registry is consulted, so a server page batch is bounds-checked once.
+//!
 //! Invariants:
 //! - A page whose put fails leaves none of the components this call stored (they are removed
 //!   before the page's result is reported); components that were already present stay.
 //! - Closing takes the slot's write lock, so it waits for batches in flight (which hold the
 //!   read lock) and every later call sees `None` and fails cleanly.
-//! - Every caller buffer is checked against the caller's registry before the engine touches it.
+//! - Every caller buffer is proved inside live caller memory before the engine touches it:
+//!   by the registry, or by the [`CheckedBuffers`] that carries it; either way the region's
+//!   intact check is asked around the copy.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -24,8 +33,10 @@ use kvtier_engine::{
 use kvtier_proto::query::compose_key;
 use kvtier_proto::{ExistsV2Answer, ExistsV2Query};
 
-use super::Store;
+use super::checked::CheckedBuffers;
+use super::{check_page_shape, Store};
 use crate::batch::{BatchResult, MemRef, PageBatch};
+use crate::config::KvtierConfig;
 use crate::error::ClientError;
 use crate::memory::RegionRegistry;
 
@@ -42,6 +53,86 @@ pub struct EmbeddedStore {
     engine: EngineSlot,
     copy_threads: usize,
     rejected_buffers: AtomicU64,
+    /// Checked batches refused whole for an inconsistent shape (a caller bug).
+    rejected_batches: AtomicU64,
+}
+
+/// How a page batch's buffers become bytes: checked against a registry per copy, or proved
+/// already ([`CheckedBuffers`]). Buffer `i * C + j` is component `j` of page `i`.
+trait PageBuffers: Sync {
+    /// Bytes of every buffer together (to decide on copy threads).
+    fn total_bytes(&self) -> usize;
+
+    /// Store buffer `index` under `key` (put-if-absent), asking the region's intact check
+    /// before publishing.
+    fn put(
+        &self,
+        engine: &Engine,
+        key: &[u8],
+        index: usize,
+        meta: PutMeta,
+    ) -> Result<PutOutcome, ClientError>;
+
+    /// Copy the object `key` into buffer `index`.
+    fn get(&self, engine: &Engine, key: &[u8], index: usize) -> Result<(), ClientError>;
+}
+
+/// Caller pointers, each checked against the caller's registry when copied.
+struct Registered<'a> {
+    regions: &'a RegionRegistry,
+    buffers: &'a [MemRef],
+}
+
+impl PageBuffers for Registered<'_> {
+    fn total_bytes(&self) -> usize {
+        self.buffers.iter().map(|b| b.len).sum()
+    }
+
+    fn put(
+        &self,
+        engine: &Engine,
+        key: &[u8],
+        index: usize,
+        meta: PutMeta,
+    ) -> Result<PutOutcome, ClientError> {
+        let buf = self.buffers[index];
+        self.regions
+            .with_checked_source(buf.ptr, buf.len, |src, intact| {
+                engine.put_verified(key, src, meta, intact)
+            })?
+            .map_err(Into::into)
+    }
+
+    fn get(&self, engine: &Engine, key: &[u8], index: usize) -> Result<(), ClientError> {
+        let buf = self.buffers[index];
+        self.regions
+            .with_destination(buf.ptr, buf.len, |dst| engine.get_into(key, dst))?
+            .map_err(Into::into)
+    }
+}
+
+impl PageBuffers for CheckedBuffers {
+    fn total_bytes(&self) -> usize {
+        CheckedBuffers::total_bytes(self)
+    }
+
+    fn put(
+        &self,
+        engine: &Engine,
+        key: &[u8],
+        index: usize,
+        meta: PutMeta,
+    ) -> Result<PutOutcome, ClientError> {
+        self.with_source(index, |src, intact| {
+            engine.put_verified(key, src, meta, intact)
+        })?
+        .map_err(Into::into)
+    }
+
+    fn get(&self, engine: &Engine, key: &[u8], index: usize) -> Result<(), ClientError> {
+        self.with_destination(index, |dst| engine.get_into(key, dst))?
+            .map_err(Into::into)
+    }
 }
 
 impl EmbeddedStore {
@@ -51,6 +142,80 @@ impl EmbeddedStore {
             engine: Arc::new(RwLock::new(Some(Engine::open(config)?))),
             copy_threads: copy_threads.max(1),
             rejected_buffers: AtomicU64::new(0),
+            rejected_batches: AtomicU64::new(0),
+        })
+    }
+
+    /// [`open`](Self::open) with the engine and copy threads `config` describes.
+    pub fn from_config(config: &KvtierConfig) -> Result<EmbeddedStore, ClientError> {
+        let copy_threads = usize::try_from(config.copy_threads).unwrap_or(1);
+        EmbeddedStore::open(config.engine_config(), copy_threads)
+    }
+
+    /// Put every component of every page from buffers proved by their owner (put-if-absent,
+    /// per-page rollback, copy threads as [`Store::put_pages`]); no registry is consulted.
+    /// `buffers` holds `pages x components` buffers in page order; another count fails the
+    /// whole batch.
+    pub fn put_checked_pages<K: AsRef<[u8]> + Sync, S: AsRef<[u8]> + Sync>(
+        &self,
+        batch: &PageBatch<'_, K, S>,
+        buffers: &CheckedBuffers,
+        depths: Option<&[u32]>,
+    ) -> BatchResult {
+        match self.refuse_shape(batch, buffers, depths) {
+            Some(refused) => refused,
+            None => self.put_with(buffers, batch, depths),
+        }
+    }
+
+    /// Get every component of every page into buffers proved by their owner (see
+    /// [`put_checked_pages`](Self::put_checked_pages)).
+    pub fn get_checked_pages<K: AsRef<[u8]> + Sync, S: AsRef<[u8]> + Sync>(
+        &self,
+        batch: &PageBatch<'_, K, S>,
+        buffers: &CheckedBuffers,
+    ) -> BatchResult {
+        match self.refuse_shape(batch, buffers, None) {
+            Some(refused) => refused,
+            None => self.get_with(buffers, batch),
+        }
+    }
+
+    /// The whole batch failed (and counted) when its buffers or depths do not match its shape.
+    fn refuse_shape<K: AsRef<[u8]>, S: AsRef<[u8]>>(
+        &self,
+        batch: &PageBatch<'_, K, S>,
+        buffers: &CheckedBuffers,
+        depths: Option<&[u32]>,
+    ) -> Option<BatchResult> {
+        let reason = check_page_shape(batch, buffers.len(), depths).err()?;
+        self.rejected_batches.fetch_add(1, Ordering::Relaxed);
+        Some(BatchResult::all_failed(batch.pages(), reason))
+    }
+
+    /// Checked batches refused whole because their shape was inconsistent.
+    pub fn rejected_batches(&self) -> u64 {
+        self.rejected_batches.load(Ordering::Relaxed)
+    }
+
+    fn put_with<B: PageBuffers, K: AsRef<[u8]> + Sync, S: AsRef<[u8]> + Sync>(
+        &self,
+        buffers: &B,
+        batch: &PageBatch<'_, K, S>,
+        depths: Option<&[u32]>,
+    ) -> BatchResult {
+        self.page_batch(batch, buffers.total_bytes(), |engine, range| {
+            self.put_page_range(engine, buffers, batch, depths, range)
+        })
+    }
+
+    fn get_with<B: PageBuffers, K: AsRef<[u8]> + Sync, S: AsRef<[u8]> + Sync>(
+        &self,
+        buffers: &B,
+        batch: &PageBatch<'_, K, S>,
+    ) -> BatchResult {
+        self.page_batch(batch, buffers.total_bytes(), |engine, range| {
+            self.get_page_range(engine, buffers, batch, range)
         })
     }
 
@@ -71,53 +236,25 @@ impl EmbeddedStore {
         result.note_error(format!("{}: {err}", String::from_utf8_lossy(key)));
     }
 
-    /// Store one object from caller memory (put-if-absent).
-    fn put_one(
-        engine: &Engine,
-        regions: &RegionRegistry,
-        key: &[u8],
-        buf: MemRef,
-        depth: Option<u32>,
-    ) -> Result<PutOutcome, ClientError> {
-        let meta = PutMeta { depth };
-        regions
-            .with_checked_source(buf.ptr, buf.len, |src, intact| {
-                engine.put_verified(key, src, meta, intact)
-            })?
-            .map_err(Into::into)
-    }
-
-    fn get_one(
-        engine: &Engine,
-        regions: &RegionRegistry,
-        key: &[u8],
-        buf: MemRef,
-    ) -> Result<(), ClientError> {
-        regions
-            .with_destination(buf.ptr, buf.len, |dst| engine.get_into(key, dst))?
-            .map_err(Into::into)
-    }
-
     /// Run `range_op` over the batch's pages on the open engine (split across copy threads).
     fn page_batch<K: AsRef<[u8]>, S: AsRef<[u8]>>(
         &self,
         batch: &PageBatch<'_, K, S>,
-        buffers: &[MemRef],
+        bytes: usize,
         range_op: impl Fn(&Engine, Range<usize>) -> BatchResult + Sync,
     ) -> BatchResult {
         let guard = self.engine.read();
         let Some(engine) = guard.as_ref() else {
             return BatchResult::all_failed(batch.pages(), ClientError::Closed.to_string());
         };
-        self.split_pages(batch.pages(), buffers, |range| range_op(engine, range))
+        self.split_pages(batch.pages(), bytes, |range| range_op(engine, range))
     }
 
-    fn put_page_range<K: AsRef<[u8]>, S: AsRef<[u8]>>(
+    fn put_page_range<B: PageBuffers, K: AsRef<[u8]>, S: AsRef<[u8]>>(
         &self,
         engine: &Engine,
-        regions: &RegionRegistry,
+        buffers: &B,
         batch: &PageBatch<'_, K, S>,
-        buffers: &[MemRef],
         depths: Option<&[u32]>,
         range: Range<usize>,
     ) -> BatchResult {
@@ -127,12 +264,14 @@ impl EmbeddedStore {
         let mut stored_now: Vec<Vec<u8>> = Vec::new();
         for i in range {
             let page_key = batch.page_keys[i].as_ref();
-            let depth = depths.map(|d| d[i]);
+            let meta = PutMeta {
+                depth: depths.map(|d| d[i]),
+            };
             stored_now.clear();
             let mut page_ok = true;
             for (j, suffix) in batch.suffixes.iter().enumerate() {
                 compose_key(batch.prefix, page_key, suffix.as_ref(), &mut key);
-                match Self::put_one(engine, regions, &key, buffers[i * comps + j], depth) {
+                match buffers.put(engine, &key, i * comps + j, meta) {
                     Ok(PutOutcome::Stored) => stored_now.push(key.clone()),
                     Ok(PutOutcome::AlreadyPresent) => {}
                     Err(err) => {
@@ -152,12 +291,11 @@ impl EmbeddedStore {
         result
     }
 
-    fn get_page_range<K: AsRef<[u8]>, S: AsRef<[u8]>>(
+    fn get_page_range<B: PageBuffers, K: AsRef<[u8]>, S: AsRef<[u8]>>(
         &self,
         engine: &Engine,
-        regions: &RegionRegistry,
+        buffers: &B,
         batch: &PageBatch<'_, K, S>,
-        buffers: &[MemRef],
         range: Range<usize>,
     ) -> BatchResult {
         let comps = batch.components();
@@ -168,7 +306,7 @@ impl EmbeddedStore {
             let mut page_ok = true;
             for (j, suffix) in batch.suffixes.iter().enumerate() {
                 compose_key(batch.prefix, page_key, suffix.as_ref(), &mut key);
-                if let Err(err) = Self::get_one(engine, regions, &key, buffers[i * comps + j]) {
+                if let Err(err) = buffers.get(engine, &key, i * comps + j) {
                     // A miss is the normal answer for a cold page; only real problems are noted.
                     if !matches!(err, ClientError::Engine(EngineError::NotFound)) {
                         self.note(&mut result, &key, &err);
@@ -187,10 +325,9 @@ impl EmbeddedStore {
     fn split_pages(
         &self,
         pages: usize,
-        buffers: &[MemRef],
+        bytes: usize,
         work: impl Fn(Range<usize>) -> BatchResult + Sync,
     ) -> BatchResult {
-        let bytes: usize = buffers.iter().map(|b| b.len).sum();
         let by_bytes = bytes / PARALLEL_COPY_MIN_BYTES_PER_THREAD;
         let threads = self.copy_threads.min(pages).min(by_bytes.max(1));
         if threads <= 1 {
@@ -239,9 +376,7 @@ impl Store for EmbeddedStore {
         buffers: &[MemRef],
         depths: Option<&[u32]>,
     ) -> BatchResult {
-        self.page_batch(batch, buffers, |engine, range| {
-            self.put_page_range(engine, regions, batch, buffers, depths, range)
-        })
+        self.put_with(&Registered { regions, buffers }, batch, depths)
     }
 
     fn get_pages<K: AsRef<[u8]> + Sync, S: AsRef<[u8]> + Sync>(
@@ -250,9 +385,7 @@ impl Store for EmbeddedStore {
         batch: &PageBatch<'_, K, S>,
         buffers: &[MemRef],
     ) -> BatchResult {
-        self.page_batch(batch, buffers, |engine, range| {
-            self.get_page_range(engine, regions, batch, buffers, range)
-        })
+        self.get_with(&Registered { regions, buffers }, batch)
     }
 
     fn put_slice(

@@ -2,10 +2,16 @@
 //! implementations, and the [`Stores`] enum a [`crate::Client`] owns.
 //!
 //! - [`embedded::EmbeddedStore`]: an engine in this process, key composition, per-page
-//!   rollback and the copy threads. `kvtier serve` hosts its tenants' stores with it directly.
+//!   rollback and the copy threads. `kvtier serve` hosts its tenants' stores and a cluster
+//!   node's store with it directly, passing page buffers it proved inside a session's
+//!   mappings as [`checked::CheckedBuffers`] (one bounds check, no registry).
 //! - [`local_server::LocalServerStore`]: a session with a local `kvtier serve` (server mode).
 //! - [`cluster`]: the trait over [`crate::cluster::ClusterStore`] (cluster mode); the cluster
 //!   internals stay in `cluster/`.
+//!
+//! Beside them: [`checked`] (buffers proved by their owner, and the [`checked::SharedRegion`]
+//! contract of server-mapped memory) and [`meter`] (what a store's calls record in the
+//! metrics, shared by the `Client` and `kvtier serve`'s stores).
 //!
 //! Contract every implementation keeps (the `Client` relies on it and adds nothing):
 //! - Calls never panic on caller input; a bad buffer, a size mismatch or a full store is a
@@ -19,17 +25,19 @@
 //! - Buffers are checked against the caller's [`RegionRegistry`] before a byte is touched
 //!   (zero-copy buffers of the local-server store are checked by the server instead).
 //!
-//! The caller (the `Client`) has already checked the batch shape (buffers = pages x
-//! components, one depth per page) and that the client is open: implementations index
-//! `buffers[i * C + j]` and `depths[i]` without checking again.
+//! The caller (the `Client`) has already checked the batch shape ([`check_page_shape`]:
+//! buffers = pages x components, one depth per page) and that the client is open:
+//! implementations index `buffers[i * C + j]` and `depths[i]` without checking again.
 //!
 //! Why an enum and not `Box<dyn Store>`: the page calls are generic over the key types (no
 //! copy of SGLang's key lists), which a trait object cannot carry, and a `match` on three
 //! variants costs nothing next to a page copy.
 
+pub mod checked;
 pub mod cluster;
 pub mod embedded;
 pub mod local_server;
+pub mod meter;
 
 use kvtier_engine::{EngineStats, PinnedObject, PutOutcome};
 use kvtier_proto::{ExistsV2Answer, ExistsV2Query};
@@ -39,8 +47,35 @@ use crate::cluster::ClusterStore;
 use crate::error::ClientError;
 use crate::memory::RegionRegistry;
 
+pub use checked::{CheckedBuffers, OutsideRegion, SharedRegion};
 pub use embedded::EmbeddedStore;
 pub use local_server::LocalServerStore;
+pub use meter::StoreMeter;
+
+/// Check a page batch's buffer count and depths against its shape (`pages x components`
+/// buffers, one depth per page, at least one component when there are pages).
+pub fn check_page_shape<K: AsRef<[u8]>, S: AsRef<[u8]>>(
+    batch: &PageBatch<'_, K, S>,
+    buffers: usize,
+    depths: Option<&[u32]>,
+) -> Result<(), String> {
+    let (pages, comps) = (batch.pages(), batch.components());
+    if comps == 0 && pages > 0 {
+        return Err("a page batch needs at least one component suffix".into());
+    }
+    if buffers != pages * comps {
+        return Err(format!(
+            "{buffers} buffers for {pages} pages x {comps} components (want {})",
+            pages * comps
+        ));
+    }
+    if let Some(d) = depths {
+        if d.len() != pages {
+            return Err(format!("{} depths for {pages} pages", d.len()));
+        }
+    }
+    Ok(())
+}
 
 /// Page batches and whole-key calls over one place objects live (see the module doc).
 pub trait Store: Send + Sync {

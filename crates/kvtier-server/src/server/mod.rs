@@ -1,0 +1,389 @@
+//! The server: a Unix-socket listener, one thread per connection, sessions, dispatch.
+//!
+//! Threads, not an async runtime: clients are a few long-lived connections per inference
+//! process (one per calling thread), and every request is either a sub-microsecond index
+//! lookup or a memcpy-bound page copy, so a blocking thread per connection gives the lowest
+//! latency and keeps copies off any shared executor.
+//!
+//! Split by the state each part owns (issue 16):
+//! - this file: the listener, the accept loop and its admission limits (connections in all
+//!   and per uid), the server-wide state every connection shares ([`Shared`]), bind and
+//!   graceful shutdown;
+//! - [`connection`]: one connection's socket, descriptors, handshake and dispatch;
+//! - [`session`]: what one client process owns (regions, limits, counters, its end);
+//! - [`tenant`]: the stores the server hosts (`main`, `tenant:<name>`), embedded engines
+//!   reached directly, and their metrics;
+//! - [`page_io`]: a page batch from a session's mappings into its tenant's store;
+//! - [`documents`]: the `Stats` / `Inspect` documents and the server's Prometheus samples.
+//!
+//! Invariants kept across them: nothing a client sends can stop the server (see
+//! [`connection`]); a session's mappings are dropped when its last connection closes (a
+//! client killed with SIGKILL included), while a request already running keeps its mapping
+//! alive until it finishes; page puts are put-if-absent with per-page rollback, so nothing
+//! half-written is visible; each page buffer is bounds-checked once, against the session's
+//! mapping ([`kvtier_client::store::CheckedBuffers`]), never against a region registry.
+
+mod connection;
+mod documents;
+mod page_io;
+mod session;
+mod tenant;
+
+use std::collections::HashMap;
+use std::io;
+use std::net::Shutdown;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kvtier_client::metrics::{self as kvmetrics, Endpoint};
+use kvtier_proto::server::error_code;
+use kvtier_proto::Opcode;
+use parking_lot::Mutex;
+use serde_json::{json, Value};
+
+use crate::config::ServerConfig;
+use connection::{send_error, Connection};
+use documents::stats_document;
+use session::Session;
+use tenant::Tenants;
+
+pub use documents::DataPlane;
+pub use tenant::TenantStore;
+
+/// Errors starting or running the server.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error(transparent)]
+    Config(#[from] kvtier_client::ConfigError),
+    #[error("cannot open the store: {0}")]
+    Store(#[from] kvtier_client::ClientError),
+    #[error("socket {path}: {source}")]
+    Socket {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("socket {0} is in use by a running server")]
+    InUse(PathBuf),
+    #[error("socket group {0:?} not found in /etc/group")]
+    UnknownGroup(String),
+    #[error(transparent)]
+    Metrics(#[from] kvtier_client::metrics::MetricsError),
+}
+
+/// Server-wide counters (the `server` object of the stats document).
+#[derive(Default)]
+struct ServerCounters {
+    connections_total: AtomicU64,
+    connections_refused: AtomicU64,
+    sessions_total: AtomicU64,
+    malformed_frames: AtomicU64,
+    refused_requests: AtomicU64,
+    requests: AtomicU64,
+    regions_mapped_total: AtomicU64,
+    regions_unmapped_total: AtomicU64,
+}
+
+/// The server-wide state every connection thread shares.
+struct Shared {
+    config: ServerConfig,
+    /// The stores sessions (and a cluster node's data port) use; fixed at bind.
+    tenants: Tenants,
+    sessions: Mutex<HashMap<u64, Arc<Session>>>,
+    next_session: AtomicU64,
+    conns: Mutex<HashMap<u64, UnixStream>>,
+    next_conn: AtomicU64,
+    open_conns: AtomicUsize,
+    shutting_down: AtomicBool,
+    counters: ServerCounters,
+    started: Instant,
+    live_mappings: Arc<AtomicU64>,
+    /// Bytes reserved by every session's mappings (`max_mapped_bytes_total`).
+    mapped_total: AtomicU64,
+    /// Open connections per peer uid (`max_connections_per_uid`).
+    connections_per_uid: Mutex<HashMap<u32, u64>>,
+    metrics: Option<Arc<Endpoint>>,
+    /// Issue 17: the cluster node's data plane, set once the node starts (`stats` "data_plane").
+    data_plane: Mutex<Option<DataPlane>>,
+}
+
+/// A bound, not yet running server.
+pub struct Server {
+    shared: Arc<Shared>,
+    listener: UnixListener,
+}
+
+/// Handle to a running server (the accept loop on its own thread).
+pub struct RunningServer {
+    shared: Arc<Shared>,
+    accept: Option<JoinHandle<Vec<JoinHandle<()>>>>,
+}
+
+fn resolve_group(name: &str) -> Result<u32, ServerError> {
+    if let Ok(gid) = name.parse::<u32>() {
+        return Ok(gid);
+    }
+    let text = std::fs::read_to_string("/etc/group").unwrap_or_default();
+    text.lines()
+        .filter_map(|line| {
+            let mut parts = line.split(':');
+            let group = parts.next()?;
+            let _ = parts.next();
+            let gid = parts.next()?.parse::<u32>().ok()?;
+            (group == name).then_some(gid)
+        })
+        .next()
+        .ok_or_else(|| ServerError::UnknownGroup(name.to_string()))
+}
+
+impl Server {
+    /// Open the stores and bind the socket (mode and group applied before anyone can connect:
+    /// the socket is created under a private umask).
+    pub fn bind(config: ServerConfig) -> Result<Server, ServerError> {
+        let path = config.socket.clone();
+        let socket_err = |source| ServerError::Socket {
+            path: path.clone(),
+            source,
+        };
+        if config.settings.socket.is_none() {
+            if let Some(dir) = path
+                .parent()
+                .filter(|d| *d == crate::config::private_runtime_dir())
+            {
+                crate::config::ensure_private_dir(dir).map_err(socket_err)?;
+            }
+        }
+        if path.exists() {
+            if UnixStream::connect(&path).is_ok() {
+                return Err(ServerError::InUse(path));
+            }
+            std::fs::remove_file(&path).map_err(socket_err)?;
+        }
+        // Before the stores open, so that they record into the endpoint's registry.
+        let metrics = match &config.settings.metrics_addr {
+            Some(addr) => Some(kvmetrics::serve(addr)?),
+            None => None,
+        };
+        // The node's own store is embedded here even when the settings name a master: cluster
+        // mode is what this process serves to others (data port + node agent), not its store.
+        let tenants = Tenants::open(&config)?;
+        let old_umask = rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o177));
+        let bound = UnixListener::bind(&path);
+        rustix::process::umask(old_umask);
+        let listener = bound.map_err(socket_err)?;
+        if let Some(group) = &config.settings.socket_group {
+            let gid = resolve_group(group)?;
+            rustix::fs::chown(&path, None, Some(rustix::process::Gid::from_raw(gid)))
+                .map_err(|e| socket_err(e.into()))?;
+        }
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(config.socket_mode))
+            .map_err(socket_err)?;
+        Ok(Server {
+            shared: Arc::new(Shared {
+                config,
+                tenants,
+                sessions: Mutex::new(HashMap::new()),
+                next_session: AtomicU64::new(1),
+                conns: Mutex::new(HashMap::new()),
+                next_conn: AtomicU64::new(1),
+                open_conns: AtomicUsize::new(0),
+                shutting_down: AtomicBool::new(false),
+                counters: ServerCounters::default(),
+                started: Instant::now(),
+                live_mappings: Arc::new(AtomicU64::new(0)),
+                mapped_total: AtomicU64::new(0),
+                connections_per_uid: Mutex::new(HashMap::new()),
+                metrics,
+                data_plane: Mutex::new(None),
+            }),
+            listener,
+        })
+    }
+
+    pub fn socket(&self) -> &Path {
+        &self.shared.config.socket
+    }
+
+    /// The bound address of the metrics endpoint (`metrics_addr`), if any.
+    pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        self.shared.metrics.as_ref().map(|e| e.addr())
+    }
+
+    /// Start accepting on a background thread.
+    pub fn spawn(self) -> RunningServer {
+        if self.shared.metrics.is_some() {
+            let weak = Arc::downgrade(&self.shared);
+            kvmetrics::register_collector(weak);
+        }
+        let shared = Arc::clone(&self.shared);
+        let listener = self.listener;
+        let accept = std::thread::Builder::new()
+            .name("kvtier-accept".into())
+            .spawn(move || accept_loop(&shared, listener))
+            .ok();
+        RunningServer {
+            shared: self.shared,
+            accept,
+        }
+    }
+}
+
+impl RunningServer {
+    pub fn socket(&self) -> &Path {
+        &self.shared.config.socket
+    }
+
+    /// The shared store (the one cluster peers are served from).
+    pub fn main_store(&self) -> Arc<TenantStore> {
+        Arc::clone(&self.shared.tenants.main)
+    }
+
+    /// The bound address of the metrics endpoint (`metrics_addr`), if any.
+    pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        self.shared.metrics.as_ref().map(|e| e.addr())
+    }
+
+    /// Issue 17: name the cluster node's data plane in `stats` ("data_plane").
+    pub fn set_data_plane(&self, plane: DataPlane) {
+        *self.shared.data_plane.lock() = Some(plane);
+    }
+
+    /// The stats document `Stats` returns (without a requesting session).
+    pub fn stats(&self) -> Value {
+        stats_document(&self.shared, None)
+    }
+
+    /// Graceful shutdown: stop accepting, let running requests finish (their connections are
+    /// shut down for reading, so each thread exits after its current reply), flush every store,
+    /// remove the socket. Returns once every connection thread has ended (or `timeout` passed).
+    pub fn shutdown(mut self, timeout: Duration) -> Value {
+        self.shared.shutting_down.store(true, Ordering::SeqCst);
+        // Wake the accept loop.
+        let _ = UnixStream::connect(&self.shared.config.socket);
+        let workers = self
+            .accept
+            .take()
+            .and_then(|h| h.join().ok())
+            .unwrap_or_default();
+        for stream in self.shared.conns.lock().values() {
+            let _ = stream.shutdown(Shutdown::Read);
+        }
+        let deadline = Instant::now() + timeout;
+        for worker in workers {
+            while !worker.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            if worker.is_finished() {
+                let _ = worker.join();
+            }
+        }
+        let mut flush_errors = Vec::new();
+        for store in self.shared.tenants.all() {
+            if let Err(e) = store.flush() {
+                flush_errors.push(format!("{}: {e}", store.name()));
+            }
+        }
+        let _ = std::fs::remove_file(&self.shared.config.socket);
+        let mut report = stats_document(&self.shared, None);
+        report["shutdown"] = json!({ "flush_errors": flush_errors });
+        report
+    }
+}
+
+fn accept_loop(shared: &Arc<Shared>, listener: UnixListener) -> Vec<JoinHandle<()>> {
+    let mut workers: Vec<JoinHandle<()>> = Vec::new();
+    for stream in listener.incoming() {
+        if shared.shutting_down.load(Ordering::SeqCst) {
+            break;
+        }
+        workers.retain(|w| !w.is_finished());
+        let Ok(stream) = stream else { continue };
+        shared
+            .counters
+            .connections_total
+            .fetch_add(1, Ordering::Relaxed);
+        if shared.open_conns.load(Ordering::SeqCst) as u64 >= shared.config.settings.max_connections
+        {
+            refuse(shared, stream, "too many connections");
+            continue;
+        }
+        let uid = rustix::net::sockopt::socket_peercred(&stream)
+            .map(|c| c.uid.as_raw())
+            .ok();
+        let Some(uid) = uid else { continue };
+        let admitted = {
+            let mut per_uid = shared.connections_per_uid.lock();
+            let open = per_uid.entry(uid).or_insert(0);
+            if *open >= shared.config.settings.max_connections_per_uid {
+                false
+            } else {
+                *open += 1;
+                true
+            }
+        };
+        if !admitted {
+            let message = format!(
+                "uid {uid} already has {} connections (max_connections_per_uid)",
+                shared.config.settings.max_connections_per_uid
+            );
+            refuse(shared, stream, &message);
+            continue;
+        }
+        let release_uid = move |shared: &Shared| {
+            let mut per_uid = shared.connections_per_uid.lock();
+            if let Some(open) = per_uid.get_mut(&uid) {
+                *open -= 1;
+                if *open == 0 {
+                    per_uid.remove(&uid);
+                }
+            }
+        };
+        let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+        if let Ok(clone) = stream.try_clone() {
+            shared.conns.lock().insert(id, clone);
+        }
+        shared.open_conns.fetch_add(1, Ordering::SeqCst);
+        let worker_shared = Arc::clone(shared);
+        let spawned = std::thread::Builder::new()
+            .name(format!("kvtier-conn-{id}"))
+            .spawn(move || {
+                if let Some(mut conn) = Connection::new(&worker_shared, stream) {
+                    conn.run();
+                    conn.close();
+                }
+                worker_shared.conns.lock().remove(&id);
+                worker_shared.open_conns.fetch_sub(1, Ordering::SeqCst);
+                release_uid(&worker_shared);
+            });
+        match spawned {
+            Ok(handle) => workers.push(handle),
+            Err(_) => {
+                shared.conns.lock().remove(&id);
+                shared.open_conns.fetch_sub(1, Ordering::SeqCst);
+                release_uid(shared);
+            }
+        }
+    }
+    workers
+}
+
+/// Count a connection refused before its handshake and tell the peer why (best effort: it
+/// may already be gone); dropping the stream closes it.
+fn refuse(shared: &Shared, mut stream: UnixStream, message: &str) {
+    shared
+        .counters
+        .connections_refused
+        .fetch_add(1, Ordering::Relaxed);
+    let _ = send_error(
+        &mut stream,
+        Opcode::Handshake,
+        0,
+        error_code::TOO_MANY_CLIENTS,
+        message,
+    );
+}
