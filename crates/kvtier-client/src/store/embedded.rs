@@ -63,59 +63,23 @@ trait PageBuffers: Sync {
     /// Bytes of every buffer together (to decide on copy threads).
     fn total_bytes(&self) -> usize;
 
-    /// Store buffer `index` under `key` (put-if-absent), asking the region's intact check
-    /// before publishing.
-    fn put(
+    /// Run `f` over buffer `index` with its region's intact check (asked by a put before it
+    /// publishes); fails before `f` when the buffer is not (or no longer) caller memory.
+    fn with_source<T>(
         &self,
-        engine: &Engine,
-        key: &[u8],
         index: usize,
-        meta: PutMeta,
-    ) -> Result<PutOutcome, ClientError>;
+        f: impl FnOnce(&[u8], &dyn Fn() -> bool) -> T,
+    ) -> Result<T, ClientError>;
 
-    /// Copy the object `key` into buffer `index`.
-    fn get(&self, engine: &Engine, key: &[u8], index: usize) -> Result<(), ClientError>;
-}
-
-/// Caller pointers, each checked against the caller's registry when copied.
-struct Registered<'a> {
-    regions: &'a RegionRegistry,
-    buffers: &'a [MemRef],
-}
-
-impl PageBuffers for Registered<'_> {
-    fn total_bytes(&self) -> usize {
-        self.buffers.iter().map(|b| b.len).sum()
-    }
-
-    fn put(
+    /// Run `f` over buffer `index` for writing; fails when it is not caller memory, or was
+    /// revoked before or during the copy.
+    fn with_destination<T>(
         &self,
-        engine: &Engine,
-        key: &[u8],
         index: usize,
-        meta: PutMeta,
-    ) -> Result<PutOutcome, ClientError> {
-        let buf = self.buffers[index];
-        self.regions
-            .with_checked_source(buf.ptr, buf.len, |src, intact| {
-                engine.put_verified(key, src, meta, intact)
-            })?
-            .map_err(Into::into)
-    }
+        f: impl FnOnce(&mut [u8]) -> T,
+    ) -> Result<T, ClientError>;
 
-    fn get(&self, engine: &Engine, key: &[u8], index: usize) -> Result<(), ClientError> {
-        let buf = self.buffers[index];
-        self.regions
-            .with_destination(buf.ptr, buf.len, |dst| engine.get_into(key, dst))?
-            .map_err(Into::into)
-    }
-}
-
-impl PageBuffers for CheckedBuffers {
-    fn total_bytes(&self) -> usize {
-        CheckedBuffers::total_bytes(self)
-    }
-
+    /// Store buffer `index` under `key` (put-if-absent).
     fn put(
         &self,
         engine: &Engine,
@@ -129,9 +93,62 @@ impl PageBuffers for CheckedBuffers {
         .map_err(Into::into)
     }
 
+    /// Copy the object `key` into buffer `index`.
     fn get(&self, engine: &Engine, key: &[u8], index: usize) -> Result<(), ClientError> {
         self.with_destination(index, |dst| engine.get_into(key, dst))?
             .map_err(Into::into)
+    }
+}
+
+/// Caller pointers, each checked against the caller's registry when copied.
+struct Registered<'a> {
+    regions: &'a RegionRegistry,
+    buffers: &'a [MemRef],
+}
+
+impl PageBuffers for Registered<'_> {
+    fn total_bytes(&self) -> usize {
+        self.buffers.iter().map(|b| b.len).sum()
+    }
+
+    fn with_source<T>(
+        &self,
+        index: usize,
+        f: impl FnOnce(&[u8], &dyn Fn() -> bool) -> T,
+    ) -> Result<T, ClientError> {
+        let buf = self.buffers[index];
+        self.regions.with_checked_source(buf.ptr, buf.len, f)
+    }
+
+    fn with_destination<T>(
+        &self,
+        index: usize,
+        f: impl FnOnce(&mut [u8]) -> T,
+    ) -> Result<T, ClientError> {
+        let buf = self.buffers[index];
+        self.regions.with_destination(buf.ptr, buf.len, f)
+    }
+}
+
+impl PageBuffers for CheckedBuffers {
+    fn total_bytes(&self) -> usize {
+        CheckedBuffers::total_bytes(self)
+    }
+
+    fn with_source<T>(
+        &self,
+        index: usize,
+        f: impl FnOnce(&[u8], &dyn Fn() -> bool) -> T,
+    ) -> Result<T, ClientError> {
+        CheckedBuffers::with_source(self, index, f)
+    }
+
+    fn with_destination<T>(
+        &self,
+        index: usize,
+        f: impl FnOnce(&mut [u8]) -> T,
+    ) -> Result<T, ClientError> {
+        CheckedBuffers::with_destination(self, index, f)
     }
 }
 
@@ -421,7 +438,8 @@ impl Store for EmbeddedStore {
         batch: &PageBatch<'_, K, S>,
     ) -> usize {
         let guard = self.engine.read();
-        let Some(engine) = guard.as_ref() else {
+        // No components: no page is stored (not every page, as `all` of nothing would say).
+        let (Some(engine), 1..) = (guard.as_ref(), batch.components()) else {
             return 0;
         };
         let mut key = Vec::new();

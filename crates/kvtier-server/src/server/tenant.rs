@@ -128,13 +128,9 @@ impl TenantStore {
         &self,
         batch: &PageBatch<'_, K, S>,
     ) -> usize {
-        let hit = self.meter.timed(Op::Exists, || {
-            if batch.components() == 0 {
-                0
-            } else {
-                self.store.exists_pages_prefix(batch)
-            }
-        });
+        let hit = self
+            .meter
+            .timed(Op::Exists, || self.store.exists_pages_prefix(batch));
         self.meter.count_pages(batch, Lookup::Exists, hit);
         hit
     }
@@ -144,9 +140,6 @@ impl TenantStore {
         &self,
         batch: &PageBatch<'_, K, S>,
     ) -> usize {
-        if batch.components() == 0 {
-            return 0;
-        }
         self.store.demote_pages(batch)
     }
 
