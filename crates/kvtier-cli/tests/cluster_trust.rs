@@ -568,8 +568,11 @@ fn forged_torn_or_misplaced_bytes_are_a_miss_and_counted() {
     let store = Arc::new(
         kvtier_server::server::TenantStore::open(
             KvtierConfig {
-                dram_capacity_bytes: 64 << 20,
-                dram_prefault: false,
+                engine: kvtier_engine::EngineConfig {
+                    dram_capacity_bytes: 64 << 20,
+                    dram_prefault: false,
+                    ..kvtier_engine::EngineConfig::default()
+                },
                 ..KvtierConfig::default()
             },
             "main",

@@ -16,8 +16,11 @@ use kvtier_server::server::TenantStore;
 
 fn store() -> Arc<TenantStore> {
     let config = KvtierConfig {
-        dram_capacity_bytes: 64 << 20,
-        dram_prefault: false,
+        engine: kvtier_engine::EngineConfig {
+            dram_capacity_bytes: 64 << 20,
+            dram_prefault: false,
+            ..kvtier_engine::EngineConfig::default()
+        },
         ..KvtierConfig::default()
     };
     Arc::new(TenantStore::open(config, "main").unwrap())

@@ -47,8 +47,11 @@ fn leases_are_owned_by_their_connection_and_end_with_it() {
     let store = Arc::new(
         TenantStore::open(
             KvtierConfig {
-                dram_capacity_bytes: 32 << 20,
-                dram_prefault: false,
+                engine: kvtier_engine::EngineConfig {
+                    dram_capacity_bytes: 32 << 20,
+                    dram_prefault: false,
+                    ..kvtier_engine::EngineConfig::default()
+                },
                 ..KvtierConfig::default()
             },
             "main",

@@ -57,8 +57,11 @@ fn puts_land_verified_and_reservations_are_owned_and_bounded() {
     let store = Arc::new(
         TenantStore::open(
             KvtierConfig {
-                dram_capacity_bytes: 32 << 20,
-                dram_prefault: false,
+                engine: kvtier_engine::EngineConfig {
+                    dram_capacity_bytes: 32 << 20,
+                    dram_prefault: false,
+                    ..kvtier_engine::EngineConfig::default()
+                },
                 ..KvtierConfig::default()
             },
             "main",

@@ -309,7 +309,7 @@ pub(crate) mod tests {
     fn small_store() -> crate::store::EmbeddedStore {
         let config = kvtier_engine::EngineConfig {
             dram_capacity_bytes: 4 << 20,
-            prefault: false,
+            dram_prefault: false,
             ..kvtier_engine::EngineConfig::default()
         };
         crate::store::EmbeddedStore::open(config, 1).unwrap()
