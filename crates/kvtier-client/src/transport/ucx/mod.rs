@@ -1,5 +1,6 @@
 //! The UCX data plane (issue 17): cluster reads move one-sided (UCP get) from a node's
-//! registered DRAM arena straight into the reader's buffer, over whatever UCX selects to that
+//! registered DRAM arena straight into the reader's buffer, and puts one-sided (UCP put) into
+//! the node's put landing area, over whatever UCX selects to that
 //! peer: RDMA (`rc_mlx5`, `dc_mlx5`, `rc_verbs`, `ud`) on a fabric, shared memory (`cma`,
 //! `posix`, ...) on one host, or UCX's own TCP.
 //!
@@ -18,10 +19,17 @@
 //!   checksum catches a lease that expired under a stalled reader).
 //! - Any UCX failure falls back to the frames for the items concerned, logs the reason, and
 //!   stops using UCX for that peer for [`RETRY_UCX_AFTER`]; a miss stays a miss.
-//! - Puts, removes and the other control calls use the frames for now. Nodes serve one-sided
-//!   puts (`PeerUcxPutHello` / `Reserve` / `Commit` / `Abort`, [`kvtier_proto::peer_ucx`]:
-//!   extents of a separate landing area, verified on the node's own copy at commit, never the
-//!   arena), but this transport's put path does not use them yet.
+//! - A put writes one-sided too (protocol in [`kvtier_proto::peer_ucx`]): `PeerUcxPutHello`
+//!   once per peer gives the key of the node's landing area (held by a second endpoint to the
+//!   same worker); then per chunk (at most `MAX_RESERVE_OBJECTS` objects and the smaller of
+//!   `MAX_RESERVE_BYTES` and the node's per-connection share) Reserve, UCP put of each
+//!   object's bytes and its 8-byte checksum trailer into its extent, flush, Commit, all on one
+//!   held data-port connection (reservations belong to it). The node verifies the trailer on
+//!   its own copy, so a torn or forged write is never stored. "Already present" is success
+//!   (put-if-absent); refused reservations (full, too big), lapsed ones and ones whose bytes
+//!   failed the node's check go over frames; a UCX failure aborts the chunk's reservations
+//!   (best effort), sends the rest over frames, and the peer falls back as for reads.
+//! - Removes, demotes and the other control calls use the frames.
 
 pub mod ffi;
 pub mod plane;
@@ -31,8 +39,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvtier_proto::auth::{object_checksum, CHECKSUM_LEN};
+use kvtier_proto::peer::peer_error_code;
 use kvtier_proto::peer_ucx::{
-    LeaseItem, UcxHello, UcxLeaseReply, UcxLeaseRequest, UcxOffer, UcxRelease, MAX_LEASE_OBJECTS,
+    CommitItem, LeaseItem, ReserveItem, UcxCommit, UcxCommitReply, UcxHello, UcxLanding,
+    UcxLeaseReply, UcxLeaseRequest, UcxOffer, UcxRelease, UcxReserveReply, UcxReserveRequest,
+    MAX_LEASE_OBJECTS, MAX_RESERVE_BYTES, MAX_RESERVE_OBJECTS,
 };
 use kvtier_proto::Opcode;
 use parking_lot::Mutex;
@@ -140,12 +151,21 @@ pub struct PeerTransport {
     /// `"ucx"` or `"tcp"`.
     pub transport: &'static str,
     pub reason: String,
+    /// How puts travel to the peer: `"ucx"` (one-sided into its landing area), `"tcp"` or
+    /// `"not yet"` (no put since UCX was set up).
+    pub puts: &'static str,
+    /// Why puts travel as `puts` says (empty while that is `"ucx"`).
+    pub puts_reason: String,
 }
 
 enum PeerState {
     Ucx {
         endpoint: Arc<Mutex<Endpoint>>,
         reason: String,
+        /// The node's worker address (a second endpoint for puts connects to it).
+        worker_address: Arc<Vec<u8>>,
+        /// The one-sided put path to this peer, set up on the first put.
+        landing: Arc<Mutex<LandingState>>,
     },
     Frames {
         reason: String,
@@ -154,7 +174,27 @@ enum PeerState {
     },
 }
 
-/// [`TcpTransport`] plus one-sided UCX reads (see the module doc).
+/// The put path to one UCX peer: an endpoint holding the key of the node's landing area.
+enum LandingState {
+    /// Not asked yet.
+    Untried,
+    Ready {
+        endpoint: Arc<Mutex<Endpoint>>,
+        landing: UcxLanding,
+    },
+    /// The node offers no landing area (or it could not be reached): puts use frames.
+    Unavailable(String),
+}
+
+/// What the one-sided put path did with a batch: per item `Some(result)` when settled,
+/// `None` for an item still to send over frames; `failure` when the UCX path failed (the
+/// items from the failed chunk on are `None`).
+struct PutOutcome {
+    results: Vec<Option<Result<(), TransportError>>>,
+    failure: Option<String>,
+}
+
+/// [`TcpTransport`] plus one-sided UCX reads and writes (see the module doc).
 pub struct UcxTransport {
     tcp: TcpTransport,
     choice: TransportChoice,
@@ -232,15 +272,30 @@ impl UcxTransport {
             .lock()
             .iter()
             .map(|(peer, state)| match state {
-                PeerState::Ucx { reason, .. } => PeerTransport {
-                    peer: peer.clone(),
-                    transport: "ucx",
-                    reason: reason.clone(),
-                },
+                PeerState::Ucx {
+                    reason, landing, ..
+                } => {
+                    // Never wait here for a put path being set up (a network exchange).
+                    let (puts, puts_reason) = match landing.try_lock().as_deref() {
+                        Some(LandingState::Ready { .. }) => ("ucx", String::new()),
+                        Some(LandingState::Untried) => ("not yet", String::new()),
+                        Some(LandingState::Unavailable(why)) => ("tcp", why.clone()),
+                        None => ("not yet", "being set up".to_string()),
+                    };
+                    PeerTransport {
+                        peer: peer.clone(),
+                        transport: "ucx",
+                        reason: reason.clone(),
+                        puts,
+                        puts_reason,
+                    }
+                }
                 PeerState::Frames { reason, .. } => PeerTransport {
                     peer: peer.clone(),
                     transport: "tcp",
                     reason: reason.clone(),
+                    puts: "tcp",
+                    puts_reason: reason.clone(),
                 },
             })
             .collect();
@@ -250,7 +305,7 @@ impl UcxTransport {
 
     /// Stop using UCX for `peer` for a while, saying why.
     fn fall_back(&self, peer: &str, reason: String) {
-        tracing::warn!(peer, reason = %reason, "kvtier: UCX read failed; using TCP frames for this peer");
+        tracing::warn!(peer, reason = %reason, "kvtier: UCX transfer failed; using TCP frames for this peer");
         set_gauge(peer, false);
         self.peers.lock().insert(
             peer.to_string(),
@@ -264,6 +319,11 @@ impl UcxTransport {
     /// The UCX endpoint to `peer`, set up on first use (hello over the authenticated frames,
     /// the choice, connect, unpack the key); `None`: read over frames.
     fn endpoint(&self, peer: &str) -> Option<Arc<Mutex<Endpoint>>> {
+        self.ucx_peer(peer).map(|p| p.endpoint)
+    }
+
+    /// [`Self::endpoint`] with what the put path needs of the peer.
+    fn ucx_peer(&self, peer: &str) -> Option<UcxPeer> {
         let worker = match &self.worker {
             Ok(w) => w,
             Err(reason) => {
@@ -282,7 +342,18 @@ impl UcxTransport {
             }
         };
         match self.peers.lock().get(peer) {
-            Some(PeerState::Ucx { endpoint, .. }) => return Some(Arc::clone(endpoint)),
+            Some(PeerState::Ucx {
+                endpoint,
+                worker_address,
+                landing,
+                ..
+            }) => {
+                return Some(UcxPeer {
+                    endpoint: Arc::clone(endpoint),
+                    worker_address: Arc::clone(worker_address),
+                    landing: Arc::clone(landing),
+                })
+            }
             Some(PeerState::Frames { retry_at, .. })
                 if retry_at.is_none_or(|t| Instant::now() < t) =>
             {
@@ -290,20 +361,26 @@ impl UcxTransport {
             }
             _ => {}
         }
-        let (state, endpoint) = match self.connect(worker, peer) {
-            Ok((endpoint, reason)) => {
-                tracing::info!(peer, reason = %reason, "kvtier: cluster reads from this peer use UCX");
-                let endpoint = Arc::new(Mutex::new(endpoint));
+        let (state, found) = match self.connect(worker, peer) {
+            Ok((endpoint, reason, worker_address)) => {
+                tracing::info!(peer, reason = %reason, "kvtier: cluster reads and writes with this peer use UCX");
+                let found = UcxPeer {
+                    endpoint: Arc::new(Mutex::new(endpoint)),
+                    worker_address: Arc::new(worker_address),
+                    landing: Arc::new(Mutex::new(LandingState::Untried)),
+                };
                 (
                     PeerState::Ucx {
-                        endpoint: Arc::clone(&endpoint),
+                        endpoint: Arc::clone(&found.endpoint),
                         reason,
+                        worker_address: Arc::clone(&found.worker_address),
+                        landing: Arc::clone(&found.landing),
                     },
-                    Some(endpoint),
+                    Some(found),
                 )
             }
             Err((reason, retry)) => {
-                tracing::info!(peer, reason = %reason, "kvtier: cluster reads from this peer use TCP frames");
+                tracing::info!(peer, reason = %reason, "kvtier: cluster reads and writes with this peer use TCP frames");
                 (
                     PeerState::Frames {
                         reason,
@@ -313,13 +390,17 @@ impl UcxTransport {
                 )
             }
         };
-        set_gauge(peer, endpoint.is_some());
+        set_gauge(peer, found.is_some());
         self.peers.lock().insert(peer.to_string(), state);
-        endpoint
+        found
     }
 
     /// Hello, choice and connect; `Err((why, retry later))`.
-    fn connect(&self, worker: &Worker, peer: &str) -> Result<(Endpoint, String), (String, bool)> {
+    fn connect(
+        &self,
+        worker: &Worker,
+        peer: &str,
+    ) -> Result<(Endpoint, String, Vec<u8>), (String, bool)> {
         let offer: UcxOffer = self
             .tcp
             .control(peer, Opcode::PeerUcxHello, &UcxHello)
@@ -346,7 +427,7 @@ impl UcxTransport {
         } else {
             format!("{reason}; no peer-failure handling on this endpoint (deadline only)")
         };
-        Ok((endpoint, reason))
+        Ok((endpoint, reason, offer.worker_address))
     }
 
     /// Read `items` over UCX: one result per item, `None` for an item to read over frames
@@ -475,9 +556,299 @@ impl UcxTransport {
     }
 }
 
+/// The length a node's landing area takes for `len` bytes (its extents are rounded to 64).
+fn landing_len(len: u64) -> u64 {
+    len.saturating_add(63) & !63
+}
+
+impl UcxTransport {
+    /// The put path to `peer`, set up on first use (`PeerUcxPutHello` over the authenticated
+    /// frames, a second endpoint holding the landing area's key); `None`: put over frames.
+    fn landing(&self, peer: &str) -> Option<(Arc<Mutex<Endpoint>>, UcxLanding)> {
+        let found = self.ucx_peer(peer)?;
+        let worker = self.worker.as_ref().ok()?;
+        // Held while the path is set up, so concurrent first puts ask the node once.
+        let mut state = found.landing.lock();
+        match &*state {
+            LandingState::Ready { endpoint, landing } => {
+                return Some((Arc::clone(endpoint), landing.clone()))
+            }
+            LandingState::Unavailable(_) => return None,
+            LandingState::Untried => {}
+        }
+        let landing: UcxLanding = match self.tcp.control(peer, Opcode::PeerUcxPutHello, &UcxHello) {
+            Ok(landing) => landing,
+            Err(e @ TransportError::Refused { .. }) => {
+                let reason = format!("the node offers no put landing area: {e}");
+                tracing::info!(peer, reason = %reason, "kvtier: cluster writes to this peer use TCP frames");
+                *state = LandingState::Unavailable(reason);
+                return None;
+            }
+            // Unreachable now: the frames report it per item; asked again next time.
+            Err(_) => return None,
+        };
+        let connected = worker
+            .connect(&found.worker_address)
+            .and_then(|mut endpoint| {
+                endpoint.set_remote_key(&landing.rkey)?;
+                Ok(endpoint)
+            });
+        match connected {
+            Ok(endpoint) => {
+                tracing::info!(
+                    peer,
+                    landing_bytes = landing.size,
+                    "kvtier: cluster writes to this peer use UCX puts"
+                );
+                let endpoint = Arc::new(Mutex::new(endpoint));
+                *state = LandingState::Ready {
+                    endpoint: Arc::clone(&endpoint),
+                    landing: landing.clone(),
+                };
+                Some((endpoint, landing))
+            }
+            Err(e) => {
+                drop(state);
+                self.fall_back(peer, format!("put endpoint: {e}"));
+                None
+            }
+        }
+    }
+
+    /// Write `items` one-sided into the node's landing area, in chunks a reservation allows.
+    fn ucx_put(
+        &self,
+        peer: &str,
+        endpoint: &Mutex<Endpoint>,
+        landing: &UcxLanding,
+        items: &[PutItem<'_>],
+    ) -> PutOutcome {
+        let mut results: Vec<Option<Result<(), TransportError>>> =
+            (0..items.len()).map(|_| None).collect();
+        // Reservations belong to the connection that made them: reserve, commit (or abort)
+        // all ride on this one.
+        let mut session = match self.tcp.session(peer) {
+            Ok(session) => session,
+            Err(e) => {
+                return PutOutcome {
+                    results,
+                    failure: Some(format!("reserve: {e}")),
+                }
+            }
+        };
+        let budget = MAX_RESERVE_BYTES.min(landing.max_connection_bytes.max(1));
+        let mut start = 0;
+        while start < items.len() {
+            let mut end = start;
+            let mut bytes = 0u64;
+            while end < items.len() && end - start < MAX_RESERVE_OBJECTS {
+                let len = landing_len(items[end].value.len() as u64 + CHECKSUM_LEN as u64);
+                if end > start && bytes.saturating_add(len) > budget {
+                    break;
+                }
+                bytes = bytes.saturating_add(len);
+                end += 1;
+            }
+            if let Err(reason) = self.ucx_put_chunk(
+                peer,
+                &mut session,
+                endpoint,
+                &items[start..end],
+                &mut results[start..end],
+            ) {
+                return PutOutcome {
+                    results,
+                    failure: Some(reason),
+                };
+            }
+            start = end;
+        }
+        PutOutcome {
+            results,
+            failure: None,
+        }
+    }
+
+    /// Reserve, write, flush and commit one chunk; settled items get `Some`. `Err`: the UCX
+    /// path failed (the chunk's reservations are aborted, best effort).
+    fn ucx_put_chunk(
+        &self,
+        peer: &str,
+        session: &mut ControlSession<'_>,
+        endpoint: &Mutex<Endpoint>,
+        items: &[PutItem<'_>],
+        results: &mut [Option<Result<(), TransportError>>],
+    ) -> Result<(), String> {
+        // One object larger than a whole request can reserve goes over frames.
+        let wanted: Vec<usize> = (0..items.len())
+            .filter(|&i| (items[i].value.len() as u64 + CHECKSUM_LEN as u64) <= MAX_RESERVE_BYTES)
+            .collect();
+        if wanted.is_empty() {
+            return Ok(());
+        }
+        let request = UcxReserveRequest {
+            objects: wanted
+                .iter()
+                .map(|&i| {
+                    let item = &items[i];
+                    (
+                        item.key.to_vec(),
+                        (item.value.len() + CHECKSUM_LEN) as u64,
+                        item.depth,
+                    )
+                })
+                .collect(),
+        };
+        let reply: UcxReserveReply = session
+            .control(Opcode::PeerUcxReserve, &request)
+            .map_err(|e| format!("reserve: {e}"))?;
+        let reserved: Vec<u64> = reply
+            .items
+            .iter()
+            .filter_map(|r| match r {
+                ReserveItem::Extent { id, .. } => Some(*id),
+                _ => None,
+            })
+            .collect();
+        let abort = |session: &mut ControlSession<'_>| {
+            if !reserved.is_empty() {
+                let _: Result<UcxHello, _> = session.control(
+                    Opcode::PeerUcxAbort,
+                    &UcxCommit {
+                        ids: reserved.clone(),
+                    },
+                );
+            }
+        };
+        if reply.items.len() != wanted.len() {
+            abort(session);
+            return Err(format!(
+                "reserve answered {} objects for {}",
+                reply.items.len(),
+                wanted.len()
+            ));
+        }
+        // Each reserved object: its bytes, then its checksum trailer, at its extent.
+        let mut trailers: Vec<[u8; CHECKSUM_LEN]> = Vec::with_capacity(reserved.len());
+        let mut slots: Vec<(usize, u64, u64)> = Vec::with_capacity(reserved.len());
+        for (&i, answer) in wanted.iter().zip(&reply.items) {
+            match *answer {
+                ReserveItem::Extent { id, addr } => {
+                    let item = &items[i];
+                    if addr
+                        .checked_add((item.value.len() + CHECKSUM_LEN) as u64)
+                        .is_none()
+                    {
+                        abort(session);
+                        return Err(format!(
+                            "reserve answered an extent at {addr:#x} that wraps"
+                        ));
+                    }
+                    trailers.push(object_checksum(item.key, item.value).to_le_bytes());
+                    slots.push((i, id, addr));
+                }
+                // No room now, or not storable there: over frames.
+                ReserveItem::Full | ReserveItem::TooBig => {}
+                // Put-if-absent: the node holds the key already.
+                ReserveItem::Present => results[i] = Some(Ok(())),
+            }
+        }
+        if slots.is_empty() {
+            return Ok(());
+        }
+        let mut extents: Vec<RemoteExtent> = Vec::with_capacity(slots.len() * 2);
+        let mut srcs: Vec<&[u8]> = Vec::with_capacity(slots.len() * 2);
+        for (&(i, _, addr), trailer) in slots.iter().zip(&trailers) {
+            let value = items[i].value;
+            if !value.is_empty() {
+                extents.push(RemoteExtent {
+                    remote: addr,
+                    len: value.len(),
+                });
+                srcs.push(value);
+            }
+            extents.push(RemoteExtent {
+                remote: addr + value.len() as u64,
+                len: CHECKSUM_LEN,
+            });
+            srcs.push(&trailer[..]);
+        }
+        if let Err(e) = endpoint.lock().put(&extents, &srcs, self.timeout) {
+            abort(session);
+            return Err(format!("one-sided write: {e}"));
+        }
+        let ids: Vec<u64> = slots.iter().map(|s| s.1).collect();
+        let done: UcxCommitReply = session
+            .control(Opcode::PeerUcxCommit, &UcxCommit { ids })
+            .map_err(|e| format!("commit: {e}"))?;
+        if done.items.len() != slots.len() {
+            return Err(format!(
+                "commit answered {} objects for {}",
+                done.items.len(),
+                slots.len()
+            ));
+        }
+        let mut bytes = 0u64;
+        for (&(i, _, _), outcome) in slots.iter().zip(&done.items) {
+            results[i] = match outcome {
+                CommitItem::Stored => {
+                    bytes += (items[i].value.len() + CHECKSUM_LEN) as u64;
+                    Some(Ok(()))
+                }
+                CommitItem::Present => Some(Ok(())),
+                // The landing bytes did not verify, or the reservation lapsed: over frames.
+                CommitItem::Checksum | CommitItem::Unknown => None,
+                CommitItem::StoreFailed => Some(Err(TransportError::Refused {
+                    peer: peer.to_string(),
+                    code: peer_error_code::STORE,
+                    message: "the node's store refused the object written over UCX".into(),
+                })),
+            };
+        }
+        metrics::counter!(names::PEER_TRANSFER_BYTES, "peer" => peer.to_string(), "direction" => "out")
+            .increment(bytes);
+        Ok(())
+    }
+}
+
+/// A UCX peer's handles, cloned out of the peer table (used without holding its lock).
+struct UcxPeer {
+    endpoint: Arc<Mutex<Endpoint>>,
+    worker_address: Arc<Vec<u8>>,
+    landing: Arc<Mutex<LandingState>>,
+}
+
 impl Transport for UcxTransport {
     fn put(&self, peer: &str, items: &[PutItem<'_>]) -> Vec<Result<(), TransportError>> {
-        self.tcp.put(peer, items)
+        if items.is_empty() {
+            return Vec::new();
+        }
+        let Some((endpoint, landing)) = self.landing(peer) else {
+            return self.tcp.put(peer, items);
+        };
+        let PutOutcome { results, failure } = self.ucx_put(peer, &endpoint, &landing, items);
+        if let Some(reason) = failure {
+            self.fall_back(peer, reason);
+        }
+        // Refused reservations, items never reserved and everything after a failure: frames.
+        let frames: Vec<usize> = (0..items.len()).filter(|&i| results[i].is_none()).collect();
+        let mut results = results;
+        if !frames.is_empty() {
+            let rest: Vec<PutItem<'_>> = frames.iter().map(|&i| items[i]).collect();
+            for (i, r) in frames.into_iter().zip(self.tcp.put(peer, &rest)) {
+                results[i] = Some(r);
+            }
+        }
+        results
+            .into_iter()
+            .map(|r| {
+                r.unwrap_or_else(|| {
+                    Err(TransportError::BatchAborted {
+                        reason: "no result".into(),
+                    })
+                })
+            })
+            .collect()
     }
 
     fn get(&self, peer: &str, items: &mut [GetItem<'_>]) -> Vec<Result<(), TransportError>> {
