@@ -14,8 +14,10 @@ The nodes inherit the variables from this process; the host processes set them b
 store (and so their UCX context) is created. The test cannot pass on frames: the decode
 client's stats (``peer_transports``) must name ``ucx`` for node-a after the reads (a UCX
 failure falls back to frames and reports ``tcp`` there), with the UCX_TLS both sides used;
-and node-a's ``/metrics`` must show no page bytes sent over its TCP frames during the reads
-(while its frame counter did count the puts coming in).
+and node-a's ``/metrics`` must show no page bytes sent over its TCP frames during the reads.
+The prefill host's batch_set_v2 travels over UCX too (one-sided puts into node-a's landing
+area): node-a's frame counter shows no page byte coming in, its ``kvtier stat`` data plane
+counts one UCX put per object, and the prefill client names ``ucx`` for its puts.
 It skips, naming itself, where libucp cannot be loaded. Under shared memory UCX logs one
 "no active messages transport ... no peer failure handler" error: the endpoint is asked for
 with peer failure handling first, which UCX's shm transports lack, then made without it
@@ -102,8 +104,15 @@ def test_dsv4_group_read_byte_exact_through_another_node_over_ucx(
     on_a = a.keys()
     assert on_a and b.objects() == 0, (on_a, b.stat()["stores"])
 
+    # The puts went one-sided into node-a's landing area: no page byte came in as a frame,
+    # its landing counters moved, and the prefill client names UCX for its puts to node-a.
     before = frame_bytes(metrics_a)
-    assert before["in"] > 0, f"node-a counted no frame bytes for the puts: {before}"
+    assert before["in"] == 0, f"node-a received the puts over frames: {before}"
+    plane = a.stat()["data_plane"]
+    assert plane["ucx_puts"] == len(on_a) and plane["ucx_put_bytes"] > 0, plane
+    assert plane["reservations_held"] == 0 and plane["commits_refused_checksum"] == 0, plane
+    wrote = {p["peer"]: p for p in prefill("stats_json").get("peer_transports", [])}
+    assert wrote[a.data_addr]["puts"] == "ucx", wrote
 
     hit, kv_hit, read, t_get = decode("v2_prefetch_hashed", keys=keys)
     assert hit == kv_hit == PAGES, (hit, kv_hit)
@@ -123,7 +132,7 @@ def test_dsv4_group_read_byte_exact_through_another_node_over_ucx(
     after = frame_bytes(metrics_a)
     assert after["out"] == before["out"], f"node-a served page bytes over frames: {after}"
     tc.log(
-        f"[{transport}] batch_set_v2 of {PAGES} pages via node-a {t_put * 1e3:.1f} ms; "
+        f"[{transport}] batch_set_v2 of {PAGES} pages via node-a over UCX {t_put * 1e3:.1f} ms; "
         f"decode read {pages} side-pool pages from node-a byte-exact in {t_get * 1e3:.1f} ms "
         f"over {used['transport']} ({used['reason']})"
     )
