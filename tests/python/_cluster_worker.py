@@ -120,3 +120,25 @@ def main(conn):
     # _server_worker's command loop dispatches through its module globals: add ours there.
     vars(sw).update(COMMANDS)
     sw.main(conn)
+
+
+def ucx_regions():
+    """(regions in the store's registry, ``ucx_registered_regions``,
+    ``ucx_registration_failures``, ``ucx_registered_transfers``) of the stats."""
+    st = stats_json()
+    return (
+        len(STATE["store"]._store.regions()),
+        st.get("ucx_registered_regions"),
+        st.get("ucx_registration_failures"),
+        st.get("ucx_registered_transfers"),
+    )
+
+
+def register_scratch(label, nbytes=1 << 20):
+    """Register one more host buffer (kept alive in STATE) under ``label``."""
+    import ctypes
+
+    buf = ctypes.create_string_buffer(nbytes)
+    STATE.setdefault("scratch", []).append(buf)
+    STATE["store"]._store.register_region(ctypes.addressof(buf), nbytes, label)
+    return True

@@ -18,6 +18,11 @@ and node-a's ``/metrics`` must show no page bytes sent over its TCP frames durin
 The prefill host's batch_set_v2 travels over UCX too (one-sided puts into node-a's landing
 area): node-a's frame counter shows no page byte coming in, its ``kvtier stat`` data plane
 counts one UCX put per object, and the prefill client names ``ucx`` for its puts.
+Both hosts register every physical buffer of the DSV4 pools with UCX (``ucx_registered_regions``
+equals the registry's regions; one region refused through the test-only
+``KVTIER_TEST_UCX_REFUSE_REGION`` is counted once in ``ucx_registration_failures``), their
+transfers pass those memory handles, and the decode client names the transports UCX negotiated
+for node-a's endpoint (``ucx_lanes``: tcp lanes, or a shared-memory one).
 It skips, naming itself, where libucp cannot be loaded. Under shared memory UCX logs one
 "no active messages transport ... no peer failure handler" error: the endpoint is asked for
 with peer failure handling first, which UCX's shm transports lack, then made without it
@@ -86,7 +91,12 @@ def test_dsv4_group_read_byte_exact_through_another_node_over_ucx(
     b = c.add_node("node-b", "127.0.0.3", "--engine", "cluster_transport=ucx")
     c.master.wait_nodes(["node-a", "node-b"])
     prefill, decode = hosts
-    tc.in_parallel((prefill, "set_env", {"env": env}), (decode, "set_env", {"env": env}))
+    # The decode host refuses one region's UCX registration (test-only hook) to show a
+    # refusal is counted, once.
+    refuse = {"KVTIER_TEST_UCX_REFUSE_REGION": "refuse-me"}
+    tc.in_parallel(
+        (prefill, "set_env", {"env": env}), (decode, "set_env", {"env": {**env, **refuse}})
+    )
     dsv4 = dict(kind="dsv4", tp_rank=0, tp_size=1, socket=None, allocator="default")
     ucx = dict(cluster_transport="ucx", cluster_request_timeout_ms=2000)
     info, _ = tc.in_parallel(
@@ -94,6 +104,17 @@ def test_dsv4_group_read_byte_exact_through_another_node_over_ucx(
         (decode, "setup", {**dsv4, **c.store_config("node-b", **ucx)}),
     )
     assert info["mode"] == "cluster"
+    # Every physical buffer of every DSV4 pool the adapter registered is registered with UCX.
+    for host in (prefill, decode):
+        regions, registered, failures, _ = host("ucx_regions")
+        assert regions > 0 and registered == regions and failures == 0, (
+            regions,
+            registered,
+            failures,
+        )
+    decode("register_scratch", label="refuse-me")
+    regions, registered, failures, _ = decode("ucx_regions")
+    assert (registered, failures) == (regions - 1, 1), (regions, registered, failures)
     tc.log(f"[{transport}] cluster and DSV4 stores up in {time.perf_counter() - started:.1f} s")
 
     keys = tc.keys_for(PAGES, f"ucx-{transport}-")
@@ -125,6 +146,14 @@ def test_dsv4_group_read_byte_exact_through_another_node_over_ucx(
     assert a.data_addr in peers, f"no transport reported for node-a {a.data_addr}: {stats}"
     used = peers[a.data_addr]
     assert used["transport"] == "ucx", f"node-a was read over frames: {used}"
+    assert used["ucx_lanes"], used
+    shm = ("posix/", "cma/", "sysv/")
+    if transport == "tcp":
+        assert all(lane.startswith("tcp/") for lane in used["ucx_lanes"]), used
+    else:
+        assert any(lane.startswith(shm) for lane in used["ucx_lanes"]), used
+    for host in (prefill, decode):
+        assert host("ucx_regions")[3] > 0, "no transfer used a registered pool buffer"
     tls = env["UCX_TLS"]
     assert f"node UCX_TLS {tls}" in used["reason"] and f"here {tls}" in used["reason"], used
     # And node-a sent no page bytes over its frames for those reads: every page went one-sided

@@ -243,6 +243,40 @@ fn child_round_trip() {
     let (transport, reason) = transport_of(&decode, &node_a.data).expect("node A read from");
     assert_eq!(transport, "ucx", "{reason}");
     println!("node A read over {transport}: {reason}");
+    // The transports UCX negotiated for the endpoint (ucp_ep_print_info), not UCX_TLS echoed.
+    let entry = common::ucx::peer_entry(&decode, &node_a.data).unwrap();
+    let lanes: Vec<String> = entry["ucx_lanes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l.as_str().unwrap().to_string())
+        .collect();
+    println!("node A endpoint lanes: {lanes:?}");
+    let tls = std::env::var("UCX_TLS").unwrap();
+    if tls == TCP {
+        assert!(lanes.iter().any(|l| l.starts_with("tcp/")), "{lanes:?}");
+    } else {
+        assert!(
+            lanes
+                .iter()
+                .any(|l| ["posix/", "cma/", "sysv/"].iter().any(|t| l.starts_with(t))),
+            "no shared-memory lane: {lanes:?}"
+        );
+        assert!(!lanes.iter().any(|l| l.starts_with("tcp/")), "{lanes:?}");
+    }
+    // The pools the tests registered are registered with UCX, and the transfers used them.
+    for c in [&prefill, &decode] {
+        let stats = c.stats_json();
+        assert!(
+            stats["ucx_registered_regions"].as_u64().unwrap() >= 1,
+            "{stats}"
+        );
+        assert_eq!(stats["ucx_registration_failures"], 0, "{stats}");
+        assert!(
+            stats["ucx_registered_transfers"].as_u64().unwrap() >= 48,
+            "{stats}"
+        );
+    }
     // A miss stays a miss; a wrong length is refused, never a hit.
     let mut small = vec![0u8; OBJ];
     assert!(decode.get_into_slice(b"no-such-key", &mut small).is_err());

@@ -34,7 +34,8 @@
 pub mod ffi;
 pub mod plane;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -52,6 +53,16 @@ use super::tcp::{ControlSession, TcpTransport};
 use super::{GetItem, PutItem, Transport, TransportError};
 use crate::metrics::names;
 pub use plane::{Context, Endpoint, Registration, RemoteExtent, UcxError, Worker};
+
+/// Test-only environment variable: caller regions whose label contains its value are refused
+/// registration with UCX (counted and logged like a real refusal).
+pub const REFUSE_REGION_ENV: &str = "KVTIER_TEST_UCX_REFUSE_REGION";
+
+/// Caller memory registered with UCX.
+struct HostRegion {
+    id: u64,
+    registration: Arc<Registration>,
+}
 
 /// How long a peer whose UCX path failed is read over frames before UCX is tried again.
 pub const RETRY_UCX_AFTER: Duration = Duration::from_secs(30);
@@ -156,6 +167,38 @@ pub struct PeerTransport {
     pub puts: &'static str,
     /// Why puts travel as `puts` says (empty while that is `"ucx"`).
     pub puts_reason: String,
+    /// The transports UCX negotiated for the read endpoint's lanes, as `transport/device`
+    /// (`"tcp/lo"`, `"posix/memory"`, `"cma/memory"`, RDMA: `"rc_mlx5/mlx5_0:1"`), from
+    /// `ucp_ep_print_info`; empty on frames.
+    pub ucx_lanes: Vec<String>,
+}
+
+/// The `transport/device` of each lane in `ucp_ep_print_info`'s text, first seen first. Its
+/// lane lines read like `lane[0]:  2:tcp/lo.0 md[2] ...` (the number before the colon is the
+/// resource index, a `.N` suffix the device's path index).
+pub fn parse_lanes(info: &str) -> Vec<String> {
+    let mut lanes: Vec<String> = Vec::new();
+    for line in info.lines().filter(|l| l.contains("lane[")) {
+        let found = line.split_whitespace().find_map(|token| {
+            let (index, resource) = token.split_once(':')?;
+            (!index.is_empty()
+                && index.chars().all(|c| c.is_ascii_digit())
+                && resource.contains('/'))
+            .then(|| {
+                let resource = match resource.rsplit_once('.') {
+                    Some((name, path)) if path.chars().all(|c| c.is_ascii_digit()) => name,
+                    _ => resource,
+                };
+                resource.to_string()
+            })
+        });
+        if let Some(lane) = found {
+            if !lanes.contains(&lane) {
+                lanes.push(lane);
+            }
+        }
+    }
+    lanes
 }
 
 enum PeerState {
@@ -201,6 +244,16 @@ pub struct UcxTransport {
     timeout: Duration,
     /// The client's worker, or why UCX is not used at all.
     worker: Result<Worker, String>,
+    /// The worker's context (registers the caller's host memory).
+    context: Option<Context>,
+    /// Caller memory registered with UCX, by base address (see [`Self::register_host_region`]).
+    host_regions: Mutex<BTreeMap<u64, HostRegion>>,
+    registration_failures: AtomicU64,
+    /// One-sided requests issued with a registered local buffer's memory handle.
+    registered_transfers: AtomicU64,
+    /// Test-only (`KVTIER_TEST_UCX_REFUSE_REGION`): regions whose label contains it are
+    /// refused as UCX would refuse them, to exercise the failure path.
+    refuse_label: Option<String>,
     host: String,
     peers: Mutex<HashMap<String, PeerState>>,
 }
@@ -226,21 +279,35 @@ impl UcxTransport {
     /// Wrap `tcp`; with `choice` other than `Tcp`, load UCX and create this client's worker
     /// (a failure is logged with its reason and every read uses the frames).
     pub fn new(tcp: TcpTransport, choice: TransportChoice, timeout: Duration) -> UcxTransport {
+        let mut context = None;
         let worker = match choice {
             TransportChoice::Tcp => Err("cluster_transport = \"tcp\"".to_string()),
-            _ => Context::new().and_then(|c| c.worker()).map_err(|e| {
-                tracing::warn!(
-                    reason = %e,
-                    "kvtier: UCX data plane unavailable; cluster reads use TCP frames"
-                );
-                e.to_string()
-            }),
+            _ => Context::new()
+                .and_then(|c| {
+                    let worker = c.worker()?;
+                    context = Some(c);
+                    Ok(worker)
+                })
+                .map_err(|e| {
+                    tracing::warn!(
+                        reason = %e,
+                        "kvtier: UCX data plane unavailable; cluster reads and writes use TCP frames"
+                    );
+                    e.to_string()
+                }),
         };
         UcxTransport {
             tcp,
             choice,
             timeout,
             worker,
+            context,
+            host_regions: Mutex::new(BTreeMap::new()),
+            registration_failures: AtomicU64::new(0),
+            registered_transfers: AtomicU64::new(0),
+            refuse_label: std::env::var(REFUSE_REGION_ENV)
+                .ok()
+                .filter(|l| !l.is_empty()),
             host: host_id(),
             peers: Mutex::new(HashMap::new()),
         }
@@ -265,6 +332,96 @@ impl UcxTransport {
         self.worker.as_ref().map_or(0, Worker::outstanding)
     }
 
+    /// Register caller memory (region `id` of the client's registry) with UCX, so one-sided
+    /// reads into and writes from it pass its memory handle. Without UCX (or with
+    /// `cluster_transport = "tcp"`) nothing is done; a refusal is logged with its reason and
+    /// counted ([`Self::registration_failures`]), and the region is then used unregistered.
+    ///
+    /// The caller keeps the memory mapped until [`Self::unregister_host_region`] (the client's
+    /// region registry contract).
+    pub fn register_host_region(&self, id: u64, ptr: usize, len: usize, label: &str) {
+        let Some(context) = &self.context else {
+            return;
+        };
+        let refused = match &self.refuse_label {
+            Some(marker) if label.contains(marker.as_str()) => Err(UcxError::Invalid(format!(
+                "refused by {REFUSE_REGION_ENV} (test-only)"
+            ))),
+            _ => context.register(ptr as *mut u8, len),
+        };
+        match refused {
+            Ok(registration) => {
+                self.host_regions.lock().insert(
+                    ptr as u64,
+                    HostRegion {
+                        id,
+                        registration: Arc::new(registration),
+                    },
+                );
+            }
+            Err(e) => {
+                self.registration_failures.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    region = label,
+                    bytes = len,
+                    reason = %e,
+                    "kvtier: cannot register this host region with UCX; transfers with it \
+                     let UCX register the buffers itself"
+                );
+            }
+        }
+    }
+
+    /// Drop region `id`'s UCX registration (unmapped once no transfer uses it).
+    pub fn unregister_host_region(&self, id: u64) {
+        self.host_regions.lock().retain(|_, r| r.id != id);
+    }
+
+    /// Drop every UCX registration of caller memory (the client closes).
+    pub fn unregister_all_host_regions(&self) {
+        self.host_regions.lock().clear();
+    }
+
+    /// Caller regions registered with UCX now.
+    pub fn registered_regions(&self) -> usize {
+        self.host_regions.lock().len()
+    }
+
+    /// Caller regions UCX refused to register.
+    pub fn registration_failures(&self) -> u64 {
+        self.registration_failures.load(Ordering::Relaxed)
+    }
+
+    /// One-sided requests issued with a registered buffer's memory handle.
+    pub fn registered_transfers(&self) -> u64 {
+        self.registered_transfers.load(Ordering::Relaxed)
+    }
+
+    /// The registration covering each local buffer (`None`: not in registered memory); empty
+    /// when nothing is registered.
+    fn locals<'b>(
+        &self,
+        buffers: impl Iterator<Item = &'b [u8]>,
+    ) -> Vec<Option<Arc<Registration>>> {
+        let regions = self.host_regions.lock();
+        if regions.is_empty() {
+            return Vec::new();
+        }
+        let locals: Vec<Option<Arc<Registration>>> = buffers
+            .map(|b| {
+                let addr = b.as_ptr() as u64;
+                regions
+                    .range(..=addr)
+                    .next_back()
+                    .filter(|(_, r)| r.registration.covers(addr, b.len() as u64))
+                    .map(|(_, r)| Arc::clone(&r.registration))
+            })
+            .collect();
+        let used = locals.iter().filter(|l| l.is_some()).count() as u64;
+        self.registered_transfers.fetch_add(used, Ordering::Relaxed);
+        locals
+    }
+
     /// The transport of every peer read from so far.
     pub fn peer_transports(&self) -> Vec<PeerTransport> {
         let mut out: Vec<PeerTransport> = self
@@ -273,8 +430,16 @@ impl UcxTransport {
             .iter()
             .map(|(peer, state)| match state {
                 PeerState::Ucx {
-                    reason, landing, ..
+                    reason,
+                    landing,
+                    endpoint,
+                    ..
                 } => {
+                    // Never wait for a transfer in flight: no lanes this time.
+                    let ucx_lanes = endpoint
+                        .try_lock()
+                        .map(|e| parse_lanes(&e.describe()))
+                        .unwrap_or_default();
                     // Never wait here for a put path being set up (a network exchange).
                     let (puts, puts_reason) = match landing.try_lock().as_deref() {
                         Some(LandingState::Ready { .. }) => ("ucx", String::new()),
@@ -288,6 +453,7 @@ impl UcxTransport {
                         reason: reason.clone(),
                         puts,
                         puts_reason,
+                        ucx_lanes,
                     }
                 }
                 PeerState::Frames { reason, .. } => PeerTransport {
@@ -296,6 +462,7 @@ impl UcxTransport {
                     reason: reason.clone(),
                     puts: "tcp",
                     puts_reason: reason.clone(),
+                    ucx_lanes: Vec::new(),
                 },
             })
             .collect();
@@ -534,7 +701,10 @@ impl UcxTransport {
         let read = if extents.is_empty() {
             Ok(())
         } else {
-            endpoint.lock().get(&extents, &mut dsts, self.timeout)
+            let locals = self.locals(dsts.iter().map(|d| &**d));
+            endpoint
+                .lock()
+                .get_with(&extents, &mut dsts, &locals, self.timeout)
         };
         drop(dsts);
         release(&mut session);
@@ -773,7 +943,11 @@ impl UcxTransport {
             });
             srcs.push(&trailer[..]);
         }
-        if let Err(e) = endpoint.lock().put(&extents, &srcs, self.timeout) {
+        let locals = self.locals(srcs.iter().copied());
+        if let Err(e) = endpoint
+            .lock()
+            .put_with(&extents, &srcs, &locals, self.timeout)
+        {
             abort(session);
             return Err(format!("one-sided write: {e}"));
         }
@@ -909,5 +1083,21 @@ impl Transport for UcxTransport {
 
     fn clear_prefix(&self, peer: &str, prefix: &[u8]) -> Result<Vec<Vec<u8>>, TransportError> {
         self.tcp.clear_prefix(peer, prefix)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_lanes;
+
+    #[test]
+    fn lanes_are_read_from_print_info() {
+        let info = "#\n# UCP endpoint\n#\n#               peer: <no debug data>\n\
+            #                 lane[0]:  2:tcp/lo.0 md[1]          -> md[1]/tcp/sysdev[255] rma_bw#0 am am_bw#0\n\
+            #                 lane[1]:  0:posix/memory.0 md[0]  -> md[0]/posix/sysdev[255] rma_bw#1\n\
+            #                 lane[2]:  3:tcp/lo.0 md[1]  -> md[1]/tcp/sysdev[255] wireup\n";
+        assert_eq!(parse_lanes(info), vec!["tcp/lo", "posix/memory"]);
+        assert!(parse_lanes("").is_empty());
+        assert!(parse_lanes("lane[0]: garbage 1:2 :x/").is_empty());
     }
 }
