@@ -100,28 +100,6 @@ def stats_json():
     return json.loads(STATE["store"]._store.stats_json())
 
 
-COMMANDS = {
-    f.__name__: f
-    for f in (
-        warm,
-        v2_backup_hashed,
-        v2_prefetch_hashed,
-        exists_v2,
-        v1_write_hashed,
-        v1_read_hashed,
-        v1_exists_timed,
-        set_env,
-        stats_json,
-    )
-}
-
-
-def main(conn):
-    # _server_worker's command loop dispatches through its module globals: add ours there.
-    vars(sw).update(COMMANDS)
-    sw.main(conn)
-
-
 def ucx_regions():
     """(regions in the store's registry, ``ucx_registered_regions``,
     ``ucx_registration_failures``, ``ucx_registered_transfers``) of the stats."""
@@ -142,3 +120,27 @@ def register_scratch(label, nbytes=1 << 20):
     STATE.setdefault("scratch", []).append(buf)
     STATE["store"]._store.register_region(ctypes.addressof(buf), nbytes, label)
     return True
+
+
+COMMANDS = {
+    f.__name__: f
+    for f in (
+        warm,
+        v2_backup_hashed,
+        v2_prefetch_hashed,
+        exists_v2,
+        v1_write_hashed,
+        v1_read_hashed,
+        v1_exists_timed,
+        set_env,
+        stats_json,
+        ucx_regions,
+        register_scratch,
+    )
+}
+
+
+def main(conn):
+    # _server_worker's command loop dispatches through its module globals: add ours there.
+    vars(sw).update(COMMANDS)
+    sw.main(conn)

@@ -20,7 +20,7 @@ area): node-a's frame counter shows no page byte coming in, its ``kvtier stat`` 
 counts one UCX put per object, and the prefill client names ``ucx`` for its puts.
 Both hosts register every physical buffer of the DSV4 pools with UCX (``ucx_registered_regions``
 equals the registry's regions; one region refused through the test-only
-``KVTIER_TEST_UCX_REFUSE_REGION`` is counted once in ``ucx_registration_failures``), their
+``TEST_KVTIER_UCX_REFUSE_REGION`` is counted once in ``ucx_registration_failures``), their
 transfers pass those memory handles, and the decode client names the transports UCX negotiated
 for node-a's endpoint (``ucx_lanes``: tcp lanes, or a shared-memory one).
 It skips, naming itself, where libucp cannot be loaded. Under shared memory UCX logs one
@@ -93,7 +93,7 @@ def test_dsv4_group_read_byte_exact_through_another_node_over_ucx(
     prefill, decode = hosts
     # The decode host refuses one region's UCX registration (test-only hook) to show a
     # refusal is counted, once.
-    refuse = {"KVTIER_TEST_UCX_REFUSE_REGION": "refuse-me"}
+    refuse = {"TEST_KVTIER_UCX_REFUSE_REGION": "refuse-me"}
     tc.in_parallel(
         (prefill, "set_env", {"env": env}), (decode, "set_env", {"env": {**env, **refuse}})
     )

@@ -54,9 +54,10 @@ use super::{GetItem, PutItem, Transport, TransportError};
 use crate::metrics::names;
 pub use plane::{Context, Endpoint, Registration, RemoteExtent, UcxError, Worker};
 
-/// Test-only environment variable: caller regions whose label contains its value are refused
+/// Test-only environment variable (not `KVTIER_*`: that prefix is the config's): caller
+/// regions whose label contains its value are refused
 /// registration with UCX (counted and logged like a real refusal).
-pub const REFUSE_REGION_ENV: &str = "KVTIER_TEST_UCX_REFUSE_REGION";
+pub const REFUSE_REGION_ENV: &str = "TEST_KVTIER_UCX_REFUSE_REGION";
 
 /// Caller memory registered with UCX.
 struct HostRegion {
@@ -251,7 +252,7 @@ pub struct UcxTransport {
     registration_failures: AtomicU64,
     /// One-sided requests issued with a registered local buffer's memory handle.
     registered_transfers: AtomicU64,
-    /// Test-only (`KVTIER_TEST_UCX_REFUSE_REGION`): regions whose label contains it are
+    /// Test-only (`TEST_KVTIER_UCX_REFUSE_REGION`): regions whose label contains it are
     /// refused as UCX would refuse them, to exercise the failure path.
     refuse_label: Option<String>,
     host: String,
