@@ -30,6 +30,14 @@
 //!   failed the node's check go over frames; a UCX failure aborts the chunk's reservations
 //!   (best effort), sends the rest over frames, and the peer falls back as for reads.
 //! - Removes, demotes and the other control calls use the frames.
+//! - Caller memory the client registers (`Client::register_region*`: the SGLang adapter's
+//!   host-pool buffers) is also registered with UCX here (`ucp_mem_map`); a transfer whose
+//!   local buffer lies wholly inside one passes its memory handle (`UCP_OP_ATTR_FIELD_MEMH`,
+//!   present in UCX 1.13), otherwise UCX registers the buffer itself (its registration cache).
+//!   A refusal is logged with its reason and counted; the handle is unmapped on unregister or
+//!   close, once no transfer in flight holds it (an `Arc`).
+//! - `peer_transports` names the lanes UCX negotiated per endpoint (`ucp_ep_print_info`,
+//!   captured in [`plane`]), not only `UCX_TLS` as set.
 
 pub mod ffi;
 pub mod plane;

@@ -21,6 +21,11 @@
 //!   of one-sided operations trusts the address: a read outside the registration can crash the
 //!   target), which is why a node hands its key only to peers that proved the cluster token.
 //!   The caller still verifies the bytes' end-to-end checksum.
+//! - A local memory handle is passed to UCX ([`Endpoint::get_with`] / [`Endpoint::put_with`])
+//!   only when it belongs to the worker's own context and covers the whole buffer; the
+//!   caller's `Arc<Registration>` keeps it mapped until the transfer returned.
+//! - [`Endpoint::describe`] captures `ucp_ep_print_info` through `open_memstream`; the
+//!   buffer is freed once, after `fclose`.
 //! - Peer failure: endpoints ask for `UCP_ERR_HANDLING_MODE_PEER` with an error callback that
 //!   marks the endpoint failed (a flag the endpoint owns and outlives the callback's use:
 //!   UCP calls it only from progress, under the worker's lock, while the endpoint is open).
