@@ -100,6 +100,28 @@ def stats_json():
     return json.loads(STATE["store"]._store.stats_json())
 
 
+def ucx_regions():
+    """(regions in the store's registry, ``ucx_registered_regions``,
+    ``ucx_registration_failures``, ``ucx_registered_transfers``) of the stats."""
+    st = stats_json()
+    return (
+        len(STATE["store"]._store.regions()),
+        st.get("ucx_registered_regions"),
+        st.get("ucx_registration_failures"),
+        st.get("ucx_registered_transfers"),
+    )
+
+
+def register_scratch(label, nbytes=1 << 20):
+    """Register one more host buffer (kept alive in STATE) under ``label``."""
+    import ctypes
+
+    buf = ctypes.create_string_buffer(nbytes)
+    STATE.setdefault("scratch", []).append(buf)
+    STATE["store"]._store.register_region(ctypes.addressof(buf), nbytes, label)
+    return True
+
+
 COMMANDS = {
     f.__name__: f
     for f in (
@@ -112,6 +134,8 @@ COMMANDS = {
         v1_exists_timed,
         set_env,
         stats_json,
+        ucx_regions,
+        register_scratch,
     )
 }
 

@@ -14,8 +14,15 @@ The nodes inherit the variables from this process; the host processes set them b
 store (and so their UCX context) is created. The test cannot pass on frames: the decode
 client's stats (``peer_transports``) must name ``ucx`` for node-a after the reads (a UCX
 failure falls back to frames and reports ``tcp`` there), with the UCX_TLS both sides used;
-and node-a's ``/metrics`` must show no page bytes sent over its TCP frames during the reads
-(while its frame counter did count the puts coming in).
+and node-a's ``/metrics`` must show no page bytes sent over its TCP frames during the reads.
+The prefill host's batch_set_v2 travels over UCX too (one-sided puts into node-a's landing
+area): node-a's frame counter shows no page byte coming in, its ``kvtier stat`` data plane
+counts one UCX put per object, and the prefill client names ``ucx`` for its puts.
+Both hosts register every physical buffer of the DSV4 pools with UCX (``ucx_registered_regions``
+equals the registry's regions; one region refused through the test-only
+``TEST_KVTIER_UCX_REFUSE_REGION`` is counted once in ``ucx_registration_failures``), their
+transfers pass those memory handles, and the decode client names the transports UCX negotiated
+for node-a's endpoint (``ucx_lanes``: tcp lanes, or a shared-memory one).
 It skips, naming itself, where libucp cannot be loaded. Under shared memory UCX logs one
 "no active messages transport ... no peer failure handler" error: the endpoint is asked for
 with peer failure handling first, which UCX's shm transports lack, then made without it
@@ -84,7 +91,12 @@ def test_dsv4_group_read_byte_exact_through_another_node_over_ucx(
     b = c.add_node("node-b", "127.0.0.3", "--engine", "cluster_transport=ucx")
     c.master.wait_nodes(["node-a", "node-b"])
     prefill, decode = hosts
-    tc.in_parallel((prefill, "set_env", {"env": env}), (decode, "set_env", {"env": env}))
+    # The decode host refuses one region's UCX registration (test-only hook) to show a
+    # refusal is counted, once.
+    refuse = {"TEST_KVTIER_UCX_REFUSE_REGION": "refuse-me"}
+    tc.in_parallel(
+        (prefill, "set_env", {"env": env}), (decode, "set_env", {"env": {**env, **refuse}})
+    )
     dsv4 = dict(kind="dsv4", tp_rank=0, tp_size=1, socket=None, allocator="default")
     ucx = dict(cluster_transport="ucx", cluster_request_timeout_ms=2000)
     info, _ = tc.in_parallel(
@@ -92,6 +104,17 @@ def test_dsv4_group_read_byte_exact_through_another_node_over_ucx(
         (decode, "setup", {**dsv4, **c.store_config("node-b", **ucx)}),
     )
     assert info["mode"] == "cluster"
+    # Every physical buffer of every DSV4 pool the adapter registered is registered with UCX.
+    for host in (prefill, decode):
+        regions, registered, failures, _ = host("ucx_regions")
+        assert regions > 0 and registered == regions and failures == 0, (
+            regions,
+            registered,
+            failures,
+        )
+    decode("register_scratch", label="refuse-me")
+    regions, registered, failures, _ = decode("ucx_regions")
+    assert (registered, failures) == (regions - 1, 1), (regions, registered, failures)
     tc.log(f"[{transport}] cluster and DSV4 stores up in {time.perf_counter() - started:.1f} s")
 
     keys = tc.keys_for(PAGES, f"ucx-{transport}-")
@@ -102,8 +125,15 @@ def test_dsv4_group_read_byte_exact_through_another_node_over_ucx(
     on_a = a.keys()
     assert on_a and b.objects() == 0, (on_a, b.stat()["stores"])
 
+    # The puts went one-sided into node-a's landing area: no page byte came in as a frame,
+    # its landing counters moved, and the prefill client names UCX for its puts to node-a.
     before = frame_bytes(metrics_a)
-    assert before["in"] > 0, f"node-a counted no frame bytes for the puts: {before}"
+    assert before["in"] == 0, f"node-a received the puts over frames: {before}"
+    plane = a.stat()["data_plane"]
+    assert plane["ucx_puts"] == len(on_a) and plane["ucx_put_bytes"] > 0, plane
+    assert plane["reservations_held"] == 0 and plane["commits_refused_checksum"] == 0, plane
+    wrote = {p["peer"]: p for p in prefill("stats_json").get("peer_transports", [])}
+    assert wrote[a.data_addr]["puts"] == "ucx", wrote
 
     hit, kv_hit, read, t_get = decode("v2_prefetch_hashed", keys=keys)
     assert hit == kv_hit == PAGES, (hit, kv_hit)
@@ -116,6 +146,14 @@ def test_dsv4_group_read_byte_exact_through_another_node_over_ucx(
     assert a.data_addr in peers, f"no transport reported for node-a {a.data_addr}: {stats}"
     used = peers[a.data_addr]
     assert used["transport"] == "ucx", f"node-a was read over frames: {used}"
+    assert used["ucx_lanes"], used
+    shm = ("posix/", "cma/", "sysv/")
+    if transport == "tcp":
+        assert all(lane.startswith("tcp/") for lane in used["ucx_lanes"]), used
+    else:
+        assert any(lane.startswith(shm) for lane in used["ucx_lanes"]), used
+    for host in (prefill, decode):
+        assert host("ucx_regions")[3] > 0, "no transfer used a registered pool buffer"
     tls = env["UCX_TLS"]
     assert f"node UCX_TLS {tls}" in used["reason"] and f"here {tls}" in used["reason"], used
     # And node-a sent no page bytes over its frames for those reads: every page went one-sided
@@ -123,7 +161,7 @@ def test_dsv4_group_read_byte_exact_through_another_node_over_ucx(
     after = frame_bytes(metrics_a)
     assert after["out"] == before["out"], f"node-a served page bytes over frames: {after}"
     tc.log(
-        f"[{transport}] batch_set_v2 of {PAGES} pages via node-a {t_put * 1e3:.1f} ms; "
+        f"[{transport}] batch_set_v2 of {PAGES} pages via node-a over UCX {t_put * 1e3:.1f} ms; "
         f"decode read {pages} side-pool pages from node-a byte-exact in {t_get * 1e3:.1f} ms "
         f"over {used['transport']} ({used['reason']})"
     )

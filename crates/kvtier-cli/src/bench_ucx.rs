@@ -10,8 +10,9 @@
 //!   (`UCX_TLS=posix,cma,self`). UCX reads its variables once per context: they are set in
 //!   this process (single-threaded then: the previous transport's client and processes are
 //!   gone) before the client opens, and passed to the node.
-//! - Puts always travel as frames (the UCX plane reads one-sided; writes are not one-sided
-//!   yet), so `set` differs little between transports; `get` is what the transport changes.
+//! - Sets travel one-sided too on the UCX transports (reserve in the node's put landing area,
+//!   UCP put, commit); the transport of each direction is printed (`peer_transports`:
+//!   `transport` for reads, `puts` for writes, and the lanes UCX negotiated).
 //! - Node CPU: the node's utime + stime (`/proc/PID/stat`, 10 ms ticks: coarse for short
 //!   runs) over the timed gets, per GB read.
 //! - Every get is verified byte for byte outside the timed part; the transport in use is read
@@ -297,7 +298,12 @@ fn measure(
         let peer_transport = client.stats_json()["peer_transports"]
             .as_array()
             .and_then(|l| l.first())
-            .map(|p| format!("{} ({})", p["transport"], p["reason"]))
+            .map(|p| {
+                format!(
+                    "get {} / set {} lanes {} ({})",
+                    p["transport"], p["puts"], p["ucx_lanes"], p["reason"]
+                )
+            })
             .unwrap_or_else(|| "-".into());
         let total_gb = (bytes * rounds) as f64 / 1e9;
         rows.push(Row {

@@ -1,14 +1,18 @@
 #![allow(clippy::unwrap_used)]
 //! The UCX data plane end to end (issue 17) with real processes: one `kvtier master`, two
 //! `kvtier serve --master` nodes (127.0.0.2 and 127.0.0.3), and cluster clients with
-//! `cluster_transport = "ucx"` reading one-sided from the other node's registered arena.
+//! `cluster_transport = "ucx"` reading one-sided from the other node's registered arena and
+//! writing one-sided into a node's put landing area.
 //!
 //! Every scenario runs twice, UCX pinned to its TCP transport on loopback
 //! (`UCX_TLS=tcp UCX_NET_DEVICES=lo`) and to shared memory (`UCX_TLS=posix,cma,self`), each in
 //! a child process of this test binary: UCX reads those variables once per context, and the
-//! nodes inherit them. Covered: byte-exact round trip with the transport reported as `ucx`,
-//! a node killed mid-read (its objects fail cleanly, the other node's stay intact), and
-//! eviction racing remote reads (a read is byte-exact or a miss, never other bytes).
+//! nodes inherit them. Covered: byte-exact round trip with reads and puts over UCX (the
+//! writing node's frame-put bytes stay 0 while its landing counters move), a node killed
+//! mid-read and mid-put (its objects fail cleanly, no partial object is ever visible, the
+//! other node's stay intact), a refused reservation (landing area too small) falling back to
+//! frames byte-exact, and eviction racing remote reads (a read is byte-exact or a miss,
+//! never other bytes).
 //! `kvtier stat` names each node's data plane: UCX (with its `UCX_TLS`) or TCP frames and why.
 
 mod common;
@@ -18,7 +22,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{free_port, object_bytes, spawn_master, wait_for, Pool, Proc, TOKEN};
+use common::ucx::{
+    assert_read_exact, keys, put_objects, puts_of, transport_of, try_put_objects, ucx_client, OBJ,
+};
+use common::{free_port, metric_sum, object_bytes, spawn_master, wait_for, Pool, Proc, TOKEN};
 use kvtier_client::{Client, KvtierConfig};
 
 const CHILD: &str = "TEST_CHILD_UCX_CLUSTER";
@@ -61,12 +68,20 @@ fn is_child() -> bool {
     std::env::var_os(CHILD).is_some()
 }
 
+struct Node {
+    /// The data port's address (how clients name the peer).
+    data: String,
+    socket: std::path::PathBuf,
+    /// `--metrics-addr`.
+    metrics: String,
+    proc: Proc,
+}
+
 struct Cluster {
     dir: tempfile::TempDir,
     master: String,
     _master_proc: Proc,
-    /// (id, data address, process)
-    nodes: Vec<(String, String, Proc)>,
+    nodes: Vec<Node>,
 }
 
 fn spawn_node(
@@ -75,10 +90,13 @@ fn spawn_node(
     id: &str,
     ip: &str,
     dram: &str,
-) -> (String, String, Proc) {
+    landing_mib: Option<u64>,
+) -> Node {
     let data = format!("{ip}:{}", free_port(ip));
+    let metrics = format!("{ip}:{}", free_port(ip));
     let socket = dir.join(format!("{id}.sock"));
-    let args = [
+    let landing = landing_mib.map(|mib| format!("put_landing_mib={mib}"));
+    let mut args = vec![
         "serve",
         "--socket",
         socket.to_str().unwrap(),
@@ -94,19 +112,48 @@ fn spawn_node(
         &data,
         "--node-id",
         id,
+        "--metrics-addr",
+        &metrics,
     ];
+    if let Some(landing) = &landing {
+        args.extend(["--engine", landing.as_str()]);
+    }
     // UCX_TLS / UCX_NET_DEVICES are inherited from this (child) process.
     let proc = Proc::spawn(id, &args, &[("KVTIER_CLUSTER_TOKEN", TOKEN)]);
-    (id.to_string(), data, proc)
+    Node {
+        data,
+        socket,
+        metrics,
+        proc,
+    }
 }
 
 fn start_cluster(dram: &str) -> Cluster {
+    start_cluster_with(dram, None)
+}
+
+/// Two nodes of `dram` each; `landing_mib`: their `put_landing_mib` (default otherwise).
+fn start_cluster_with(dram: &str, landing_mib: Option<u64>) -> Cluster {
     let dir = tempfile::tempdir().unwrap();
     let master = format!("127.0.0.1:{}", free_port("127.0.0.1"));
     let master_proc = spawn_master(&master, 1000, &[]);
     let nodes = vec![
-        spawn_node(dir.path(), &master, "node-a", "127.0.0.2", dram),
-        spawn_node(dir.path(), &master, "node-b", "127.0.0.3", dram),
+        spawn_node(
+            dir.path(),
+            &master,
+            "node-a",
+            "127.0.0.2",
+            dram,
+            landing_mib,
+        ),
+        spawn_node(
+            dir.path(),
+            &master,
+            "node-b",
+            "127.0.0.3",
+            dram,
+            landing_mib,
+        ),
     ];
     let cluster = Cluster {
         dir,
@@ -125,44 +172,21 @@ fn start_cluster(dram: &str) -> Cluster {
 }
 
 fn client(cluster: &Cluster, node_id: &str) -> Client {
-    Client::open(KvtierConfig {
-        cluster_transport: "ucx".into(),
-        cluster_request_timeout_ms: 1000,
-        ..common::cluster_config(&cluster.master, (!node_id.is_empty()).then_some(node_id))
-    })
-    .expect("open a cluster client")
+    ucx_client(&cluster.master, (!node_id.is_empty()).then_some(node_id))
 }
 
-/// The transport `client` reports for `peer` (`None`: not read from yet).
-fn transport_of(client: &Client, peer: &str) -> Option<(String, String)> {
-    let stats = client.stats_json();
-    stats["peer_transports"].as_array().and_then(|list| {
-        list.iter().find(|p| p["peer"] == peer).map(|p| {
-            (
-                p["transport"].as_str().unwrap_or("").to_string(),
-                p["reason"].as_str().unwrap_or("").to_string(),
-            )
-        })
-    })
+/// Page bytes `node`'s data port received as frame puts (its `/metrics`).
+fn frame_bytes_in(node: &Node) -> f64 {
+    metric_sum(
+        &node.metrics,
+        "kvtier_peer_transfer_bytes_total",
+        &[("direction", "in")],
+    )
 }
 
-const OBJ: usize = 256 << 10;
-
-fn keys(prefix: &str, n: usize) -> Vec<Vec<u8>> {
-    (0..n)
-        .map(|i| format!("{prefix}{i:05}").into_bytes())
-        .collect()
-}
-
-fn put_objects(client: &Client, keys: &[Vec<u8>], seed: u64) {
-    let mut pool = Pool::new(keys.len(), OBJ);
-    for (i, chunk) in pool.bytes.chunks_mut(OBJ).enumerate() {
-        chunk.copy_from_slice(&object_bytes(seed + i as u64, OBJ));
-    }
-    pool.register(client);
-    let r = client.put_keys(keys, &pool.refs(), None);
-    assert!(r.ok.iter().all(|&b| b), "{:?}", r.errors);
-    drop(pool);
+/// `node`'s UCX data plane as `kvtier stat --json` reports it.
+fn data_plane(node: &Node) -> serde_json::Value {
+    stat_with_data_plane(&node.socket).1["data_plane"].clone()
 }
 
 #[test]
@@ -190,43 +214,89 @@ fn child_round_trip() {
         prefill.cluster().unwrap().where_is(&ks[3]).unwrap(),
         vec!["node-a".to_string()]
     );
+    let (node_a, node_b) = (&cluster.nodes[0], &cluster.nodes[1]);
+    // The puts went one-sided into node A's landing area, not as frames.
+    let (puts, why) = puts_of(&prefill, &node_a.data).expect("node A written to");
+    assert_eq!(puts, "ucx", "{why}");
+    let plane = data_plane(node_a);
+    println!("node A data plane after the puts: {plane}");
+    assert_eq!(plane["ucx_puts"], 48, "{plane}");
+    assert_eq!(
+        plane["ucx_put_bytes"],
+        48 * (OBJ as u64 + 8),
+        "objects and their trailers: {plane}"
+    );
+    assert!(
+        plane["reservations_total"].as_u64().unwrap() >= 48,
+        "{plane}"
+    );
+    assert_eq!(plane["reservations_held"], 0, "{plane}");
+    assert_eq!(plane["put_landing_used"], 0, "{plane}");
+    assert_eq!(plane["commits_refused_checksum"], 0, "{plane}");
+    assert_eq!(frame_bytes_in(node_a), 0.0, "node A received frame puts");
+    // Put-if-absent: the same keys again succeed and store nothing new.
+    put_objects(&prefill, &ks, 1000);
+    assert_eq!(data_plane(node_a)["ucx_puts"], 48);
+    assert_eq!(frame_bytes_in(node_a), 0.0);
     // Read through node B's client: node A's extents, one-sided.
-    let dst = Pool::new(ks.len(), OBJ);
-    dst.register(&decode);
-    let got = decode.get_keys(&ks, &dst.refs());
-    assert!(got.ok.iter().all(|&b| b), "{:?}", got.errors);
-    for (i, chunk) in dst.bytes.chunks(OBJ).enumerate() {
-        assert!(
-            chunk == object_bytes(1000 + i as u64, OBJ),
-            "object {i} differs"
-        );
-    }
-    let node_a = &cluster.nodes[0].1;
-    let (transport, reason) = transport_of(&decode, node_a).expect("node A read from");
+    assert_read_exact(&decode, &ks, 1000, OBJ);
+    let (transport, reason) = transport_of(&decode, &node_a.data).expect("node A read from");
     assert_eq!(transport, "ucx", "{reason}");
     println!("node A read over {transport}: {reason}");
+    // The transports UCX negotiated for the endpoint (ucp_ep_print_info), not UCX_TLS echoed.
+    let entry = common::ucx::peer_entry(&decode, &node_a.data).unwrap();
+    let lanes: Vec<String> = entry["ucx_lanes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l.as_str().unwrap().to_string())
+        .collect();
+    println!("node A endpoint lanes: {lanes:?}");
+    let tls = std::env::var("UCX_TLS").unwrap();
+    if tls == TCP {
+        assert!(lanes.iter().any(|l| l.starts_with("tcp/")), "{lanes:?}");
+    } else {
+        assert!(
+            lanes
+                .iter()
+                .any(|l| ["posix/", "cma/", "sysv/"].iter().any(|t| l.starts_with(t))),
+            "no shared-memory lane: {lanes:?}"
+        );
+        assert!(!lanes.iter().any(|l| l.starts_with("tcp/")), "{lanes:?}");
+    }
+    // The pools the tests registered are registered with UCX, and the transfers used them.
+    for c in [&prefill, &decode] {
+        let stats = c.stats_json();
+        assert!(
+            stats["ucx_registered_regions"].as_u64().unwrap() >= 1,
+            "{stats}"
+        );
+        assert_eq!(stats["ucx_registration_failures"], 0, "{stats}");
+        assert!(
+            stats["ucx_registered_transfers"].as_u64().unwrap() >= 48,
+            "{stats}"
+        );
+    }
     // A miss stays a miss; a wrong length is refused, never a hit.
     let mut small = vec![0u8; OBJ];
     assert!(decode.get_into_slice(b"no-such-key", &mut small).is_err());
     let mut wrong = vec![0u8; OBJ - 8];
     assert!(decode.get_into_slice(&ks[0], &mut wrong).is_err());
-    // Many small reads in one batch: every one byte-exact.
+    // Many small puts and reads in one batch each: every one over UCX and byte-exact.
     let small_keys = keys("small", 300);
-    let mut pool = Pool::new(small_keys.len(), 4096);
-    pool.fill(5);
-    pool.register(&prefill);
-    assert!(prefill
-        .put_keys(&small_keys, &pool.refs(), None)
-        .ok
-        .iter()
-        .all(|&b| b));
-    let back = Pool::new(small_keys.len(), 4096);
-    back.register(&decode);
-    let r = decode.get_keys(&small_keys, &back.refs());
-    assert!(r.ok.iter().all(|&b| b), "{:?}", r.errors);
-    assert!(back.bytes == pool.bytes);
-    let (transport, _) = transport_of(&decode, node_a).unwrap();
+    let put = try_put_objects(&prefill, &small_keys, 7, 4096);
+    assert!(put.ok.iter().all(|&b| b), "{:?}", put.errors);
+    assert_eq!(data_plane(node_a)["ucx_puts"], 48 + 300);
+    assert_read_exact(&decode, &small_keys, 7, 4096);
+    let (transport, _) = transport_of(&decode, &node_a.data).unwrap();
     assert_eq!(transport, "ucx", "no fallback after the batches");
+    // Node B's client wrote to node B: over UCX too, and node A saw no frame put at all.
+    let on_b = keys("onb", 16);
+    put_objects(&decode, &on_b, 300);
+    assert_eq!(data_plane(node_b)["ucx_puts"], 16);
+    assert_eq!(frame_bytes_in(node_b), 0.0, "node B received frame puts");
+    assert_read_exact(&prefill, &on_b, 300, OBJ);
+    assert_eq!(frame_bytes_in(node_a), 0.0);
     drop(cluster.dir);
 }
 
@@ -287,7 +357,7 @@ fn child_node_kill_mid_read() {
         })
     };
     std::thread::sleep(Duration::from_millis(300));
-    cluster.nodes[0].2.kill();
+    cluster.nodes[0].proc.kill();
     std::thread::sleep(Duration::from_millis(1500));
     stop.store(true, Ordering::Relaxed);
     let (rounds, failures) = reads.join().expect("reader thread");
@@ -304,6 +374,154 @@ fn child_node_kill_mid_read() {
             "node B object {i} differs"
         );
     }
+}
+
+#[test]
+fn node_kill_mid_put_over_ucx_tcp() {
+    in_child("child_node_kill_mid_put", TCP);
+}
+
+#[test]
+fn node_kill_mid_put_over_shared_memory() {
+    in_child("child_node_kill_mid_put", SHM);
+}
+
+#[test]
+#[ignore = "run by node_kill_mid_put_over_* in a child process"]
+fn child_node_kill_mid_put() {
+    if !is_child() {
+        return;
+    }
+    // Room on node B for everything the run writes (after node A is gone the writer's
+    // puts land there), so node B's own objects are never evicted.
+    let mut cluster = start_cluster("256MiB");
+    let writer = Arc::new(client(&cluster, "node-a"));
+    let on_b = client(&cluster, "node-b");
+    let kb = keys("b", 32);
+    put_objects(&on_b, &kb, 5000);
+    // A writer puts batches towards node A (its local node) while node A is killed.
+    let stop = Arc::new(AtomicBool::new(false));
+    let writes = {
+        let (writer, stop) = (Arc::clone(&writer), Arc::clone(&stop));
+        std::thread::spawn(move || {
+            let (mut written, mut failed) = (Vec::new(), Vec::new());
+            let mut round = 0u64;
+            // At most 48 rounds of 16 objects (192 MiB), one every 40 ms or so.
+            while !stop.load(Ordering::Relaxed) && round < 48 {
+                std::thread::sleep(Duration::from_millis(40));
+                let ks = keys(&format!("w{round}-"), 16);
+                let started = Instant::now();
+                let r = try_put_objects(&writer, &ks, round * 100, OBJ);
+                assert!(
+                    started.elapsed() < Duration::from_secs(8),
+                    "a put to a dying node took {:?}",
+                    started.elapsed()
+                );
+                for (i, ok) in r.ok.iter().enumerate() {
+                    let entry = (ks[i].clone(), round * 100 + i as u64);
+                    if *ok {
+                        written.push(entry);
+                    } else {
+                        failed.push(entry);
+                    }
+                }
+                round += 1;
+            }
+            (round, written, failed)
+        })
+    };
+    std::thread::sleep(Duration::from_millis(400));
+    let node_a = cluster.nodes[0].data.clone();
+    let (puts, why) = puts_of(&writer, &node_a).expect("node A written to");
+    assert_eq!(puts, "ucx", "before the kill: {why}");
+    cluster.nodes[0].proc.kill();
+    std::thread::sleep(Duration::from_millis(1500));
+    stop.store(true, Ordering::Relaxed);
+    let (rounds, written, failed) = writes.join().expect("writer thread");
+    println!(
+        "{rounds} put rounds, {} puts ok, {} failed; node A now: {:?}",
+        written.len(),
+        failed.len(),
+        puts_of(&writer, &node_a)
+    );
+    assert!(!failed.is_empty(), "puts to a killed node never failed");
+    // Whatever the survivor answers for any key of the run is the whole object or a miss:
+    // no partial object of a put cut by the kill is ever visible.
+    let reader = client(&cluster, "node-b");
+    let mut dst = vec![0u8; OBJ];
+    let mut hits = 0;
+    for (key, seed) in written.iter().chain(&failed) {
+        if reader.get_into_slice(key, &mut dst).is_ok() {
+            hits += 1;
+            assert!(
+                dst == object_bytes(*seed, OBJ),
+                "{}: a partial or wrong object is visible",
+                String::from_utf8_lossy(key)
+            );
+        }
+    }
+    println!("{hits} of the run's keys readable after the kill, all byte-exact");
+    // Node B's own objects are intact and read byte-exact; nothing is left reserved there.
+    assert_read_exact(&reader, &kb, 5000, OBJ);
+    let plane = data_plane(&cluster.nodes[1]);
+    assert_eq!(plane["commits_refused_checksum"], 0, "{plane}");
+    wait_for(
+        Duration::from_secs(10),
+        "node B's reservations freed",
+        || data_plane(&cluster.nodes[1])["reservations_held"] == 0,
+    );
+}
+
+#[test]
+fn refused_reservation_falls_back_over_ucx_tcp() {
+    in_child("child_refused_reservation", TCP);
+}
+
+#[test]
+fn refused_reservation_falls_back_over_shared_memory() {
+    in_child("child_refused_reservation", SHM);
+}
+
+#[test]
+#[ignore = "run by refused_reservation_falls_back_over_* in a child process"]
+fn child_refused_reservation() {
+    if !is_child() {
+        return;
+    }
+    // A 1 MiB landing area: one connection may hold 512 KiB, so 1 MiB objects are refused
+    // (they go over frames) while 64 KiB ones land one-sided.
+    let cluster = start_cluster_with("64MiB", Some(1));
+    let writer = client(&cluster, "node-a");
+    let reader = client(&cluster, "node-b");
+    let node_a = &cluster.nodes[0];
+    const BIG: usize = 1 << 20;
+    const SMALL: usize = 64 << 10;
+    let big = keys("big", 6);
+    let small = keys("small", 24);
+    let r = try_put_objects(&writer, &big, 40, BIG);
+    assert!(r.ok.iter().all(|&b| b), "{:?}", r.errors);
+    let r = try_put_objects(&writer, &small, 90, SMALL);
+    assert!(r.ok.iter().all(|&b| b), "{:?}", r.errors);
+    let plane = data_plane(node_a);
+    println!("node A data plane: {plane}");
+    assert!(
+        plane["reservations_refused"].as_u64().unwrap() >= 6,
+        "{plane}"
+    );
+    assert_eq!(
+        plane["ucx_puts"], 24,
+        "the small objects landed one-sided: {plane}"
+    );
+    assert_eq!(plane["reservations_held"], 0, "{plane}");
+    // The refused ones came as frames: exactly their bytes (and trailers) arrived that way.
+    let framed = frame_bytes_in(node_a);
+    assert!(framed >= (6 * BIG) as f64, "frame bytes in: {framed}");
+    assert!(framed < (7 * BIG) as f64, "frame bytes in: {framed}");
+    // Still UCX for this peer: a refusal is not a failure.
+    let (puts, why) = puts_of(&writer, &node_a.data).unwrap();
+    assert_eq!(puts, "ucx", "{why}");
+    assert_read_exact(&reader, &big, 40, BIG);
+    assert_read_exact(&reader, &small, 90, SMALL);
 }
 
 #[test]
@@ -369,7 +587,7 @@ fn child_eviction_racing_reads() {
     let rounds = churn.join().unwrap();
     println!("{rounds} churn rounds; {hits} hits, {misses} misses");
     assert!(hits > 0, "no read hit at all");
-    let node_a = &cluster.nodes[0].1;
+    let node_a = &cluster.nodes[0].data;
     let (transport, reason) = transport_of(&reader, node_a).expect("node A read from");
     println!("node A read over {transport}: {reason}");
 }

@@ -20,8 +20,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::ucx::{keys, put_objects, transport_of, ucx_client, OBJ};
 use common::{object_bytes, wait_for, Pool, Proc, TOKEN};
-use kvtier_client::{Client, KvtierConfig};
+use kvtier_client::Client;
 
 const CHILD: &str = "TEST_CHILD_UCX_NETNS";
 /// A child run taking longer than this is killed and the test fails.
@@ -32,7 +33,6 @@ const IP_B: &str = "10.77.0.2";
 const MASTER_PORT: u16 = 7100;
 const NODE_A_PORT: u16 = 7101;
 const NODE_B_PORT: u16 = 7102;
-const OBJ: usize = 256 << 10;
 
 fn ip(args: &[&str]) -> Result<(), String> {
     let out = Command::new("ip")
@@ -283,41 +283,7 @@ fn start_cluster() -> Option<Cluster> {
 }
 
 fn client(cluster: &Cluster, node_id: &str) -> Client {
-    Client::open(KvtierConfig {
-        cluster_transport: "ucx".into(),
-        cluster_request_timeout_ms: 1000,
-        ..common::cluster_config(&cluster.master, Some(node_id))
-    })
-    .expect("open a cluster client")
-}
-
-fn keys(prefix: &str, n: usize) -> Vec<Vec<u8>> {
-    (0..n)
-        .map(|i| format!("{prefix}{i:05}").into_bytes())
-        .collect()
-}
-
-fn put_objects(client: &Client, keys: &[Vec<u8>], seed: u64) {
-    let mut pool = Pool::new(keys.len(), OBJ);
-    for (i, chunk) in pool.bytes.chunks_mut(OBJ).enumerate() {
-        chunk.copy_from_slice(&object_bytes(seed + i as u64, OBJ));
-    }
-    pool.register(client);
-    let r = client.put_keys(keys, &pool.refs(), None);
-    assert!(r.ok.iter().all(|&b| b), "{:?}", r.errors);
-}
-
-/// (transport, reason) `client` reports for `peer`.
-fn transport_of(client: &Client, peer: &str) -> Option<(String, String)> {
-    let stats = client.stats_json();
-    stats["peer_transports"].as_array().and_then(|list| {
-        list.iter().find(|p| p["peer"] == peer).map(|p| {
-            (
-                p["transport"].as_str().unwrap_or("").to_string(),
-                p["reason"].as_str().unwrap_or("").to_string(),
-            )
-        })
-    })
+    ucx_client(&cluster.master, Some(node_id))
 }
 
 fn assert_exact(pool: &Pool, seed: u64) {

@@ -133,7 +133,17 @@ impl Client {
         label: &str,
     ) -> Result<RegionId, ClientError> {
         // SAFETY: forwarded contract, see the function docs.
-        unsafe { self.regions.register(ptr, len, label) }
+        let id = unsafe { self.regions.register(ptr, len, label) }?;
+        self.register_with_ucx(id, ptr, len, label);
+        Ok(id)
+    }
+
+    /// Issue 17: in cluster mode, also register the memory with UCX (one-sided transfers
+    /// into and out of it pass its memory handle); a refusal is logged and counted there.
+    fn register_with_ucx(&self, id: RegionId, ptr: usize, len: usize, label: &str) {
+        if let Stores::Cluster(cluster) = &self.store {
+            cluster.ucx().register_host_region(id.0, ptr, len, label);
+        }
     }
 
     /// [`register_region`](Self::register_region) of memory its owner can revoke (a server's
@@ -176,12 +186,16 @@ impl Client {
                 return Err(e);
             }
         }
+        self.register_with_ucx(id, ptr, len, label);
         Ok(id)
     }
 
     pub fn unregister_region(&self, id: RegionId) -> bool {
         if let Stores::Server(remote) = &self.store {
             remote.unregister(id);
+        }
+        if let Stores::Cluster(cluster) = &self.store {
+            cluster.ucx().unregister_host_region(id.0);
         }
         self.regions.unregister(id)
     }
@@ -412,6 +426,9 @@ impl Client {
     pub fn close(&self) {
         if !self.closed.swap(true, Ordering::AcqRel) {
             self.store.close();
+            if let Stores::Cluster(cluster) = &self.store {
+                cluster.ucx().unregister_all_host_regions();
+            }
             self.regions.clear();
         }
     }
@@ -444,6 +461,19 @@ impl Client {
             map.insert(
                 "ucx_outstanding_requests".into(),
                 cluster.ucx_outstanding_requests().into(),
+            );
+            let ucx = cluster.ucx();
+            map.insert(
+                "ucx_registered_regions".into(),
+                ucx.registered_regions().into(),
+            );
+            map.insert(
+                "ucx_registration_failures".into(),
+                ucx.registration_failures().into(),
+            );
+            map.insert(
+                "ucx_registered_transfers".into(),
+                ucx.registered_transfers().into(),
             );
         }
         if let Stores::Server(remote) = &self.store {

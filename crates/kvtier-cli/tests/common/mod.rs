@@ -4,6 +4,8 @@
 #![allow(dead_code)]
 #![allow(unsafe_code)] // the shared-memory fixture maps and unmaps a memfd
 
+pub mod ucx;
+
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};

@@ -870,6 +870,11 @@ impl ClusterStore {
         self.ucx.outstanding_requests()
     }
 
+    /// The UCX transport (host-memory registration, counters).
+    pub fn ucx(&self) -> &UcxTransport {
+        &self.ucx
+    }
+
     pub fn integrity_failures(&self) -> u64 {
         self.integrity_failures
             .load(std::sync::atomic::Ordering::Relaxed)

@@ -233,6 +233,18 @@ pub struct Ucp {
     pub request_check_status: unsafe extern "C" fn(*mut c_void) -> Status,
     pub request_free: unsafe extern "C" fn(*mut c_void),
     pub status_string: unsafe extern "C" fn(Status) -> *const c_char,
+    /// `ucp_ep_print_info`: the endpoint's lanes (transport/device each) to a `FILE*`.
+    pub ep_print_info: unsafe extern "C" fn(Ep, *mut c_void),
+}
+
+// The C library's memory streams, to capture `ucp_ep_print_info` (std links libc already).
+extern "C" {
+    /// `open_memstream(3)`: a `FILE*` writing into a malloc'd buffer.
+    pub fn open_memstream(buffer: *mut *mut c_char, size: *mut usize) -> *mut c_void;
+    /// `fclose(3)`.
+    pub fn fclose(stream: *mut c_void) -> c_int;
+    /// `free(3)`.
+    pub fn free(ptr: *mut c_void);
 }
 
 /// Library names tried, in order.
@@ -296,6 +308,7 @@ impl Ucp {
             request_check_status: sym!("ucp_request_check_status"),
             request_free: sym!("ucp_request_free"),
             status_string: sym!("ucs_status_string"),
+            ep_print_info: sym!("ucp_ep_print_info"),
             _lib: lib,
         })
     }

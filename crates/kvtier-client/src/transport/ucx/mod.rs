@@ -1,5 +1,6 @@
 //! The UCX data plane (issue 17): cluster reads move one-sided (UCP get) from a node's
-//! registered DRAM arena straight into the reader's buffer, over whatever UCX selects to that
+//! registered DRAM arena straight into the reader's buffer, and puts one-sided (UCP put) into
+//! the node's put landing area, over whatever UCX selects to that
 //! peer: RDMA (`rc_mlx5`, `dc_mlx5`, `rc_verbs`, `ud`) on a fabric, shared memory (`cma`,
 //! `posix`, ...) on one host, or UCX's own TCP.
 //!
@@ -18,21 +19,40 @@
 //!   checksum catches a lease that expired under a stalled reader).
 //! - Any UCX failure falls back to the frames for the items concerned, logs the reason, and
 //!   stops using UCX for that peer for [`RETRY_UCX_AFTER`]; a miss stays a miss.
-//! - Puts, removes and the other control calls use the frames for now. Nodes serve one-sided
-//!   puts (`PeerUcxPutHello` / `Reserve` / `Commit` / `Abort`, [`kvtier_proto::peer_ucx`]:
-//!   extents of a separate landing area, verified on the node's own copy at commit, never the
-//!   arena), but this transport's put path does not use them yet.
+//! - A put writes one-sided too (protocol in [`kvtier_proto::peer_ucx`]): `PeerUcxPutHello`
+//!   once per peer gives the key of the node's landing area (held by a second endpoint to the
+//!   same worker); then per chunk (at most `MAX_RESERVE_OBJECTS` objects and the smaller of
+//!   `MAX_RESERVE_BYTES` and the node's per-connection share) Reserve, UCP put of each
+//!   object's bytes and its 8-byte checksum trailer into its extent, flush, Commit, all on one
+//!   held data-port connection (reservations belong to it). The node verifies the trailer on
+//!   its own copy, so a torn or forged write is never stored. "Already present" is success
+//!   (put-if-absent); refused reservations (full, too big), lapsed ones and ones whose bytes
+//!   failed the node's check go over frames; a UCX failure aborts the chunk's reservations
+//!   (best effort), sends the rest over frames, and the peer falls back as for reads.
+//! - Removes, demotes and the other control calls use the frames.
+//! - Caller memory the client registers (`Client::register_region*`: the SGLang adapter's
+//!   host-pool buffers) is also registered with UCX here (`ucp_mem_map`); a transfer whose
+//!   local buffer lies wholly inside one passes its memory handle (`UCP_OP_ATTR_FIELD_MEMH`,
+//!   present in UCX 1.13), otherwise UCX registers the buffer itself (its registration cache).
+//!   A refusal is logged with its reason and counted; the handle is unmapped on unregister or
+//!   close, once no transfer in flight holds it (an `Arc`).
+//! - `peer_transports` names the lanes UCX negotiated per endpoint (`ucp_ep_print_info`,
+//!   captured in [`plane`]), not only `UCX_TLS` as set.
 
 pub mod ffi;
 pub mod plane;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvtier_proto::auth::{object_checksum, CHECKSUM_LEN};
+use kvtier_proto::peer::peer_error_code;
 use kvtier_proto::peer_ucx::{
-    LeaseItem, UcxHello, UcxLeaseReply, UcxLeaseRequest, UcxOffer, UcxRelease, MAX_LEASE_OBJECTS,
+    CommitItem, LeaseItem, ReserveItem, UcxCommit, UcxCommitReply, UcxHello, UcxLanding,
+    UcxLeaseReply, UcxLeaseRequest, UcxOffer, UcxRelease, UcxReserveReply, UcxReserveRequest,
+    MAX_LEASE_OBJECTS, MAX_RESERVE_BYTES, MAX_RESERVE_OBJECTS,
 };
 use kvtier_proto::Opcode;
 use parking_lot::Mutex;
@@ -41,6 +61,17 @@ use super::tcp::{ControlSession, TcpTransport};
 use super::{GetItem, PutItem, Transport, TransportError};
 use crate::metrics::names;
 pub use plane::{Context, Endpoint, Registration, RemoteExtent, UcxError, Worker};
+
+/// Test-only environment variable (not `KVTIER_*`: that prefix is the config's): caller
+/// regions whose label contains its value are refused
+/// registration with UCX (counted and logged like a real refusal).
+pub const REFUSE_REGION_ENV: &str = "TEST_KVTIER_UCX_REFUSE_REGION";
+
+/// Caller memory registered with UCX.
+struct HostRegion {
+    id: u64,
+    registration: Arc<Registration>,
+}
 
 /// How long a peer whose UCX path failed is read over frames before UCX is tried again.
 pub const RETRY_UCX_AFTER: Duration = Duration::from_secs(30);
@@ -140,12 +171,53 @@ pub struct PeerTransport {
     /// `"ucx"` or `"tcp"`.
     pub transport: &'static str,
     pub reason: String,
+    /// How puts travel to the peer: `"ucx"` (one-sided into its landing area), `"tcp"` or
+    /// `"not yet"` (no put since UCX was set up).
+    pub puts: &'static str,
+    /// Why puts travel as `puts` says (empty while that is `"ucx"`).
+    pub puts_reason: String,
+    /// The transports UCX negotiated for the read endpoint's lanes, as `transport/device`
+    /// (`"tcp/lo"`, `"posix/memory"`, `"cma/memory"`, RDMA: `"rc_mlx5/mlx5_0:1"`), from
+    /// `ucp_ep_print_info`; empty on frames.
+    pub ucx_lanes: Vec<String>,
+}
+
+/// The `transport/device` of each lane in `ucp_ep_print_info`'s text, first seen first. Its
+/// lane lines read like `lane[0]:  2:tcp/lo.0 md[2] ...` (the number before the colon is the
+/// resource index, a `.N` suffix the device's path index).
+pub fn parse_lanes(info: &str) -> Vec<String> {
+    let mut lanes: Vec<String> = Vec::new();
+    for line in info.lines().filter(|l| l.contains("lane[")) {
+        let found = line.split_whitespace().find_map(|token| {
+            let (index, resource) = token.split_once(':')?;
+            (!index.is_empty()
+                && index.chars().all(|c| c.is_ascii_digit())
+                && resource.contains('/'))
+            .then(|| {
+                let resource = match resource.rsplit_once('.') {
+                    Some((name, path)) if path.chars().all(|c| c.is_ascii_digit()) => name,
+                    _ => resource,
+                };
+                resource.to_string()
+            })
+        });
+        if let Some(lane) = found {
+            if !lanes.contains(&lane) {
+                lanes.push(lane);
+            }
+        }
+    }
+    lanes
 }
 
 enum PeerState {
     Ucx {
         endpoint: Arc<Mutex<Endpoint>>,
         reason: String,
+        /// The node's worker address (a second endpoint for puts connects to it).
+        worker_address: Arc<Vec<u8>>,
+        /// The one-sided put path to this peer, set up on the first put.
+        landing: Arc<Mutex<LandingState>>,
     },
     Frames {
         reason: String,
@@ -154,13 +226,43 @@ enum PeerState {
     },
 }
 
-/// [`TcpTransport`] plus one-sided UCX reads (see the module doc).
+/// The put path to one UCX peer: an endpoint holding the key of the node's landing area.
+enum LandingState {
+    /// Not asked yet.
+    Untried,
+    Ready {
+        endpoint: Arc<Mutex<Endpoint>>,
+        landing: UcxLanding,
+    },
+    /// The node offers no landing area (or it could not be reached): puts use frames.
+    Unavailable(String),
+}
+
+/// What the one-sided put path did with a batch: per item `Some(result)` when settled,
+/// `None` for an item still to send over frames; `failure` when the UCX path failed (the
+/// items from the failed chunk on are `None`).
+struct PutOutcome {
+    results: Vec<Option<Result<(), TransportError>>>,
+    failure: Option<String>,
+}
+
+/// [`TcpTransport`] plus one-sided UCX reads and writes (see the module doc).
 pub struct UcxTransport {
     tcp: TcpTransport,
     choice: TransportChoice,
     timeout: Duration,
     /// The client's worker, or why UCX is not used at all.
     worker: Result<Worker, String>,
+    /// The worker's context (registers the caller's host memory).
+    context: Option<Context>,
+    /// Caller memory registered with UCX, by base address (see [`Self::register_host_region`]).
+    host_regions: Mutex<BTreeMap<u64, HostRegion>>,
+    registration_failures: AtomicU64,
+    /// One-sided requests issued with a registered local buffer's memory handle.
+    registered_transfers: AtomicU64,
+    /// Test-only (`TEST_KVTIER_UCX_REFUSE_REGION`): regions whose label contains it are
+    /// refused as UCX would refuse them, to exercise the failure path.
+    refuse_label: Option<String>,
     host: String,
     peers: Mutex<HashMap<String, PeerState>>,
 }
@@ -186,21 +288,35 @@ impl UcxTransport {
     /// Wrap `tcp`; with `choice` other than `Tcp`, load UCX and create this client's worker
     /// (a failure is logged with its reason and every read uses the frames).
     pub fn new(tcp: TcpTransport, choice: TransportChoice, timeout: Duration) -> UcxTransport {
+        let mut context = None;
         let worker = match choice {
             TransportChoice::Tcp => Err("cluster_transport = \"tcp\"".to_string()),
-            _ => Context::new().and_then(|c| c.worker()).map_err(|e| {
-                tracing::warn!(
-                    reason = %e,
-                    "kvtier: UCX data plane unavailable; cluster reads use TCP frames"
-                );
-                e.to_string()
-            }),
+            _ => Context::new()
+                .and_then(|c| {
+                    let worker = c.worker()?;
+                    context = Some(c);
+                    Ok(worker)
+                })
+                .map_err(|e| {
+                    tracing::warn!(
+                        reason = %e,
+                        "kvtier: UCX data plane unavailable; cluster reads and writes use TCP frames"
+                    );
+                    e.to_string()
+                }),
         };
         UcxTransport {
             tcp,
             choice,
             timeout,
             worker,
+            context,
+            host_regions: Mutex::new(BTreeMap::new()),
+            registration_failures: AtomicU64::new(0),
+            registered_transfers: AtomicU64::new(0),
+            refuse_label: std::env::var(REFUSE_REGION_ENV)
+                .ok()
+                .filter(|l| !l.is_empty()),
             host: host_id(),
             peers: Mutex::new(HashMap::new()),
         }
@@ -225,6 +341,96 @@ impl UcxTransport {
         self.worker.as_ref().map_or(0, Worker::outstanding)
     }
 
+    /// Register caller memory (region `id` of the client's registry) with UCX, so one-sided
+    /// reads into and writes from it pass its memory handle. Without UCX (or with
+    /// `cluster_transport = "tcp"`) nothing is done; a refusal is logged with its reason and
+    /// counted ([`Self::registration_failures`]), and the region is then used unregistered.
+    ///
+    /// The caller keeps the memory mapped until [`Self::unregister_host_region`] (the client's
+    /// region registry contract).
+    pub fn register_host_region(&self, id: u64, ptr: usize, len: usize, label: &str) {
+        let Some(context) = &self.context else {
+            return;
+        };
+        let refused = match &self.refuse_label {
+            Some(marker) if label.contains(marker.as_str()) => Err(UcxError::Invalid(format!(
+                "refused by {REFUSE_REGION_ENV} (test-only)"
+            ))),
+            _ => context.register(ptr as *mut u8, len),
+        };
+        match refused {
+            Ok(registration) => {
+                self.host_regions.lock().insert(
+                    ptr as u64,
+                    HostRegion {
+                        id,
+                        registration: Arc::new(registration),
+                    },
+                );
+            }
+            Err(e) => {
+                self.registration_failures.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    region = label,
+                    bytes = len,
+                    reason = %e,
+                    "kvtier: cannot register this host region with UCX; transfers with it \
+                     let UCX register the buffers itself"
+                );
+            }
+        }
+    }
+
+    /// Drop region `id`'s UCX registration (unmapped once no transfer uses it).
+    pub fn unregister_host_region(&self, id: u64) {
+        self.host_regions.lock().retain(|_, r| r.id != id);
+    }
+
+    /// Drop every UCX registration of caller memory (the client closes).
+    pub fn unregister_all_host_regions(&self) {
+        self.host_regions.lock().clear();
+    }
+
+    /// Caller regions registered with UCX now.
+    pub fn registered_regions(&self) -> usize {
+        self.host_regions.lock().len()
+    }
+
+    /// Caller regions UCX refused to register.
+    pub fn registration_failures(&self) -> u64 {
+        self.registration_failures.load(Ordering::Relaxed)
+    }
+
+    /// One-sided requests issued with a registered buffer's memory handle.
+    pub fn registered_transfers(&self) -> u64 {
+        self.registered_transfers.load(Ordering::Relaxed)
+    }
+
+    /// The registration covering each local buffer (`None`: not in registered memory); empty
+    /// when nothing is registered.
+    fn locals<'b>(
+        &self,
+        buffers: impl Iterator<Item = &'b [u8]>,
+    ) -> Vec<Option<Arc<Registration>>> {
+        let regions = self.host_regions.lock();
+        if regions.is_empty() {
+            return Vec::new();
+        }
+        let locals: Vec<Option<Arc<Registration>>> = buffers
+            .map(|b| {
+                let addr = b.as_ptr() as u64;
+                regions
+                    .range(..=addr)
+                    .next_back()
+                    .filter(|(_, r)| r.registration.covers(addr, b.len() as u64))
+                    .map(|(_, r)| Arc::clone(&r.registration))
+            })
+            .collect();
+        let used = locals.iter().filter(|l| l.is_some()).count() as u64;
+        self.registered_transfers.fetch_add(used, Ordering::Relaxed);
+        locals
+    }
+
     /// The transport of every peer read from so far.
     pub fn peer_transports(&self) -> Vec<PeerTransport> {
         let mut out: Vec<PeerTransport> = self
@@ -232,15 +438,40 @@ impl UcxTransport {
             .lock()
             .iter()
             .map(|(peer, state)| match state {
-                PeerState::Ucx { reason, .. } => PeerTransport {
-                    peer: peer.clone(),
-                    transport: "ucx",
-                    reason: reason.clone(),
-                },
+                PeerState::Ucx {
+                    reason,
+                    landing,
+                    endpoint,
+                    ..
+                } => {
+                    // Never wait for a transfer in flight: no lanes this time.
+                    let ucx_lanes = endpoint
+                        .try_lock()
+                        .map(|e| parse_lanes(&e.describe()))
+                        .unwrap_or_default();
+                    // Never wait here for a put path being set up (a network exchange).
+                    let (puts, puts_reason) = match landing.try_lock().as_deref() {
+                        Some(LandingState::Ready { .. }) => ("ucx", String::new()),
+                        Some(LandingState::Untried) => ("not yet", String::new()),
+                        Some(LandingState::Unavailable(why)) => ("tcp", why.clone()),
+                        None => ("not yet", "being set up".to_string()),
+                    };
+                    PeerTransport {
+                        peer: peer.clone(),
+                        transport: "ucx",
+                        reason: reason.clone(),
+                        puts,
+                        puts_reason,
+                        ucx_lanes,
+                    }
+                }
                 PeerState::Frames { reason, .. } => PeerTransport {
                     peer: peer.clone(),
                     transport: "tcp",
                     reason: reason.clone(),
+                    puts: "tcp",
+                    puts_reason: reason.clone(),
+                    ucx_lanes: Vec::new(),
                 },
             })
             .collect();
@@ -250,7 +481,7 @@ impl UcxTransport {
 
     /// Stop using UCX for `peer` for a while, saying why.
     fn fall_back(&self, peer: &str, reason: String) {
-        tracing::warn!(peer, reason = %reason, "kvtier: UCX read failed; using TCP frames for this peer");
+        tracing::warn!(peer, reason = %reason, "kvtier: UCX transfer failed; using TCP frames for this peer");
         set_gauge(peer, false);
         self.peers.lock().insert(
             peer.to_string(),
@@ -264,6 +495,11 @@ impl UcxTransport {
     /// The UCX endpoint to `peer`, set up on first use (hello over the authenticated frames,
     /// the choice, connect, unpack the key); `None`: read over frames.
     fn endpoint(&self, peer: &str) -> Option<Arc<Mutex<Endpoint>>> {
+        self.ucx_peer(peer).map(|p| p.endpoint)
+    }
+
+    /// [`Self::endpoint`] with what the put path needs of the peer.
+    fn ucx_peer(&self, peer: &str) -> Option<UcxPeer> {
         let worker = match &self.worker {
             Ok(w) => w,
             Err(reason) => {
@@ -282,7 +518,18 @@ impl UcxTransport {
             }
         };
         match self.peers.lock().get(peer) {
-            Some(PeerState::Ucx { endpoint, .. }) => return Some(Arc::clone(endpoint)),
+            Some(PeerState::Ucx {
+                endpoint,
+                worker_address,
+                landing,
+                ..
+            }) => {
+                return Some(UcxPeer {
+                    endpoint: Arc::clone(endpoint),
+                    worker_address: Arc::clone(worker_address),
+                    landing: Arc::clone(landing),
+                })
+            }
             Some(PeerState::Frames { retry_at, .. })
                 if retry_at.is_none_or(|t| Instant::now() < t) =>
             {
@@ -290,20 +537,26 @@ impl UcxTransport {
             }
             _ => {}
         }
-        let (state, endpoint) = match self.connect(worker, peer) {
-            Ok((endpoint, reason)) => {
-                tracing::info!(peer, reason = %reason, "kvtier: cluster reads from this peer use UCX");
-                let endpoint = Arc::new(Mutex::new(endpoint));
+        let (state, found) = match self.connect(worker, peer) {
+            Ok((endpoint, reason, worker_address)) => {
+                tracing::info!(peer, reason = %reason, "kvtier: cluster reads and writes with this peer use UCX");
+                let found = UcxPeer {
+                    endpoint: Arc::new(Mutex::new(endpoint)),
+                    worker_address: Arc::new(worker_address),
+                    landing: Arc::new(Mutex::new(LandingState::Untried)),
+                };
                 (
                     PeerState::Ucx {
-                        endpoint: Arc::clone(&endpoint),
+                        endpoint: Arc::clone(&found.endpoint),
                         reason,
+                        worker_address: Arc::clone(&found.worker_address),
+                        landing: Arc::clone(&found.landing),
                     },
-                    Some(endpoint),
+                    Some(found),
                 )
             }
             Err((reason, retry)) => {
-                tracing::info!(peer, reason = %reason, "kvtier: cluster reads from this peer use TCP frames");
+                tracing::info!(peer, reason = %reason, "kvtier: cluster reads and writes with this peer use TCP frames");
                 (
                     PeerState::Frames {
                         reason,
@@ -313,13 +566,17 @@ impl UcxTransport {
                 )
             }
         };
-        set_gauge(peer, endpoint.is_some());
+        set_gauge(peer, found.is_some());
         self.peers.lock().insert(peer.to_string(), state);
-        endpoint
+        found
     }
 
     /// Hello, choice and connect; `Err((why, retry later))`.
-    fn connect(&self, worker: &Worker, peer: &str) -> Result<(Endpoint, String), (String, bool)> {
+    fn connect(
+        &self,
+        worker: &Worker,
+        peer: &str,
+    ) -> Result<(Endpoint, String, Vec<u8>), (String, bool)> {
         let offer: UcxOffer = self
             .tcp
             .control(peer, Opcode::PeerUcxHello, &UcxHello)
@@ -346,7 +603,7 @@ impl UcxTransport {
         } else {
             format!("{reason}; no peer-failure handling on this endpoint (deadline only)")
         };
-        Ok((endpoint, reason))
+        Ok((endpoint, reason, offer.worker_address))
     }
 
     /// Read `items` over UCX: one result per item, `None` for an item to read over frames
@@ -453,7 +710,10 @@ impl UcxTransport {
         let read = if extents.is_empty() {
             Ok(())
         } else {
-            endpoint.lock().get(&extents, &mut dsts, self.timeout)
+            let locals = self.locals(dsts.iter().map(|d| &**d));
+            endpoint
+                .lock()
+                .get_with(&extents, &mut dsts, &locals, self.timeout)
         };
         drop(dsts);
         release(&mut session);
@@ -475,9 +735,303 @@ impl UcxTransport {
     }
 }
 
+/// The length a node's landing area takes for `len` bytes (its extents are rounded to 64).
+fn landing_len(len: u64) -> u64 {
+    len.saturating_add(63) & !63
+}
+
+impl UcxTransport {
+    /// The put path to `peer`, set up on first use (`PeerUcxPutHello` over the authenticated
+    /// frames, a second endpoint holding the landing area's key); `None`: put over frames.
+    fn landing(&self, peer: &str) -> Option<(Arc<Mutex<Endpoint>>, UcxLanding)> {
+        let found = self.ucx_peer(peer)?;
+        let worker = self.worker.as_ref().ok()?;
+        // Held while the path is set up, so concurrent first puts ask the node once.
+        let mut state = found.landing.lock();
+        match &*state {
+            LandingState::Ready { endpoint, landing } => {
+                return Some((Arc::clone(endpoint), landing.clone()))
+            }
+            LandingState::Unavailable(_) => return None,
+            LandingState::Untried => {}
+        }
+        let landing: UcxLanding = match self.tcp.control(peer, Opcode::PeerUcxPutHello, &UcxHello) {
+            Ok(landing) => landing,
+            Err(e @ TransportError::Refused { .. }) => {
+                let reason = format!("the node offers no put landing area: {e}");
+                tracing::info!(peer, reason = %reason, "kvtier: cluster writes to this peer use TCP frames");
+                *state = LandingState::Unavailable(reason);
+                return None;
+            }
+            // Unreachable now: the frames report it per item; asked again next time.
+            Err(_) => return None,
+        };
+        let connected = worker
+            .connect(&found.worker_address)
+            .and_then(|mut endpoint| {
+                endpoint.set_remote_key(&landing.rkey)?;
+                Ok(endpoint)
+            });
+        match connected {
+            Ok(endpoint) => {
+                tracing::info!(
+                    peer,
+                    landing_bytes = landing.size,
+                    "kvtier: cluster writes to this peer use UCX puts"
+                );
+                let endpoint = Arc::new(Mutex::new(endpoint));
+                *state = LandingState::Ready {
+                    endpoint: Arc::clone(&endpoint),
+                    landing: landing.clone(),
+                };
+                Some((endpoint, landing))
+            }
+            Err(e) => {
+                drop(state);
+                self.fall_back(peer, format!("put endpoint: {e}"));
+                None
+            }
+        }
+    }
+
+    /// Write `items` one-sided into the node's landing area, in chunks a reservation allows.
+    fn ucx_put(
+        &self,
+        peer: &str,
+        endpoint: &Mutex<Endpoint>,
+        landing: &UcxLanding,
+        items: &[PutItem<'_>],
+    ) -> PutOutcome {
+        let mut results: Vec<Option<Result<(), TransportError>>> =
+            (0..items.len()).map(|_| None).collect();
+        // Reservations belong to the connection that made them: reserve, commit (or abort)
+        // all ride on this one.
+        let mut session = match self.tcp.session(peer) {
+            Ok(session) => session,
+            Err(e) => {
+                return PutOutcome {
+                    results,
+                    failure: Some(format!("reserve: {e}")),
+                }
+            }
+        };
+        let budget = MAX_RESERVE_BYTES.min(landing.max_connection_bytes.max(1));
+        let mut start = 0;
+        while start < items.len() {
+            let mut end = start;
+            let mut bytes = 0u64;
+            while end < items.len() && end - start < MAX_RESERVE_OBJECTS {
+                let len = landing_len(items[end].value.len() as u64 + CHECKSUM_LEN as u64);
+                if end > start && bytes.saturating_add(len) > budget {
+                    break;
+                }
+                bytes = bytes.saturating_add(len);
+                end += 1;
+            }
+            if let Err(reason) = self.ucx_put_chunk(
+                peer,
+                &mut session,
+                endpoint,
+                &items[start..end],
+                &mut results[start..end],
+            ) {
+                return PutOutcome {
+                    results,
+                    failure: Some(reason),
+                };
+            }
+            start = end;
+        }
+        PutOutcome {
+            results,
+            failure: None,
+        }
+    }
+
+    /// Reserve, write, flush and commit one chunk; settled items get `Some`. `Err`: the UCX
+    /// path failed (the chunk's reservations are aborted, best effort).
+    fn ucx_put_chunk(
+        &self,
+        peer: &str,
+        session: &mut ControlSession<'_>,
+        endpoint: &Mutex<Endpoint>,
+        items: &[PutItem<'_>],
+        results: &mut [Option<Result<(), TransportError>>],
+    ) -> Result<(), String> {
+        // One object larger than a whole request can reserve goes over frames.
+        let wanted: Vec<usize> = (0..items.len())
+            .filter(|&i| (items[i].value.len() as u64 + CHECKSUM_LEN as u64) <= MAX_RESERVE_BYTES)
+            .collect();
+        if wanted.is_empty() {
+            return Ok(());
+        }
+        let request = UcxReserveRequest {
+            objects: wanted
+                .iter()
+                .map(|&i| {
+                    let item = &items[i];
+                    (
+                        item.key.to_vec(),
+                        (item.value.len() + CHECKSUM_LEN) as u64,
+                        item.depth,
+                    )
+                })
+                .collect(),
+        };
+        let reply: UcxReserveReply = session
+            .control(Opcode::PeerUcxReserve, &request)
+            .map_err(|e| format!("reserve: {e}"))?;
+        let reserved: Vec<u64> = reply
+            .items
+            .iter()
+            .filter_map(|r| match r {
+                ReserveItem::Extent { id, .. } => Some(*id),
+                _ => None,
+            })
+            .collect();
+        let abort = |session: &mut ControlSession<'_>| {
+            if !reserved.is_empty() {
+                let _: Result<UcxHello, _> = session.control(
+                    Opcode::PeerUcxAbort,
+                    &UcxCommit {
+                        ids: reserved.clone(),
+                    },
+                );
+            }
+        };
+        if reply.items.len() != wanted.len() {
+            abort(session);
+            return Err(format!(
+                "reserve answered {} objects for {}",
+                reply.items.len(),
+                wanted.len()
+            ));
+        }
+        // Each reserved object: its bytes, then its checksum trailer, at its extent.
+        let mut trailers: Vec<[u8; CHECKSUM_LEN]> = Vec::with_capacity(reserved.len());
+        let mut slots: Vec<(usize, u64, u64)> = Vec::with_capacity(reserved.len());
+        for (&i, answer) in wanted.iter().zip(&reply.items) {
+            match *answer {
+                ReserveItem::Extent { id, addr } => {
+                    let item = &items[i];
+                    if addr
+                        .checked_add((item.value.len() + CHECKSUM_LEN) as u64)
+                        .is_none()
+                    {
+                        abort(session);
+                        return Err(format!(
+                            "reserve answered an extent at {addr:#x} that wraps"
+                        ));
+                    }
+                    trailers.push(object_checksum(item.key, item.value).to_le_bytes());
+                    slots.push((i, id, addr));
+                }
+                // No room now, or not storable there: over frames.
+                ReserveItem::Full | ReserveItem::TooBig => {}
+                // Put-if-absent: the node holds the key already.
+                ReserveItem::Present => results[i] = Some(Ok(())),
+            }
+        }
+        if slots.is_empty() {
+            return Ok(());
+        }
+        let mut extents: Vec<RemoteExtent> = Vec::with_capacity(slots.len() * 2);
+        let mut srcs: Vec<&[u8]> = Vec::with_capacity(slots.len() * 2);
+        for (&(i, _, addr), trailer) in slots.iter().zip(&trailers) {
+            let value = items[i].value;
+            if !value.is_empty() {
+                extents.push(RemoteExtent {
+                    remote: addr,
+                    len: value.len(),
+                });
+                srcs.push(value);
+            }
+            extents.push(RemoteExtent {
+                remote: addr + value.len() as u64,
+                len: CHECKSUM_LEN,
+            });
+            srcs.push(&trailer[..]);
+        }
+        let locals = self.locals(srcs.iter().copied());
+        if let Err(e) = endpoint
+            .lock()
+            .put_with(&extents, &srcs, &locals, self.timeout)
+        {
+            abort(session);
+            return Err(format!("one-sided write: {e}"));
+        }
+        let ids: Vec<u64> = slots.iter().map(|s| s.1).collect();
+        let done: UcxCommitReply = session
+            .control(Opcode::PeerUcxCommit, &UcxCommit { ids })
+            .map_err(|e| format!("commit: {e}"))?;
+        if done.items.len() != slots.len() {
+            return Err(format!(
+                "commit answered {} objects for {}",
+                done.items.len(),
+                slots.len()
+            ));
+        }
+        let mut bytes = 0u64;
+        for (&(i, _, _), outcome) in slots.iter().zip(&done.items) {
+            results[i] = match outcome {
+                CommitItem::Stored => {
+                    bytes += (items[i].value.len() + CHECKSUM_LEN) as u64;
+                    Some(Ok(()))
+                }
+                CommitItem::Present => Some(Ok(())),
+                // The landing bytes did not verify, or the reservation lapsed: over frames.
+                CommitItem::Checksum | CommitItem::Unknown => None,
+                CommitItem::StoreFailed => Some(Err(TransportError::Refused {
+                    peer: peer.to_string(),
+                    code: peer_error_code::STORE,
+                    message: "the node's store refused the object written over UCX".into(),
+                })),
+            };
+        }
+        metrics::counter!(names::PEER_TRANSFER_BYTES, "peer" => peer.to_string(), "direction" => "out")
+            .increment(bytes);
+        Ok(())
+    }
+}
+
+/// A UCX peer's handles, cloned out of the peer table (used without holding its lock).
+struct UcxPeer {
+    endpoint: Arc<Mutex<Endpoint>>,
+    worker_address: Arc<Vec<u8>>,
+    landing: Arc<Mutex<LandingState>>,
+}
+
 impl Transport for UcxTransport {
     fn put(&self, peer: &str, items: &[PutItem<'_>]) -> Vec<Result<(), TransportError>> {
-        self.tcp.put(peer, items)
+        if items.is_empty() {
+            return Vec::new();
+        }
+        let Some((endpoint, landing)) = self.landing(peer) else {
+            return self.tcp.put(peer, items);
+        };
+        let PutOutcome { results, failure } = self.ucx_put(peer, &endpoint, &landing, items);
+        if let Some(reason) = failure {
+            self.fall_back(peer, reason);
+        }
+        // Refused reservations, items never reserved and everything after a failure: frames.
+        let frames: Vec<usize> = (0..items.len()).filter(|&i| results[i].is_none()).collect();
+        let mut results = results;
+        if !frames.is_empty() {
+            let rest: Vec<PutItem<'_>> = frames.iter().map(|&i| items[i]).collect();
+            for (i, r) in frames.into_iter().zip(self.tcp.put(peer, &rest)) {
+                results[i] = Some(r);
+            }
+        }
+        results
+            .into_iter()
+            .map(|r| {
+                r.unwrap_or_else(|| {
+                    Err(TransportError::BatchAborted {
+                        reason: "no result".into(),
+                    })
+                })
+            })
+            .collect()
     }
 
     fn get(&self, peer: &str, items: &mut [GetItem<'_>]) -> Vec<Result<(), TransportError>> {
@@ -538,5 +1092,21 @@ impl Transport for UcxTransport {
 
     fn clear_prefix(&self, peer: &str, prefix: &[u8]) -> Result<Vec<Vec<u8>>, TransportError> {
         self.tcp.clear_prefix(peer, prefix)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_lanes;
+
+    #[test]
+    fn lanes_are_read_from_print_info() {
+        let info = "#\n# UCP endpoint\n#\n#               peer: <no debug data>\n\
+            #                 lane[0]:  2:tcp/lo.0 md[1]          -> md[1]/tcp/sysdev[255] rma_bw#0 am am_bw#0\n\
+            #                 lane[1]:  0:posix/memory.0 md[0]  -> md[0]/posix/sysdev[255] rma_bw#1\n\
+            #                 lane[2]:  3:tcp/lo.0 md[1]  -> md[1]/tcp/sysdev[255] wireup\n";
+        assert_eq!(parse_lanes(info), vec!["tcp/lo", "posix/memory"]);
+        assert!(parse_lanes("").is_empty());
+        assert!(parse_lanes("lane[0]: garbage 1:2 :x/").is_empty());
     }
 }

@@ -21,6 +21,11 @@
 //!   of one-sided operations trusts the address: a read outside the registration can crash the
 //!   target), which is why a node hands its key only to peers that proved the cluster token.
 //!   The caller still verifies the bytes' end-to-end checksum.
+//! - A local memory handle is passed to UCX ([`Endpoint::get_with`] / [`Endpoint::put_with`])
+//!   only when it belongs to the worker's own context and covers the whole buffer; the
+//!   caller's `Arc<Registration>` keeps it mapped until the transfer returned.
+//! - [`Endpoint::describe`] captures `ucp_ep_print_info` through `open_memstream`; the
+//!   buffer is freed once, after `fclose`.
 //! - Peer failure: endpoints ask for `UCP_ERR_HANDLING_MODE_PEER` with an error callback that
 //!   marks the endpoint failed (a flag the endpoint owns and outlives the callback's use:
 //!   UCP calls it only from progress, under the worker's lock, while the endpoint is open).
@@ -249,6 +254,14 @@ impl Registration {
         self.len == 0
     }
 
+    /// Whether `[addr, addr + len)` lies inside this registration.
+    pub fn covers(&self, addr: u64, len: u64) -> bool {
+        addr >= self.base
+            && addr
+                .checked_add(len)
+                .is_some_and(|end| end <= self.base + self.len)
+    }
+
     /// The remote key a peer unpacks to reach this memory.
     pub fn pack_key(&self) -> Result<Vec<u8>, UcxError> {
         let ucp = self.context.ucp;
@@ -448,6 +461,16 @@ impl Worker {
     }
 }
 
+/// A request parameter, with the local memory handle when there is one.
+fn request_param(memh: Option<ffi::MemH>) -> ffi::RequestParam {
+    let mut param: ffi::RequestParam = ffi::zeroed();
+    if let Some(memh) = memh {
+        param.op_attr_mask = ffi::UCP_OP_ATTR_FIELD_MEMH;
+        param.memh = memh;
+    }
+    param
+}
+
 /// One read or write of [`Endpoint::get`] / [`Endpoint::put`]: `len` bytes at the peer's
 /// `remote` address.
 #[derive(Clone, Copy, Debug)]
@@ -535,6 +558,19 @@ impl Endpoint {
         dsts: &mut [&mut [u8]],
         timeout: Duration,
     ) -> Result<(), UcxError> {
+        self.get_with(extents, dsts, &[], timeout)
+    }
+
+    /// [`Self::get`] passing, per destination, the registration it lies in (`locals` empty:
+    /// none; an entry `None`: not registered). UCX then uses that memory handle rather than
+    /// looking the buffer up (or registering it) itself (`UCP_OP_ATTR_FIELD_MEMH`).
+    pub fn get_with(
+        &mut self,
+        extents: &[RemoteExtent],
+        dsts: &mut [&mut [u8]],
+        locals: &[Option<Arc<Registration>>],
+        timeout: Duration,
+    ) -> Result<(), UcxError> {
         if extents.len() != dsts.len()
             || extents
                 .iter()
@@ -543,15 +579,17 @@ impl Endpoint {
         {
             return Err(UcxError::Invalid("extents and destinations differ".into()));
         }
+        let memhs = self.memhs(locals, dsts.iter().map(|d| (d.as_ptr() as u64, d.len())))?;
         let ucp = self.worker.context.ucp;
         let raw = self.raw;
         let rkey = self.rkey;
         self.run(timeout, |issue| {
-            for (extent, dst) in extents.iter().zip(dsts.iter_mut()) {
-                let param: ffi::RequestParam = ffi::zeroed();
+            for ((extent, dst), memh) in extents.iter().zip(dsts.iter_mut()).zip(&memhs) {
+                let param = request_param(*memh);
                 // SAFETY: live endpoint and key under the worker's lock (held by `run`);
                 // `dst` is valid for `extent.len` bytes and stays borrowed until `run`
-                // returned, which is after every request completed or was released.
+                // returned, which is after every request completed or was released; a memory
+                // handle passed covers `dst` and belongs to this worker's context (`memhs`).
                 let ptr = unsafe {
                     (ucp.get_nbx)(
                         raw,
@@ -576,6 +614,17 @@ impl Endpoint {
         srcs: &[&[u8]],
         timeout: Duration,
     ) -> Result<(), UcxError> {
+        self.put_with(extents, srcs, &[], timeout)
+    }
+
+    /// [`Self::put`] with the sources' registrations (see [`Self::get_with`]).
+    pub fn put_with(
+        &mut self,
+        extents: &[RemoteExtent],
+        srcs: &[&[u8]],
+        locals: &[Option<Arc<Registration>>],
+        timeout: Duration,
+    ) -> Result<(), UcxError> {
         if extents.len() != srcs.len()
             || extents
                 .iter()
@@ -584,13 +633,14 @@ impl Endpoint {
         {
             return Err(UcxError::Invalid("extents and sources differ".into()));
         }
+        let memhs = self.memhs(locals, srcs.iter().map(|s| (s.as_ptr() as u64, s.len())))?;
         let ucp = self.worker.context.ucp;
         let raw = self.raw;
         let rkey = self.rkey;
         self.run(timeout, |issue| {
-            for (extent, src) in extents.iter().zip(srcs.iter()) {
-                let param: ffi::RequestParam = ffi::zeroed();
-                // SAFETY: as in `get`; `src` is only read, borrowed until `run` returned.
+            for ((extent, src), memh) in extents.iter().zip(srcs.iter()).zip(&memhs) {
+                let param = request_param(*memh);
+                // SAFETY: as in `get_with`; `src` is only read, borrowed until `run` returned.
                 let ptr = unsafe {
                     (ucp.put_nbx)(
                         raw,
@@ -608,6 +658,69 @@ impl Endpoint {
             let ptr = unsafe { (ucp.ep_flush_nbx)(raw, &param) };
             issue(ptr)
         })
+    }
+
+    /// The memory handle to pass for each local buffer `(address, len)`: `None` unless
+    /// `locals` names a registration of this worker's context that covers the whole buffer
+    /// (anything else would let UCX use a handle for memory it does not describe).
+    fn memhs(
+        &self,
+        locals: &[Option<Arc<Registration>>],
+        buffers: impl ExactSizeIterator<Item = (u64, usize)>,
+    ) -> Result<Vec<Option<ffi::MemH>>, UcxError> {
+        if locals.is_empty() {
+            return Ok(vec![None; buffers.len()]);
+        }
+        if locals.len() != buffers.len() {
+            return Err(UcxError::Invalid("registrations and buffers differ".into()));
+        }
+        Ok(buffers
+            .zip(locals)
+            .map(|((addr, len), local)| {
+                local.as_ref().and_then(|r| {
+                    (Arc::ptr_eq(&r.context, &self.worker.context) && r.covers(addr, len as u64))
+                        .then_some(r.memh)
+                })
+            })
+            .collect())
+    }
+
+    /// UCX's description of this endpoint (`ucp_ep_print_info`): its lanes, each with the
+    /// transport and device UCX chose for it. Empty when it cannot be captured.
+    pub fn describe(&self) -> String {
+        if self.closed {
+            return String::new();
+        }
+        let ucp = self.worker.context.ucp;
+        let _guard = self.worker.lock.lock();
+        let mut buffer: *mut std::ffi::c_char = std::ptr::null_mut();
+        let mut size = 0usize;
+        // SAFETY: `open_memstream` allocates a growing buffer it reports through `buffer` and
+        // `size` (both outlive the stream: locals of this frame, read after `fclose`).
+        let stream = unsafe { ffi::open_memstream(&mut buffer, &mut size) };
+        if stream.is_null() {
+            return String::new();
+        }
+        // SAFETY: live endpoint under its worker's lock; `stream` is a valid open FILE.
+        unsafe { (ucp.ep_print_info)(self.raw, stream) };
+        // SAFETY: `stream` came from `open_memstream` and is closed once; afterwards `buffer`
+        // holds `size` bytes plus a NUL, owned by this function.
+        let closed = unsafe { ffi::fclose(stream) };
+        if buffer.is_null() {
+            return String::new();
+        }
+        let text = if closed == 0 {
+            // SAFETY: `buffer` holds `size` initialised bytes (see above).
+            String::from_utf8_lossy(unsafe {
+                std::slice::from_raw_parts(buffer.cast::<u8>(), size)
+            })
+            .into_owned()
+        } else {
+            String::new()
+        };
+        // SAFETY: `buffer` was allocated by `open_memstream` with malloc; freed once.
+        unsafe { ffi::free(buffer.cast()) };
+        text
     }
 
     /// Issue requests with `start` (under the worker's lock), then progress until they all
