@@ -567,8 +567,11 @@ fn forged_torn_or_misplaced_bytes_are_a_miss_and_counted() {
     // with, registered under its own id.
     let store = Arc::new(
         Client::open(KvtierConfig {
-            dram_capacity_bytes: 64 << 20,
-            dram_prefault: false,
+            engine: kvtier_engine::EngineConfig {
+                dram_capacity_bytes: 64 << 20,
+                dram_prefault: false,
+                ..kvtier_engine::EngineConfig::default()
+            },
             ..KvtierConfig::default()
         })
         .unwrap(),

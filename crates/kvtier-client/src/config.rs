@@ -11,15 +11,23 @@
 //! keys by audience in `[engine]`, `[server]`, `[cluster]` and `[events]` sections
 //! ([`SECTIONS`]); [`unsection`] maps them to the flat keys, refusing an unknown key in a
 //! section and a key given both flat and in its section (errors name the spelling used). The
-//! in-memory [`KvtierConfig`] stays flat.
+//! keys stay flat on the wire (`to_toml`, `config_toml()`, JSON).
+//!
+//! Where a key is declared (issue 16): each key is one field with its doc comment, strict
+//! deserializer and default, in exactly one struct. The engine's keys (`dram_*`,
+//! `eviction_*`, `ssd_*`, `auto_promote_on_read`) are the fields of
+//! [`kvtier_engine::EngineConfig`], embedded here as [`KvtierConfig::engine`] with
+//! `#[serde(flatten)]`; every other key (client, server mode, cluster, events, process-wide)
+//! is a field of [`KvtierConfig`]. Once, because a mirrored field list with a copy function
+//! drifts: a default, a doc or a bound changed on one side only. The engine hands its own
+//! rules back through [`EngineConfig::validate`], reported here against the key's origin; the
+//! unknown-key check is this loader's (serde cannot deny unknown fields next to a flatten).
 
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
-use kvtier_engine::{
-    EngineConfig, EngineError, EvictionPolicyKind, SsdDurabilityMode, SsdIoBackend, SsdWritePolicy,
-};
+use kvtier_engine::{EngineConfig, EngineError};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
@@ -35,68 +43,16 @@ pub const DEFAULT_PUT_LANDING_MIB: u64 = 64;
 /// Largest `put_landing_mib` (16 GiB).
 pub const MAX_PUT_LANDING_MIB: u64 = 16 << 10;
 
-/// Every setting kvtier accepts. Field names are the keys in all three sources.
+/// Every setting kvtier accepts. Field names are the keys in all three sources; the engine's
+/// keys are the fields of [`EngineConfig`], flattened in (declared there once, see the
+/// module docs).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(default)]
 pub struct KvtierConfig {
-    /// Size of the pre-faulted DRAM arena, in bytes.
-    #[serde(deserialize_with = "strict::size")]
-    pub dram_capacity_bytes: u64,
-    /// Allocation unit of the DRAM arena; objects of any size are stored exactly.
-    #[serde(deserialize_with = "strict::size")]
-    pub dram_block_size: u64,
-    /// Touch every arena page at start so the first puts do not pay page faults.
-    #[serde(deserialize_with = "strict::boolean")]
-    pub dram_prefault: bool,
-    /// `prefix_depth` (evict the tail of a prefix chain before its head) or `lru`.
-    pub eviction_policy: EvictionPolicyKind,
-    /// How many of the coldest objects the eviction policy chooses among.
-    #[serde(deserialize_with = "strict::count")]
-    pub eviction_candidate_window: u64,
-    /// Turn on the SSD tier (append-only segment log under `ssd_storage_dir`).
-    #[serde(deserialize_with = "strict::boolean")]
-    pub ssd_enabled: bool,
-    /// Directory of the segment files.
-    #[serde(deserialize_with = "strict::string")]
-    pub ssd_storage_dir: String,
-    /// Sub-directory of `ssd_storage_dir` for this store. The SGLang adapter sets it from the
-    /// DP/PP/TP ranks (`dp0_tp1`) when unset, so ranks never share one segment log.
-    #[serde(deserialize_with = "strict::optional_string")]
-    pub ssd_storage_subdir: Option<String>,
-    /// Bound of the segment files' total size.
-    #[serde(deserialize_with = "strict::size")]
-    pub ssd_capacity_bytes: u64,
-    /// Size of one segment file (the unit of space reclaim).
-    #[serde(deserialize_with = "strict::size")]
-    pub ssd_segment_size_bytes: u64,
-    /// Copy puts to SSD in the background (true) or before the put returns (false).
-    #[serde(deserialize_with = "strict::boolean")]
-    pub ssd_copy_async: bool,
-    /// Bound of the DRAM-to-SSD copy queue, in objects.
-    #[serde(deserialize_with = "strict::count")]
-    pub ssd_copy_queue_depth: u64,
-    /// Copy-pipeline worker threads.
-    #[serde(deserialize_with = "strict::count")]
-    pub ssd_copy_worker_threads: u64,
-    /// Most records one write (and one sync) of the copy pipeline carries.
-    #[serde(deserialize_with = "strict::count")]
-    pub ssd_copy_batch_max_ops: u64,
-    /// `strict` (`sync`): a put returns once its record is on disk and synced; `relaxed`
-    /// (`async`): records are written and synced in the background.
-    pub ssd_durability_mode: SsdDurabilityMode,
-    /// `posix` (pread/pwrite, O_DIRECT where the filesystem allows it) or `io_uring`.
-    pub ssd_io_backend: SsdIoBackend,
-    /// `write_through` (every put is copied to SSD) or `write_back` (on DRAM eviction).
-    pub ssd_write_policy: SsdWritePolicy,
-    /// Copy an object read from SSD back into DRAM.
-    #[serde(deserialize_with = "strict::boolean")]
-    pub auto_promote_on_read: bool,
-    /// SSD fill fraction that starts background reclaim.
-    #[serde(deserialize_with = "strict::fraction")]
-    pub ssd_high_watermark: f64,
-    /// SSD fill fraction background reclaim brings usage down to.
-    #[serde(deserialize_with = "strict::fraction")]
-    pub ssd_low_watermark: f64,
+    /// The engine keys (`dram_*`, `eviction_*`, `ssd_*`, `auto_promote_on_read`), at top
+    /// level in every source and in the `[engine]` section.
+    #[serde(flatten)]
+    pub engine: EngineConfig,
     /// Threads that copy one large batch (each gets a contiguous run of pages and at least
     /// 8 MiB); 1 copies on the calling thread only.
     #[serde(deserialize_with = "strict::count")]
@@ -206,29 +162,9 @@ pub struct KvtierConfig {
 
 impl Default for KvtierConfig {
     fn default() -> Self {
-        let engine = EngineConfig::default();
         KvtierConfig {
-            dram_capacity_bytes: engine.dram_capacity_bytes,
-            dram_block_size: u64::from(engine.dram_block_size),
-            dram_prefault: engine.prefault,
-            eviction_policy: engine.eviction_policy,
-            eviction_candidate_window: engine.eviction_candidate_window as u64,
+            engine: EngineConfig::default(),
             copy_threads: default_copy_threads(),
-            ssd_enabled: engine.ssd_enabled,
-            ssd_storage_dir: engine.ssd_storage_dir.to_string_lossy().into_owned(),
-            ssd_storage_subdir: None,
-            ssd_capacity_bytes: engine.ssd_capacity_bytes,
-            ssd_segment_size_bytes: engine.ssd_segment_size_bytes,
-            ssd_copy_async: engine.ssd_copy_async,
-            ssd_copy_queue_depth: engine.ssd_copy_queue_depth as u64,
-            ssd_copy_worker_threads: engine.ssd_copy_worker_threads as u64,
-            ssd_copy_batch_max_ops: engine.ssd_copy_batch_max_ops as u64,
-            ssd_durability_mode: engine.ssd_durability_mode,
-            ssd_io_backend: engine.ssd_io_backend,
-            ssd_write_policy: engine.ssd_write_policy,
-            auto_promote_on_read: engine.auto_promote_on_read,
-            ssd_high_watermark: engine.ssd_high_watermark,
-            ssd_low_watermark: engine.ssd_low_watermark,
             extra_backend_tag: None,
             kv_events_subscriber: false,
             kv_events_endpoint: "tcp://localhost:5557".into(),
@@ -256,10 +192,6 @@ impl Default for KvtierConfig {
             metrics_addr: None,
         }
     }
-}
-
-fn saturating_usize(v: u64) -> usize {
-    usize::try_from(v).unwrap_or(usize::MAX)
 }
 
 /// Two copy threads where the machine has the cores: one memcpy stream rarely saturates
@@ -470,30 +402,9 @@ impl KvtierConfig {
     /// Range checks that need more than the type.
     fn validate(&self, origins: &BTreeMap<String, Origin>) -> Result<(), ConfigError> {
         let origin = |key: &str| origins.get(key).cloned().unwrap_or(Origin::Default);
-        if self.dram_capacity_bytes < self.dram_block_size {
-            return Err(ConfigError::new(
-                "dram_capacity_bytes",
-                &origin("dram_capacity_bytes"),
-                format!(
-                    "{} bytes is smaller than one block ({} bytes)",
-                    self.dram_capacity_bytes, self.dram_block_size
-                ),
-            ));
-        }
-        let block = self.dram_block_size;
-        if !block.is_power_of_two() || !(4096..=16 << 20).contains(&block) {
-            return Err(ConfigError::new(
-                "dram_block_size",
-                &origin("dram_block_size"),
-                format!("{block} must be a power of two from 4KiB to 16MiB"),
-            ));
-        }
-        if self.eviction_candidate_window == 0 {
-            return Err(ConfigError::new(
-                "eviction_candidate_window",
-                &origin("eviction_candidate_window"),
-                "must be at least 1",
-            ));
+        // The engine owns the rules of its keys; report its verdict against our key and origin.
+        if let Err(EngineError::InvalidConfig { key, reason }) = self.engine.validate() {
+            return Err(ConfigError::new(key, &origin(key), reason));
         }
         if self.kv_events_buffer == 0 {
             return Err(ConfigError::new(
@@ -521,24 +432,6 @@ impl KvtierConfig {
                     format!("{v:?} must be a tcp://, ipc:// or inproc:// ZMQ endpoint"),
                 ));
             }
-        }
-        if let Some(sub) = &self.ssd_storage_subdir {
-            let bad = sub.is_empty()
-                || Path::new(sub).is_absolute()
-                || Path::new(sub)
-                    .components()
-                    .any(|c| !matches!(c, std::path::Component::Normal(_)));
-            if bad {
-                return Err(ConfigError::new(
-                    "ssd_storage_subdir",
-                    &origin("ssd_storage_subdir"),
-                    format!("{sub:?} must be a relative path without '..'"),
-                ));
-            }
-        }
-        // The engine owns the SSD tier's rules; report its verdict against our key and origin.
-        if let Err(EngineError::InvalidConfig { key, reason }) = self.engine_config().validate() {
-            return Err(ConfigError::new(key, &origin(key), reason));
         }
         if !(1..=64).contains(&self.copy_threads) {
             return Err(ConfigError::new(
@@ -676,41 +569,10 @@ impl KvtierConfig {
             .collect()
     }
 
-    /// The engine settings of this configuration.
+    /// The engine settings of this configuration (a copy of [`KvtierConfig::engine`], for
+    /// [`kvtier_engine::Engine::open`], which takes them by value).
     pub fn engine_config(&self) -> EngineConfig {
-        EngineConfig {
-            dram_capacity_bytes: self.dram_capacity_bytes,
-            // validate() bounds the block size to 16 MiB, so it fits in u32.
-            dram_block_size: u32::try_from(self.dram_block_size).unwrap_or(u32::MAX),
-            eviction_policy: self.eviction_policy,
-            eviction_candidate_window: usize::try_from(self.eviction_candidate_window)
-                .unwrap_or(usize::MAX),
-            prefault: self.dram_prefault,
-            ssd_enabled: self.ssd_enabled,
-            ssd_storage_dir: self.ssd_dir(),
-            ssd_capacity_bytes: self.ssd_capacity_bytes,
-            ssd_segment_size_bytes: self.ssd_segment_size_bytes,
-            ssd_copy_async: self.ssd_copy_async,
-            ssd_copy_queue_depth: saturating_usize(self.ssd_copy_queue_depth),
-            ssd_copy_worker_threads: saturating_usize(self.ssd_copy_worker_threads),
-            ssd_copy_batch_max_ops: saturating_usize(self.ssd_copy_batch_max_ops),
-            ssd_durability_mode: self.ssd_durability_mode,
-            ssd_io_backend: self.ssd_io_backend,
-            auto_promote_on_read: self.auto_promote_on_read,
-            ssd_high_watermark: self.ssd_high_watermark,
-            ssd_low_watermark: self.ssd_low_watermark,
-            ssd_write_policy: self.ssd_write_policy,
-            ..EngineConfig::default()
-        }
-    }
-
-    /// The segment directory: `ssd_storage_dir`, joined with `ssd_storage_subdir` when set.
-    pub fn ssd_dir(&self) -> PathBuf {
-        let base = PathBuf::from(&self.ssd_storage_dir);
-        match &self.ssd_storage_subdir {
-            Some(sub) => base.join(sub),
-            None => base,
-        }
+        self.engine.clone()
     }
 
     /// The effective configuration as TOML (for `config check`), flat keys: every reader of
@@ -913,96 +775,13 @@ pub fn read_toml(path: &Path, origin: &Origin) -> Result<Map<String, Value>, Con
     }
 }
 
-/// Strict deserializers shared by every field: they accept a typed value or its string form
-/// (environment variables are always strings) and nothing else. Public so that other schemas
-/// (`kvtier serve`'s) parse the same way.
+/// The strict deserializers of every kvtier schema: the engine crate's
+/// ([`kvtier_engine::config::strict`], which declares the engine keys with them) plus
+/// `optional_socket_addr`, which needs this crate's metrics address parser. Public so that
+/// other schemas (`kvtier serve`'s) parse the same way.
 pub mod strict {
-    use serde::de::{self, Deserializer, Visitor};
-    use std::fmt;
-
-    pub fn boolean<'de, D: Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
-        struct V;
-        impl Visitor<'_> for V {
-            type Value = bool;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a boolean (true/false, 1/0, yes/no, on/off)")
-            }
-            fn visit_bool<E: de::Error>(self, v: bool) -> Result<bool, E> {
-                Ok(v)
-            }
-            fn visit_u64<E: de::Error>(self, v: u64) -> Result<bool, E> {
-                match v {
-                    0 => Ok(false),
-                    1 => Ok(true),
-                    _ => Err(E::custom(format!("{v} is not a boolean (use 0 or 1)"))),
-                }
-            }
-            fn visit_i64<E: de::Error>(self, v: i64) -> Result<bool, E> {
-                u64::try_from(v)
-                    .map_err(|_| E::custom(format!("{v} is not a boolean")))
-                    .and_then(|v| self.visit_u64(v))
-            }
-            fn visit_str<E: de::Error>(self, v: &str) -> Result<bool, E> {
-                match v.trim().to_ascii_lowercase().as_str() {
-                    "1" | "true" | "yes" | "on" => Ok(true),
-                    "0" | "false" | "no" | "off" => Ok(false),
-                    _ => Err(E::custom(format!(
-                        "{v:?} is not a boolean (true/false, 1/0, yes/no, on/off)"
-                    ))),
-                }
-            }
-        }
-        d.deserialize_any(V)
-    }
-
-    pub fn string<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
-        match optional_string(d)? {
-            Some(s) => Ok(s),
-            None => Err(de::Error::custom("expected a string")),
-        }
-    }
-
-    /// A number from 0.0 to 1.0 (a float, an integer 0/1, or its string form).
-    pub fn fraction<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
-        struct V;
-        impl Visitor<'_> for V {
-            type Value = f64;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a fraction from 0.0 to 1.0")
-            }
-            fn visit_f64<E: de::Error>(self, v: f64) -> Result<f64, E> {
-                if (0.0..=1.0).contains(&v) {
-                    Ok(v)
-                } else {
-                    Err(E::custom(format!("{v} is not a fraction from 0.0 to 1.0")))
-                }
-            }
-            fn visit_u64<E: de::Error>(self, v: u64) -> Result<f64, E> {
-                self.visit_f64(v as f64)
-            }
-            fn visit_i64<E: de::Error>(self, v: i64) -> Result<f64, E> {
-                self.visit_f64(v as f64)
-            }
-            fn visit_str<E: de::Error>(self, v: &str) -> Result<f64, E> {
-                let f: f64 = v
-                    .trim()
-                    .parse()
-                    .map_err(|_| E::custom(format!("{v:?} is not a number")))?;
-                self.visit_f64(f)
-            }
-        }
-        d.deserialize_any(V)
-    }
-
-    /// A byte size: integer, or a string with an optional KiB/MiB/GiB/TiB suffix.
-    pub fn size<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
-        d.deserialize_any(Unsigned { sizes: true })
-    }
-
-    /// A plain non-negative count.
-    pub fn count<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
-        d.deserialize_any(Unsigned { sizes: false })
-    }
+    pub use kvtier_engine::config::strict::*;
+    use serde::de::{self, Deserializer};
 
     /// An optional `HOST:PORT` listen address (see [`crate::metrics::parse_addr`]).
     pub fn optional_socket_addr<'de, D: Deserializer<'de>>(
@@ -1014,89 +793,12 @@ pub mod strict {
         }
         Ok(value)
     }
-
-    pub fn optional_string<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
-        struct V;
-        impl Visitor<'_> for V {
-            type Value = Option<String>;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a string")
-            }
-            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
-                Ok(Some(v.to_string()))
-            }
-            fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-                Ok(None)
-            }
-            fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
-                Ok(None)
-            }
-        }
-        d.deserialize_any(V)
-    }
-
-    struct Unsigned {
-        sizes: bool,
-    }
-
-    impl Visitor<'_> for Unsigned {
-        type Value = u64;
-        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-            if self.sizes {
-                f.write_str("a byte size (integer, or a string like \"512MiB\")")
-            } else {
-                f.write_str("a non-negative integer")
-            }
-        }
-        fn visit_u64<E: de::Error>(self, v: u64) -> Result<u64, E> {
-            Ok(v)
-        }
-        fn visit_i64<E: de::Error>(self, v: i64) -> Result<u64, E> {
-            u64::try_from(v).map_err(|_| E::custom(format!("{v} is negative")))
-        }
-        fn visit_f64<E: de::Error>(self, v: f64) -> Result<u64, E> {
-            Err(E::custom(format!("{v} is not an integer")))
-        }
-        fn visit_bool<E: de::Error>(self, v: bool) -> Result<u64, E> {
-            Err(E::custom(format!("{v} is not a number")))
-        }
-        fn visit_str<E: de::Error>(self, v: &str) -> Result<u64, E> {
-            parse_unsigned(v, self.sizes).map_err(E::custom)
-        }
-    }
-
-    pub fn parse_unsigned(text: &str, sizes: bool) -> Result<u64, String> {
-        let t = text.trim();
-        let (digits, multiplier) = if sizes {
-            const UNITS: [(&str, u64); 5] = [
-                ("KiB", 1 << 10),
-                ("MiB", 1 << 20),
-                ("GiB", 1 << 30),
-                ("TiB", 1 << 40),
-                ("B", 1),
-            ];
-            UNITS
-                .iter()
-                .find_map(|(suffix, m)| t.strip_suffix(suffix).map(|d| (d.trim(), *m)))
-                .unwrap_or((t, 1))
-        } else {
-            (t, 1)
-        };
-        let n: u64 = digits.parse().map_err(|_| {
-            if sizes {
-                format!("{text:?} is not a byte size (integer with optional KiB/MiB/GiB/TiB)")
-            } else {
-                format!("{text:?} is not a non-negative integer")
-            }
-        })?;
-        n.checked_mul(multiplier)
-            .ok_or_else(|| format!("{text:?} overflows 64 bits"))
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvtier_engine::{EvictionPolicyKind, SsdDurabilityMode};
     use serde_json::json;
 
     fn extra(v: Value) -> Map<String, Value> {
@@ -1161,7 +863,7 @@ mod tests {
     fn booleans_are_strict() {
         for (raw, want) in [("true", true), ("0", false), ("Yes", true), ("off", false)] {
             let c = load(&[("KVTIER_DRAM_PREFAULT", raw)], json!({})).unwrap();
-            assert_eq!(c.dram_prefault, want, "{raw}");
+            assert_eq!(c.engine.dram_prefault, want, "{raw}");
         }
         for bad in [json!("maybe"), json!(2), json!(1.0), json!("")] {
             let e = load(&[], json!({ "dram_prefault": bad })).unwrap_err();
@@ -1170,6 +872,7 @@ mod tests {
         assert!(
             !load(&[], json!({"dram_prefault": false}))
                 .unwrap()
+                .engine
                 .dram_prefault
         );
     }
@@ -1177,9 +880,9 @@ mod tests {
     #[test]
     fn sizes_accept_suffixes_and_reject_garbage() {
         let c = load(&[], json!({"dram_capacity_bytes": "256MiB"})).unwrap();
-        assert_eq!(c.dram_capacity_bytes, 256 << 20);
+        assert_eq!(c.engine.dram_capacity_bytes, 256 << 20);
         let c = load(&[("KVTIER_DRAM_CAPACITY_BYTES", "1048576")], json!({})).unwrap();
-        assert_eq!(c.dram_capacity_bytes, 1 << 20);
+        assert_eq!(c.engine.dram_capacity_bytes, 1 << 20);
         for bad in [
             json!("12XB"),
             json!(-1),
@@ -1203,8 +906,8 @@ mod tests {
         .unwrap();
         let p = path.to_str().unwrap();
         let c = load(&[("KVTIER_CONFIG_FILE", p)], json!({})).unwrap();
-        assert_eq!(c.dram_capacity_bytes, 8 << 20);
-        assert_eq!(c.eviction_policy, EvictionPolicyKind::Lru);
+        assert_eq!(c.engine.dram_capacity_bytes, 8 << 20);
+        assert_eq!(c.engine.eviction_policy, EvictionPolicyKind::Lru);
         let c = load(
             &[
                 ("KVTIER_CONFIG_FILE", p),
@@ -1213,13 +916,13 @@ mod tests {
             json!({}),
         )
         .unwrap();
-        assert_eq!(c.dram_capacity_bytes, 16 << 20);
+        assert_eq!(c.engine.dram_capacity_bytes, 16 << 20);
         let c = load(
             &[("KVTIER_DRAM_CAPACITY_BYTES", "16MiB")],
             json!({"config_file": p, "dram_capacity_bytes": "32MiB"}),
         )
         .unwrap();
-        assert_eq!(c.dram_capacity_bytes, 32 << 20);
+        assert_eq!(c.engine.dram_capacity_bytes, 32 << 20);
     }
 
     #[test]
@@ -1267,13 +970,10 @@ mod tests {
             json!({"ssd_storage_subdir": "dp0_tp1", "ssd_high_watermark": "0.95"}),
         )
         .unwrap();
-        assert!(c.ssd_enabled);
-        assert_eq!(c.ssd_durability_mode, SsdDurabilityMode::Strict);
-        assert_eq!(c.ssd_dir(), dir.path().join("dp0_tp1"));
-        assert_eq!(
-            c.engine_config().ssd_storage_dir,
-            dir.path().join("dp0_tp1")
-        );
+        assert!(c.engine.ssd_enabled);
+        assert_eq!(c.engine.ssd_durability_mode, SsdDurabilityMode::Strict);
+        assert_eq!(c.engine.ssd_dir(), dir.path().join("dp0_tp1"));
+        assert_eq!(c.engine.ssd_storage_dir, dir.path());
         assert_eq!(c.engine_config().ssd_capacity_bytes, 1 << 30);
         for (key, bad) in [
             ("ssd_durability_mode", json!("eventually")),
@@ -1327,6 +1027,47 @@ mod tests {
         let e = load(&[("KVTIER_METRICS_ADDR", "nohost")], json!({})).unwrap_err();
         assert_eq!(e.key, "metrics_addr");
         assert!(e.origin.contains("KVTIER_METRICS_ADDR"), "{e}");
+    }
+
+    /// Issue 16: the engine keys are `EngineConfig`'s fields, flattened in: `known_keys()`
+    /// lists each once, the internal `index_shards` is not a key, and the `[engine]` section
+    /// holds exactly them plus the client's `copy_threads`.
+    #[test]
+    fn engine_keys_are_engine_config_fields() {
+        let engine_keys: Vec<String> = match serde_json::to_value(EngineConfig::default()) {
+            Ok(Value::Object(map)) => map.keys().cloned().collect(),
+            other => panic!("EngineConfig serialized as {other:?}"),
+        };
+        assert_eq!(engine_keys.len(), 20, "{engine_keys:?}");
+        let known = KvtierConfig::known_keys();
+        for key in &engine_keys {
+            assert_eq!(known.iter().filter(|k| *k == key).count(), 1, "{key}");
+        }
+        assert!(!known.iter().any(|k| k == "index_shards"));
+        let e = load(&[], json!({"index_shards": 8})).unwrap_err();
+        assert_eq!(e.key, "index_shards");
+        assert!(e.reason.starts_with("unknown key"), "{e}");
+        let (_, section) = SECTIONS.iter().find(|(s, _)| *s == "engine").unwrap();
+        let mut in_section: Vec<&str> = section.iter().map(|(_, flat)| *flat).collect();
+        in_section.sort_unstable();
+        let mut want: Vec<&str> = engine_keys.iter().map(String::as_str).collect();
+        want.push("copy_threads");
+        want.sort_unstable();
+        assert_eq!(in_section, want);
+        // Values reach the engine without a copy step.
+        let c = load(
+            &[("KVTIER_DRAM_BLOCK_SIZE", "64KiB")],
+            json!({"ssd_copy_worker_threads": "3", "dram_prefault": "off"}),
+        )
+        .unwrap();
+        let engine = c.engine_config();
+        assert_eq!(engine.dram_block_size, 64 << 10);
+        assert_eq!(engine.ssd_copy_worker_threads, 3);
+        assert!(!engine.dram_prefault);
+        assert_eq!(engine.index_shards, EngineConfig::default().index_shards);
+        // A size too large for the engine's field type is an error on that key.
+        let e = load(&[], json!({"dram_block_size": "8GiB"})).unwrap_err();
+        assert_eq!(e.key, "dram_block_size");
     }
 
     #[test]

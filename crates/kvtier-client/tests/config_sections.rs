@@ -73,7 +73,7 @@ fn sectioned_and_flat_forms_give_the_same_config() {
     let sectioned = load_file(SECTIONED).unwrap();
     let flat = load_file(FLAT).unwrap();
     assert_eq!(sectioned, flat);
-    assert_eq!(sectioned.dram_capacity_bytes, 64 << 20);
+    assert_eq!(sectioned.engine.dram_capacity_bytes, 64 << 20);
     assert_eq!(sectioned.server_startup_timeout_ms, 1234);
     assert_eq!(sectioned.cluster_request_timeout_ms, 777);
     assert!(sectioned.kv_events_subscriber);
@@ -90,7 +90,7 @@ fn extra_config_json_takes_sections_and_flat_keys_together() {
         "cluster": { "transport": "tcp" },
     }))
     .unwrap();
-    assert_eq!(c.dram_capacity_bytes, 32 << 20);
+    assert_eq!(c.engine.dram_capacity_bytes, 32 << 20);
     assert!(c.kv_events_subscriber);
     assert_eq!(c.kv_events_endpoint, "tcp://127.0.0.1:6000");
     // A later layer overrides an earlier one whatever the spelling: file sectioned, extra flat.

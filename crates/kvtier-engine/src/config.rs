@@ -1,11 +1,14 @@
 //! Engine configuration and its validation.
 //!
-//! Owns: the knobs of one engine instance and the rules that make a configuration usable.
+//! Owns: the knobs of one engine instance, which are also kvtier's user-facing engine keys
+//! (issue 16: declared once, here; see [`EngineConfig`]), the strict deserializers every
+//! kvtier schema parses values with ([`strict`]), and the rules that make a configuration
+//! usable.
 //! Invariant: an [`EngineConfig`] that passed [`EngineConfig::validate`] yields an arena of at
 //! least one block, a block size the allocator and arena can address, and a power-of-two shard
 //! count, so nothing downstream re-checks these.
 
-use std::path::PathBuf;
+use std::path::{Component, Path, PathBuf};
 
 use crate::error::EngineError;
 
@@ -66,50 +69,90 @@ pub enum SsdWritePolicy {
     WriteBack,
 }
 
-/// Configuration of one [`crate::Engine`]. Deserializes from a partial table (missing fields
-/// take their defaults), e.g. the `[engine]` section of a server's TOML.
-#[derive(Clone, Debug, serde::Deserialize, serde::Serialize)]
-#[serde(default, deny_unknown_fields)]
+/// Configuration of one [`crate::Engine`], and the one declaration of kvtier's engine keys.
+///
+/// Every field but `index_shards` is a user-facing key of the same name: its doc comment
+/// here is the key's documentation, its `strict::*` deserializer the key's syntax, and
+/// [`Default`] below its default. `kvtier_client::KvtierConfig` embeds this struct
+/// (`#[serde(flatten)]`) instead of mirroring the keys, so an engine key is declared once and
+/// reaches the engine without a field-by-field copy. Unknown keys are refused by the loaders
+/// (`KvtierConfig::load_layered` names the key and its origin), not here: serde cannot deny
+/// unknown fields of a flattened struct.
+#[derive(Clone, Debug, PartialEq, serde::Deserialize, serde::Serialize)]
+#[serde(default)]
 pub struct EngineConfig {
-    /// Size of the one DRAM arena; rounded down to whole blocks.
+    /// Size of the pre-faulted DRAM arena, in bytes; rounded down to whole blocks.
+    #[serde(deserialize_with = "strict::size")]
     pub dram_capacity_bytes: u64,
-    /// Allocator page size; a power of two in 4 KiB ..= 16 MiB.
+    /// Allocation unit of the DRAM arena (a power of two from 4 KiB to 16 MiB); objects of
+    /// any size are stored exactly.
+    #[serde(deserialize_with = "strict::size")]
     pub dram_block_size: u32,
+    /// Touch every arena page at start so the first puts do not pay page faults.
+    #[serde(deserialize_with = "strict::boolean")]
+    pub dram_prefault: bool,
+    /// `prefix_depth` (evict the tail of a prefix chain before its head) or `lru`.
     pub eviction_policy: EvictionPolicyKind,
-    /// How many of the coldest objects the policy chooses a victim among.
+    /// How many of the coldest objects the eviction policy chooses among.
+    #[serde(deserialize_with = "strict::count")]
     pub eviction_candidate_window: usize,
-    /// Number of index shards; a power of two.
-    pub index_shards: usize,
-    /// Touch every arena page at open so the hot path never pays first-touch faults.
-    pub prefault: bool,
 
     // ---- SSD tier (off by default; names follow UMBP's) ----
-    /// Enable the SSD tier below DRAM.
+    /// Turn on the SSD tier (append-only segment log under `ssd_storage_dir`).
+    #[serde(deserialize_with = "strict::boolean")]
     pub ssd_enabled: bool,
-    /// Directory of the segment files (created if missing; one engine per directory).
+    /// Directory of the segment files (created 0700 if missing; one engine per directory).
+    #[serde(
+        deserialize_with = "strict::path",
+        serialize_with = "strict::serialize_path"
+    )]
     pub ssd_storage_dir: PathBuf,
-    /// Upper bound on the segment files' total size; holds `capacity / segment size` segments.
+    /// Sub-directory of `ssd_storage_dir` for this store (the segment directory is
+    /// [`EngineConfig::ssd_dir`]). The SGLang adapter sets it from the DP/PP/TP ranks
+    /// (`dp0_tp1`) when unset, so ranks never share one segment log.
+    #[serde(deserialize_with = "strict::optional_string")]
+    pub ssd_storage_subdir: Option<String>,
+    /// Bound of the segment files' total size; holds `capacity / segment size` segments.
+    #[serde(deserialize_with = "strict::size")]
     pub ssd_capacity_bytes: u64,
-    /// Size of one segment file; a multiple of 4 KiB, at least 64 KiB.
+    /// Size of one segment file (the unit of space reclaim); a multiple of 4 KiB, at least
+    /// 64 KiB.
+    #[serde(deserialize_with = "strict::size")]
     pub ssd_segment_size_bytes: u64,
-    /// Write-through copies run in the background (`true`) or before the put returns.
-    /// `strict` durability always waits.
+    /// Copy puts to SSD in the background (true) or before the put returns (false). `strict`
+    /// durability always waits.
+    #[serde(deserialize_with = "strict::boolean")]
     pub ssd_copy_async: bool,
-    /// Bound of the DRAM→SSD copy queue (objects); a full queue makes puts wait.
+    /// Bound of the DRAM-to-SSD copy queue, in objects; a full queue makes puts wait.
+    #[serde(deserialize_with = "strict::count")]
     pub ssd_copy_queue_depth: usize,
-    /// Copy worker threads (each writes batches and, in strict mode, syncs them).
+    /// Copy-pipeline worker threads (each writes batches and, in strict mode, syncs them).
+    #[serde(deserialize_with = "strict::count")]
     pub ssd_copy_worker_threads: usize,
-    /// Most records one worker writes (and syncs) as one batch.
+    /// Most records one write (and one sync) of the copy pipeline carries.
+    #[serde(deserialize_with = "strict::count")]
     pub ssd_copy_batch_max_ops: usize,
+    /// `strict` (`sync`): a put returns once its record is on disk and synced; `relaxed`
+    /// (`async`): records are written and synced in the background.
     pub ssd_durability_mode: SsdDurabilityMode,
+    /// `posix` (pread/pwrite, O_DIRECT where the filesystem allows it) or `io_uring`.
     pub ssd_io_backend: SsdIoBackend,
-    /// A get served from SSD copies the object back into DRAM.
-    pub auto_promote_on_read: bool,
-    /// Fraction of segments in use above which background reclaim starts.
-    pub ssd_high_watermark: f64,
-    /// Fraction of segments in use that background reclaim brings usage down to.
-    pub ssd_low_watermark: f64,
+    /// `write_through` (every put is copied to SSD) or `write_back` (on DRAM eviction).
     pub ssd_write_policy: SsdWritePolicy,
+    /// Copy an object read from SSD back into DRAM.
+    #[serde(deserialize_with = "strict::boolean")]
+    pub auto_promote_on_read: bool,
+    /// SSD fill fraction that starts background reclaim.
+    #[serde(deserialize_with = "strict::fraction")]
+    pub ssd_high_watermark: f64,
+    /// SSD fill fraction background reclaim brings usage down to.
+    #[serde(deserialize_with = "strict::fraction")]
+    pub ssd_low_watermark: f64,
+
+    // ---- internal (not a key) ----
+    /// Number of index shards; a power of two. Tests and benchmarks set it; users do not.
+    #[serde(skip)]
+    pub index_shards: usize,
 }
 
 impl Default for EngineConfig {
@@ -119,16 +162,16 @@ impl Default for EngineConfig {
             // Small blocks keep the waste under 4 KiB per object whatever the page sizes of
             // the registered pools; extents keep large objects contiguous all the same.
             dram_block_size: 4 << 10,
+            dram_prefault: true,
             eviction_policy: EvictionPolicyKind::PrefixDepth,
             eviction_candidate_window: 64,
-            index_shards: 64,
-            prefault: true,
             ssd_enabled: false,
             // Per user, created 0700 and checked at open (never a shared world-writable path).
             ssd_storage_dir: PathBuf::from(format!(
                 "/var/tmp/kvtier-ssd-{}",
                 rustix::process::geteuid().as_raw()
             )),
+            ssd_storage_subdir: None,
             ssd_capacity_bytes: 16 << 30,
             ssd_segment_size_bytes: 256 << 20,
             ssd_copy_async: true,
@@ -137,10 +180,11 @@ impl Default for EngineConfig {
             ssd_copy_batch_max_ops: 32,
             ssd_durability_mode: SsdDurabilityMode::Relaxed,
             ssd_io_backend: SsdIoBackend::Posix,
+            ssd_write_policy: SsdWritePolicy::WriteThrough,
             auto_promote_on_read: true,
             ssd_high_watermark: 0.9,
             ssd_low_watermark: 0.8,
-            ssd_write_policy: SsdWritePolicy::WriteThrough,
+            index_shards: 64,
         }
     }
 }
@@ -193,10 +237,33 @@ impl EngineConfig {
                 format!("{shards} must be a power of two in 1..={MAX_INDEX_SHARDS}"),
             ));
         }
+        // Checked even with the tier off, so a bad value is refused before anyone enables it.
+        if let Some(sub) = &self.ssd_storage_subdir {
+            let path = Path::new(sub);
+            let escapes = sub.is_empty()
+                || path.is_absolute()
+                || path
+                    .components()
+                    .any(|c| !matches!(c, Component::Normal(_)));
+            if escapes {
+                return Err(invalid(
+                    "ssd_storage_subdir",
+                    format!("{sub:?} must be a relative path without '..'"),
+                ));
+            }
+        }
         if self.ssd_enabled {
             self.validate_ssd()?;
         }
         Ok(())
+    }
+
+    /// The segment directory: `ssd_storage_dir`, joined with `ssd_storage_subdir` when set.
+    pub fn ssd_dir(&self) -> PathBuf {
+        match &self.ssd_storage_subdir {
+            Some(sub) => self.ssd_storage_dir.join(sub),
+            None => self.ssd_storage_dir.clone(),
+        }
     }
 
     /// Number of segment files the SSD tier may hold.
@@ -269,6 +336,195 @@ impl EngineConfig {
 
 fn invalid(key: &'static str, reason: String) -> EngineError {
     EngineError::InvalidConfig { key, reason }
+}
+
+/// Strict deserializers shared by every key of every kvtier schema (this crate's
+/// [`EngineConfig`], `kvtier_client::KvtierConfig`, `kvtier serve`'s settings): they accept a
+/// typed value or its string form (environment variables are always strings) and nothing
+/// else.
+pub mod strict {
+    use serde::de::{self, Deserializer, Visitor};
+    use serde::Serializer;
+    use std::fmt;
+    use std::path::{Path, PathBuf};
+
+    pub fn boolean<'de, D: Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = bool;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a boolean (true/false, 1/0, yes/no, on/off)")
+            }
+            fn visit_bool<E: de::Error>(self, v: bool) -> Result<bool, E> {
+                Ok(v)
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<bool, E> {
+                match v {
+                    0 => Ok(false),
+                    1 => Ok(true),
+                    _ => Err(E::custom(format!("{v} is not a boolean (use 0 or 1)"))),
+                }
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<bool, E> {
+                u64::try_from(v)
+                    .map_err(|_| E::custom(format!("{v} is not a boolean")))
+                    .and_then(|v| self.visit_u64(v))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<bool, E> {
+                match v.trim().to_ascii_lowercase().as_str() {
+                    "1" | "true" | "yes" | "on" => Ok(true),
+                    "0" | "false" | "no" | "off" => Ok(false),
+                    _ => Err(E::custom(format!(
+                        "{v:?} is not a boolean (true/false, 1/0, yes/no, on/off)"
+                    ))),
+                }
+            }
+        }
+        d.deserialize_any(V)
+    }
+
+    pub fn string<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+        match optional_string(d)? {
+            Some(s) => Ok(s),
+            None => Err(de::Error::custom("expected a string")),
+        }
+    }
+
+    /// A number from 0.0 to 1.0 (a float, an integer 0/1, or its string form).
+    pub fn fraction<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = f64;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a fraction from 0.0 to 1.0")
+            }
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<f64, E> {
+                if (0.0..=1.0).contains(&v) {
+                    Ok(v)
+                } else {
+                    Err(E::custom(format!("{v} is not a fraction from 0.0 to 1.0")))
+                }
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<f64, E> {
+                self.visit_f64(v as f64)
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<f64, E> {
+                self.visit_f64(v as f64)
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<f64, E> {
+                let f: f64 = v
+                    .trim()
+                    .parse()
+                    .map_err(|_| E::custom(format!("{v:?} is not a number")))?;
+                self.visit_f64(f)
+            }
+        }
+        d.deserialize_any(V)
+    }
+
+    /// A byte size: integer, or a string with an optional KiB/MiB/GiB/TiB suffix, in the
+    /// field's own integer type (`u64`, `u32`, `usize`).
+    pub fn size<'de, D: Deserializer<'de>, T: TryFrom<u64>>(d: D) -> Result<T, D::Error> {
+        narrow(d.deserialize_any(Unsigned { sizes: true })?)
+    }
+
+    /// A plain non-negative count, in the field's own integer type.
+    pub fn count<'de, D: Deserializer<'de>, T: TryFrom<u64>>(d: D) -> Result<T, D::Error> {
+        narrow(d.deserialize_any(Unsigned { sizes: false })?)
+    }
+
+    fn narrow<T: TryFrom<u64>, E: de::Error>(v: u64) -> Result<T, E> {
+        T::try_from(v).map_err(|_| E::custom(format!("{v} is too large for this key")))
+    }
+
+    /// A filesystem path, given as a string.
+    pub fn path<'de, D: Deserializer<'de>>(d: D) -> Result<PathBuf, D::Error> {
+        string(d).map(PathBuf::from)
+    }
+
+    /// A path as its string form (lossy for non-UTF-8 paths, so printing the effective
+    /// configuration never fails).
+    pub fn serialize_path<S: Serializer>(path: &Path, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&path.to_string_lossy())
+    }
+
+    pub fn optional_string<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = Option<String>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(Some(v.to_string()))
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+                Ok(None)
+            }
+            fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+                Ok(None)
+            }
+        }
+        d.deserialize_any(V)
+    }
+
+    struct Unsigned {
+        sizes: bool,
+    }
+
+    impl Visitor<'_> for Unsigned {
+        type Value = u64;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            if self.sizes {
+                f.write_str("a byte size (integer, or a string like \"512MiB\")")
+            } else {
+                f.write_str("a non-negative integer")
+            }
+        }
+        fn visit_u64<E: de::Error>(self, v: u64) -> Result<u64, E> {
+            Ok(v)
+        }
+        fn visit_i64<E: de::Error>(self, v: i64) -> Result<u64, E> {
+            u64::try_from(v).map_err(|_| E::custom(format!("{v} is negative")))
+        }
+        fn visit_f64<E: de::Error>(self, v: f64) -> Result<u64, E> {
+            Err(E::custom(format!("{v} is not an integer")))
+        }
+        fn visit_bool<E: de::Error>(self, v: bool) -> Result<u64, E> {
+            Err(E::custom(format!("{v} is not a number")))
+        }
+        fn visit_str<E: de::Error>(self, v: &str) -> Result<u64, E> {
+            parse_unsigned(v, self.sizes).map_err(E::custom)
+        }
+    }
+
+    pub fn parse_unsigned(text: &str, sizes: bool) -> Result<u64, String> {
+        let t = text.trim();
+        let (digits, multiplier) = if sizes {
+            const UNITS: [(&str, u64); 5] = [
+                ("KiB", 1 << 10),
+                ("MiB", 1 << 20),
+                ("GiB", 1 << 30),
+                ("TiB", 1 << 40),
+                ("B", 1),
+            ];
+            UNITS
+                .iter()
+                .find_map(|(suffix, m)| t.strip_suffix(suffix).map(|d| (d.trim(), *m)))
+                .unwrap_or((t, 1))
+        } else {
+            (t, 1)
+        };
+        let n: u64 = digits.parse().map_err(|_| {
+            if sizes {
+                format!("{text:?} is not a byte size (integer with optional KiB/MiB/GiB/TiB)")
+            } else {
+                format!("{text:?} is not a non-negative integer")
+            }
+        })?;
+        n.checked_mul(multiplier)
+            .ok_or_else(|| format!("{text:?} overflows 64 bits"))
+    }
 }
 
 #[cfg(test)]
@@ -398,6 +654,40 @@ mod tests {
         }
         .validate()
         .unwrap();
+    }
+
+    /// The keys parse strictly from a partial table (the rest default); sizes and counts land
+    /// in the fields' own integer types, refusing what does not fit.
+    #[test]
+    fn keys_parse_strictly_into_the_engine_types() {
+        let c: EngineConfig = toml::from_str(
+            "dram_block_size = \"64KiB\"\ndram_prefault = \"no\"\n\
+             ssd_copy_queue_depth = \"12\"\nssd_storage_dir = \"/x\"\n\
+             ssd_storage_subdir = \"dp0_tp1\"\nssd_high_watermark = \"0.5\"",
+        )
+        .unwrap();
+        assert_eq!(c.dram_block_size, 64 << 10);
+        assert!(!c.dram_prefault);
+        assert_eq!(c.ssd_copy_queue_depth, 12);
+        assert_eq!(c.ssd_dir(), PathBuf::from("/x/dp0_tp1"));
+        assert_eq!(c.index_shards, EngineConfig::default().index_shards);
+        for bad in [
+            "dram_block_size = \"8GiB\"",
+            "dram_prefault = \"maybe\"",
+            "ssd_copy_queue_depth = -1",
+            "ssd_high_watermark = 2.0",
+            "ssd_storage_dir = 5",
+            "eviction_policy = \"fifo\"",
+        ] {
+            assert!(toml::from_str::<EngineConfig>(bad).is_err(), "{bad}");
+        }
+        for sub in ["../up", "/abs", "", "a/../b"] {
+            let c = EngineConfig {
+                ssd_storage_subdir: Some(sub.into()),
+                ..EngineConfig::default()
+            };
+            assert_eq!(key_of(c), "ssd_storage_subdir", "{sub:?}");
+        }
     }
 
     #[test]

@@ -107,7 +107,7 @@ impl Engine {
                 reason: "too many blocks".into(),
             })?;
         let options = DramOptions {
-            prefault: config.prefault,
+            prefault: config.dram_prefault,
             checksums: config.ssd_enabled,
         };
         let dram = DramTier::open(blocks, config.dram_block_size, options)

@@ -217,7 +217,7 @@ pub fn serve_main(args: ServeArgs) -> i32 {
             return 1;
         }
     };
-    let capacity = config.engine.dram_capacity_bytes;
+    let capacity = config.engine.engine.dram_capacity_bytes;
     let cluster_settings = config.engine.clone();
     let partitions = config.settings.tenant_dram_quota.len();
     let server = match Server::bind(config) {

@@ -535,10 +535,8 @@ impl ServerConfig {
             if !config.settings.tenant_ssd_quota.contains_key(tenant) {
                 continue;
             }
-            if let Err(kvtier_engine::EngineError::InvalidConfig { key, reason }) = config
-                .partition_config(tenant, *dram)
-                .engine_config()
-                .validate()
+            if let Err(kvtier_engine::EngineError::InvalidConfig { key, reason }) =
+                config.partition_config(tenant, *dram).engine.validate()
             {
                 return Err(ConfigError::new(
                     "tenant_ssd_quota",
@@ -578,7 +576,7 @@ impl ServerConfig {
     pub fn partition_config(&self, tenant: &str, quota: u64) -> KvtierConfig {
         let mut config = self.engine.clone();
         config.master_address = None;
-        config.dram_capacity_bytes = quota.max(config.dram_block_size);
+        config.engine.dram_capacity_bytes = quota.max(u64::from(config.engine.dram_block_size));
         let safe = !tenant.is_empty()
             && tenant != "."
             && tenant != ".."
@@ -591,10 +589,10 @@ impl ServerConfig {
             tenant.bytes().map(|b| format!("{b:02x}")).collect()
         };
         if let Some(ssd_quota) = self.settings.tenant_ssd_quota.get(tenant) {
-            config.ssd_capacity_bytes = *ssd_quota;
+            config.engine.ssd_capacity_bytes = *ssd_quota;
         }
         let dir = format!("tenant-{name}");
-        config.ssd_storage_subdir = Some(match &self.engine.ssd_storage_subdir {
+        config.engine.ssd_storage_subdir = Some(match &self.engine.engine.ssd_storage_subdir {
             Some(sub) => format!("{sub}/{dir}"),
             None => dir,
         });
@@ -638,12 +636,12 @@ mod tests {
         })
         .unwrap();
         assert_eq!(
-            c.partition_config("a", 4 << 20).ssd_capacity_bytes,
+            c.partition_config("a", 4 << 20).engine.ssd_capacity_bytes,
             64 << 20
         );
         assert_eq!(
-            c.partition_config("b", 4 << 20).ssd_capacity_bytes,
-            c.engine.ssd_capacity_bytes
+            c.partition_config("b", 4 << 20).engine.ssd_capacity_bytes,
+            c.engine.engine.ssd_capacity_bytes
         );
 
         let mut vars = ssd.to_vec();
@@ -726,7 +724,11 @@ mod tests {
         assert_eq!(c.socket_mode, 0o660);
         assert_eq!(c.settings.max_connections, 7);
         assert_eq!(c.settings.tenant_dram_quota.get("a"), Some(&(4 << 20)));
-        assert_eq!(c.engine.dram_capacity_bytes, 16 << 20, "env beats the file");
+        assert_eq!(
+            c.engine.engine.dram_capacity_bytes,
+            16 << 20,
+            "env beats the file"
+        );
         assert_eq!(c.engine.server_socket, None);
 
         let e = ServerConfig::load(ServerSources {

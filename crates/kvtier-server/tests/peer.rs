@@ -15,8 +15,11 @@ use kvtier_server::peer::DataPort;
 
 fn store() -> Arc<Client> {
     let config = KvtierConfig {
-        dram_capacity_bytes: 64 << 20,
-        dram_prefault: false,
+        engine: kvtier_engine::EngineConfig {
+            dram_capacity_bytes: 64 << 20,
+            dram_prefault: false,
+            ..kvtier_engine::EngineConfig::default()
+        },
         ..KvtierConfig::default()
     };
     Arc::new(Client::open(config).unwrap())

@@ -45,8 +45,11 @@ fn leases_are_owned_by_their_connection_and_end_with_it() {
     std::env::set_var("UCX_NET_DEVICES", "lo");
     let store = Arc::new(
         Client::open(KvtierConfig {
-            dram_capacity_bytes: 32 << 20,
-            dram_prefault: false,
+            engine: kvtier_engine::EngineConfig {
+                dram_capacity_bytes: 32 << 20,
+                dram_prefault: false,
+                ..kvtier_engine::EngineConfig::default()
+            },
             ..KvtierConfig::default()
         })
         .unwrap(),

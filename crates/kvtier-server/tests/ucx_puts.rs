@@ -55,8 +55,11 @@ fn puts_land_verified_and_reservations_are_owned_and_bounded() {
     std::env::set_var("UCX_NET_DEVICES", "lo");
     let store = Arc::new(
         Client::open(KvtierConfig {
-            dram_capacity_bytes: 32 << 20,
-            dram_prefault: false,
+            engine: kvtier_engine::EngineConfig {
+                dram_capacity_bytes: 32 << 20,
+                dram_prefault: false,
+                ..kvtier_engine::EngineConfig::default()
+            },
             ..KvtierConfig::default()
         })
         .unwrap(),

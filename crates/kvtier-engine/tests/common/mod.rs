@@ -13,7 +13,7 @@ pub fn engine(blocks: usize, policy: EvictionPolicyKind, window: usize) -> Engin
         eviction_policy: policy,
         eviction_candidate_window: window,
         index_shards: 4,
-        prefault: true,
+        dram_prefault: true,
         ..EngineConfig::default()
     })
     .expect("open engine")

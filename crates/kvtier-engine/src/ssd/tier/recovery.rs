@@ -252,7 +252,7 @@ impl SsdTier {
         dram_index: Arc<Index>,
         progress: &mut dyn FnMut(&RecoveryProgress),
     ) -> Result<SsdTier, EngineError> {
-        let dir = config.ssd_storage_dir.clone();
+        let dir = config.ssd_dir();
         sio::ensure_private_dir(&dir).map_err(EngineError::SsdOpen)?;
         let lock = sio::lock_dir(&dir).map_err(EngineError::SsdOpen)?;
         let direct = sio::probe_direct(&dir);
