@@ -23,7 +23,6 @@ and other rank-replicated pools carry no TP rank: one object per page serves eve
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import json
 import logging
 import os
@@ -459,28 +458,34 @@ class KvtierStore(HiCacheStorage):
             self._dcp_rank,
         )
 
+    def _fingerprint_facts(
+        self, name: str, pool: Any, sizes: Sequence[int], replicated: bool, mode: str
+    ) -> tuple:
+        """The SGLang facts a pool's key fingerprint names (its layout, the model, the
+        parallel sizes that change what a page holds, the key format version)."""
+        tp_part = None if replicated else (self._tp_lcm if self._split_heads else self._tp_size)
+        return (
+            KEY_FORMAT_VERSION,
+            mode,
+            self._model,
+            name,
+            type(pool).__name__,
+            getattr(pool, "storage_format_tag", None),
+            getattr(pool, "layout", None),
+            str(getattr(pool, "dtype", None)),
+            getattr(pool, "page_size", None),
+            tuple(int(s) for s in sizes),
+            self._pp_size,
+            tp_part,
+            self._dcp_size,
+        )
+
     def _fingerprint(
         self, name: str, pool: Any, sizes: Sequence[int], replicated: bool, mode: str
     ) -> str:
-        tp_part = None if replicated else (self._tp_lcm if self._split_heads else self._tp_size)
-        material = repr(
-            (
-                KEY_FORMAT_VERSION,
-                mode,
-                self._model,
-                name,
-                type(pool).__name__,
-                getattr(pool, "storage_format_tag", None),
-                getattr(pool, "layout", None),
-                str(getattr(pool, "dtype", None)),
-                getattr(pool, "page_size", None),
-                tuple(int(s) for s in sizes),
-                self._pp_size,
-                tp_part,
-                self._dcp_size,
-            )
-        )
-        return hashlib.blake2b(material.encode(), digest_size=6).hexdigest()
+        # The key scheme hashes the facts in Rust (kvtier_proto::keys::fingerprint), to the
+        # same value hashlib.blake2b(repr(facts).encode(), digest_size=6) gave before.
+        return _native.key_fingerprint(self._fingerprint_facts(name, pool, sizes, replicated, mode))
 
     @staticmethod
     def _component_names(base: Optional[str], count: int, pool: Any = None) -> List[str]:

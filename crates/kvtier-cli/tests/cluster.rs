@@ -10,7 +10,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{spawn_master, wait_for, NodeOpts, Pool, Proc, TOKEN};
+use common::{start_master, wait_alive, wait_for, Nodes, Pool, Proc, TOKEN, TWO_NODES};
 use kvtier_client::{Client, KvtierConfig, PageBatch};
 use kvtier_proto::{ExistsV2Query, HitPolicy, KvComponents, PoolQuery};
 
@@ -18,49 +18,32 @@ struct Cluster {
     _dir: tempfile::TempDir,
     master_addr: String,
     _master: Proc,
-    nodes: Vec<(String, String, Proc)>, // (id, data address, process)
-}
-
-fn start_node(dir: &std::path::Path, master: &str, id: &str, ip: &str) -> (String, String, Proc) {
-    let opts = NodeOpts::new(dir, master, id, ip);
-    let p = opts.spawn();
-    (opts.id, opts.data, p)
+    nodes: Nodes,
 }
 
 fn start_cluster(lease_ms: u64) -> Cluster {
     let dir = tempfile::tempdir().unwrap();
-    let master_addr = format!("127.0.0.1:{}", common::free_port("127.0.0.1"));
-    let master = spawn_master(&master_addr, lease_ms, &[]);
-    let nodes = vec![
-        start_node(dir.path(), &master_addr, "node-a", "127.0.0.2"),
-        start_node(dir.path(), &master_addr, "node-b", "127.0.0.3"),
-    ];
+    let (master_addr, master) = start_master(lease_ms, &[]);
+    let nodes = Nodes::start(dir.path(), &master_addr, &TWO_NODES, false);
     let cluster = Cluster {
         _dir: dir,
         master_addr,
         _master: master,
         nodes,
     };
-    let probe = client(&cluster, "", TOKEN);
-    wait_for(Duration::from_secs(10), "both nodes registered", || {
-        probe
-            .cluster()
-            .and_then(|c| c.cluster_info().ok())
-            .is_some_and(|info| info.nodes.iter().filter(|n| n.alive).count() == 2)
-    });
+    wait_alive(&client(&cluster, "", TOKEN), 2);
     cluster
 }
 
 fn client(cluster: &Cluster, node_id: &str, token: &str) -> Client {
-    let config = KvtierConfig {
-        master_address: Some(cluster.master_addr.clone()),
-        node_id: (!node_id.is_empty()).then(|| node_id.to_string()),
+    Client::open(KvtierConfig {
         cluster_token: Some(token.to_string()),
-        cluster_request_timeout_ms: 500,
-        cluster_master_retry_ms: 5000,
-        ..KvtierConfig::default()
-    };
-    Client::open(config).expect("open a cluster client")
+        ..common::cluster_config(
+            &cluster.master_addr,
+            (!node_id.is_empty()).then_some(node_id),
+        )
+    })
+    .expect("open a cluster client")
 }
 
 fn lookup_nodes(client: &Client, key: &[u8]) -> Vec<String> {
@@ -114,6 +97,7 @@ fn two_nodes_share_pages_and_survive_a_node_kill() {
     let got = decode.get_pages(&batch, &dst.refs());
     assert!(got.ok.iter().all(|&b| b), "{:?}", got.errors);
     assert!(dst.bytes == src.bytes, "decode read different bytes");
+    common::assert_test_transport(&decode, &cluster.nodes.opts[0].data);
 
     // First writer wins: a second put of the same pages from node B changes nothing.
     let mut other = Pool::new(32, 256 << 10);
@@ -135,11 +119,9 @@ fn two_nodes_share_pages_and_survive_a_node_kill() {
 
     // A client with a wrong token cannot even open: the master refuses its first RPC.
     let config = KvtierConfig {
-        master_address: Some(cluster.master_addr.clone()),
         cluster_token: Some("wrong-token".into()),
-        cluster_request_timeout_ms: 500,
         cluster_master_retry_ms: 1000,
-        ..KvtierConfig::default()
+        ..common::cluster_config(&cluster.master_addr, None)
     };
     match Client::open(config) {
         Ok(_) => panic!("a client with a wrong token opened"),
@@ -158,8 +140,7 @@ fn two_nodes_share_pages_and_survive_a_node_kill() {
     );
 
     // Kill node A: its pages become misses within the lease, node B keeps serving puts/gets.
-    let (_, _, node_a) = &mut cluster.nodes[0];
-    node_a.kill();
+    cluster.nodes.procs[0].kill();
     let started = Instant::now();
     let after = Pool::new(32, 256 << 10);
     after.register(&decode);

@@ -15,7 +15,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::{cluster_client, free_port, metric_sum, spawn_master, wait_for, NodeOpts, Pool, Proc};
+use common::{
+    cluster_client, metric_sum, start_master, wait_alive, wait_for, Nodes, Pool, TWO_NODES,
+};
 use kvtier_client::{Client, PageBatch};
 
 const OBJECT: usize = 256 << 10;
@@ -71,28 +73,13 @@ fn put(writer: &Client, prefix: &[u8], pages: &[String], seed: u64) -> Pool {
 #[test]
 fn a_full_cluster_takes_puts_and_evicts_the_demoted_state_first() {
     let dir = tempfile::tempdir().unwrap();
-    let master = format!("127.0.0.1:{}", free_port("127.0.0.1"));
-    let _master = spawn_master(&master, 1000, &[]);
-    let mut nodes: Vec<(NodeOpts, Proc)> = Vec::new();
-    for (id, ip) in [("node-a", "127.0.0.2"), ("node-b", "127.0.0.3")] {
-        let mut o = NodeOpts::new(dir.path(), &master, id, ip);
-        o.metrics_addr = Some(format!("127.0.0.1:{}", free_port("127.0.0.1")));
-        let p = o.spawn();
-        nodes.push((o, p));
-    }
+    let (master, _master) = start_master(1000, &[]);
+    let nodes = Nodes::start(dir.path(), &master, &TWO_NODES, true);
     let on_a = cluster_client(&master, Some("node-a"));
     let on_b = cluster_client(&master, Some("node-b"));
     let elsewhere = cluster_client(&master, None);
-    wait_for(Duration::from_secs(10), "both nodes registered", || {
-        elsewhere
-            .cluster()
-            .and_then(|c| c.cluster_info().ok())
-            .is_some_and(|info| info.nodes.iter().filter(|n| n.alive).count() == 2)
-    });
-    let metrics: Vec<String> = nodes
-        .iter()
-        .map(|(o, _)| o.metrics_addr.clone().unwrap())
-        .collect();
+    wait_alive(&elsewhere, 2);
+    let metrics = nodes.metrics();
 
     // One chain per node (local-first placement), 8 MiB each.
     let chain_a = pages("a", 0..CHAIN_PAGES);
@@ -133,7 +120,7 @@ fn a_full_cluster_takes_puts_and_evicts_the_demoted_state_first() {
         let src = put(writer, b"m_", chunk, 100 + n as u64);
         written.push((chunk.to_vec(), src));
     }
-    for (m, (o, _)) in metrics.iter().zip(&nodes) {
+    for (m, o) in metrics.iter().zip(&nodes.opts) {
         assert_eq!(
             superseded(m),
             DEMOTED as f64,

@@ -28,7 +28,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use common::{all_registered, cluster_of, leaders, spawn_master, wait_for, Etcd, NodeOpts, Proc};
+use common::{
+    all_registered, cluster_of, leaders, spawn_master, start_master, wait_for, Etcd, NodeOpts,
+    Nodes, Proc,
+};
 use kvtier_client::{Client, KvtierConfig};
 
 /// The namespace the clients write in (`--replication ha=2`).
@@ -100,16 +103,13 @@ fn leader_failover_under_load() {
     });
     let old_leader = leader[0];
     let master_list = masters.join(",");
-    let nodes: Vec<NodeOpts> = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
-        .iter()
-        .enumerate()
-        .map(|(i, ip)| NodeOpts::new(dir.path(), &master_list, &format!("node-{i}"), ip))
-        .collect();
-    let _node_procs: Vec<Proc> = nodes.iter().map(NodeOpts::spawn).collect();
-    let expected: Vec<(String, String)> = nodes
-        .iter()
-        .map(|n| (n.id.clone(), n.data.clone()))
-        .collect();
+    let three = [
+        ("node-0", "127.0.0.2"),
+        ("node-1", "127.0.0.3"),
+        ("node-2", "127.0.0.4"),
+    ];
+    let nodes = Nodes::start(dir.path(), &master_list, &three, false);
+    let expected = nodes.expected();
     wait_for(Duration::from_secs(10), "three nodes registered", || {
         all_registered(&masters[old_leader], &expected)
     });
@@ -241,18 +241,10 @@ fn leader_failover_under_load() {
 fn single_master_restart() {
     const LEN: usize = 32 << 10;
     let dir = tempfile::tempdir().unwrap();
-    let master = format!("127.0.0.1:{}", common::free_port("127.0.0.1"));
-    let mut master_proc = spawn_master(&master, 1000, &["--replication", "ha=2"]);
-    let nodes: Vec<NodeOpts> = ["127.0.0.2", "127.0.0.3"]
-        .iter()
-        .enumerate()
-        .map(|(i, ip)| NodeOpts::new(dir.path(), &master, &format!("node-{i}"), ip))
-        .collect();
-    let _node_procs: Vec<Proc> = nodes.iter().map(NodeOpts::spawn).collect();
-    let expected: Vec<(String, String)> = nodes
-        .iter()
-        .map(|n| (n.id.clone(), n.data.clone()))
-        .collect();
+    let (master, mut master_proc) = start_master(1000, &["--replication", "ha=2"]);
+    let two = [("node-0", "127.0.0.2"), ("node-1", "127.0.0.3")];
+    let nodes = Nodes::start(dir.path(), &master, &two, false);
+    let expected = nodes.expected();
     wait_for(Duration::from_secs(10), "two nodes registered", || {
         all_registered(&master, &expected)
     });
@@ -299,8 +291,7 @@ fn single_master_restart() {
 fn node_restart_with_ssd() {
     const LEN: usize = 64 << 10;
     let dir = tempfile::tempdir().unwrap();
-    let master = format!("127.0.0.1:{}", common::free_port("127.0.0.1"));
-    let _master_proc = spawn_master(&master, 1000, &[]);
+    let (master, _master_proc) = start_master(1000, &[]);
     let mut ssd_node = NodeOpts::new(dir.path(), &master, "node-ssd", "127.0.0.2");
     ssd_node.ssd = true;
     let other = NodeOpts::new(dir.path(), &master, "node-dram", "127.0.0.3");
@@ -363,8 +354,7 @@ fn node_restart_with_ssd() {
 fn node_restart_same_address_pooled_connection() {
     const LEN: usize = 64 << 10;
     let dir = tempfile::tempdir().unwrap();
-    let master = format!("127.0.0.1:{}", common::free_port("127.0.0.1"));
-    let _master_proc = spawn_master(&master, 500, &[]);
+    let (master, _master_proc) = start_master(500, &[]);
     let node = NodeOpts::new(dir.path(), &master, "node-a", "127.0.0.2");
     let expected = vec![(node.id.clone(), node.data.clone())];
     let mut node_proc = node.spawn();

@@ -13,7 +13,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{cluster_client, free_port, spawn_master, wait_for, NodeOpts};
+use common::{cluster_client, start_master, wait_for, NodeOpts};
 use kvtier_client::Client;
 
 const LEN: usize = 64 << 10;
@@ -42,8 +42,7 @@ fn alive(client: &Client) -> Vec<String> {
 #[test]
 fn a_node_stopped_with_sigterm_leaves_at_once_and_comes_back_with_its_ssd() {
     let dir = tempfile::tempdir().unwrap();
-    let master = format!("127.0.0.1:{}", free_port("127.0.0.1"));
-    let _master = spawn_master(&master, 60_000, &[]);
+    let (master, _master) = start_master(60_000, &[]);
     let node_a = NodeOpts::new(dir.path(), &master, "node-a", "127.0.0.2");
     let mut node_b = NodeOpts::new(dir.path(), &master, "node-b", "127.0.0.3");
     node_b.ssd = true;

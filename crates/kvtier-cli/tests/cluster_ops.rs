@@ -9,8 +9,7 @@ use std::net::TcpStream;
 use std::process::Command;
 use std::time::Duration;
 
-use common::{free_port, spawn_master, wait_for, NodeOpts, Pool, TOKEN};
-use kvtier_client::{Client, KvtierConfig};
+use common::{free_port, start_master, wait_alive, wait_for, NodeOpts, Pool, TOKEN};
 
 fn kvtier(args: &[&str]) -> (i32, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
@@ -48,28 +47,15 @@ fn sample(body: &str, series: &str) -> Option<f64> {
 #[test]
 fn stat_inspect_and_metrics_show_the_cluster() {
     let dir = tempfile::tempdir().unwrap();
-    let master_addr = format!("127.0.0.1:{}", free_port("127.0.0.1"));
     let metrics_addr = format!("127.0.0.1:{}", free_port("127.0.0.1"));
-    let _master = spawn_master(&master_addr, 1000, &["--metrics-addr", &metrics_addr]);
+    let (master_addr, _master) = start_master(1000, &["--metrics-addr", &metrics_addr]);
     let node_a = NodeOpts::new(dir.path(), &master_addr, "node-a", "127.0.0.2");
     let node_b = NodeOpts::new(dir.path(), &master_addr, "node-b", "127.0.0.3");
     let _a = node_a.spawn();
     let mut b = node_b.spawn();
 
-    let client = Client::open(KvtierConfig {
-        master_address: Some(master_addr.clone()),
-        node_id: Some("node-a".into()),
-        cluster_token: Some(TOKEN.into()),
-        cluster_request_timeout_ms: 500,
-        ..KvtierConfig::default()
-    })
-    .expect("open a cluster client");
-    wait_for(Duration::from_secs(10), "both nodes registered", || {
-        client
-            .cluster()
-            .and_then(|c| c.cluster_info().ok())
-            .is_some_and(|i| i.nodes.iter().filter(|n| n.alive).count() == 2)
-    });
+    let client = common::cluster_client(&master_addr, Some("node-a"));
+    wait_alive(&client, 2);
 
     // Before any put: no objects; both nodes listed with their data addresses.
     let (code, out, err) = kvtier(&["stat", "--master", &master_addr, "--json"]);

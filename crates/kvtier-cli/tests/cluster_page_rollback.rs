@@ -15,7 +15,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{cluster_client, free_port, metric_sum, spawn_master, wait_for, NodeOpts, Proc};
+use common::{cluster_client, metric_sum, start_master, wait_alive, wait_for, Nodes, TWO_NODES};
 use kvtier_client::{MemRef, PageBatch};
 
 const SMALL: usize = 64 << 10;
@@ -33,26 +33,11 @@ fn objects_on(metrics: &[String]) -> f64 {
 #[test]
 fn a_page_with_a_component_no_node_takes_leaves_nothing_behind() {
     let dir = tempfile::tempdir().unwrap();
-    let master = format!("127.0.0.1:{}", free_port("127.0.0.1"));
-    let _master = spawn_master(&master, 1000, &[]);
-    let mut nodes: Vec<(NodeOpts, Proc)> = Vec::new();
-    for (id, ip) in [("node-a", "127.0.0.2"), ("node-b", "127.0.0.3")] {
-        let mut o = NodeOpts::new(dir.path(), &master, id, ip);
-        o.metrics_addr = Some(format!("127.0.0.1:{}", free_port("127.0.0.1")));
-        let p = o.spawn();
-        nodes.push((o, p));
-    }
+    let (master, _master) = start_master(1000, &[]);
+    let nodes = Nodes::start(dir.path(), &master, &TWO_NODES, true);
     let client = cluster_client(&master, None);
-    wait_for(Duration::from_secs(10), "both nodes registered", || {
-        client
-            .cluster()
-            .and_then(|c| c.cluster_info().ok())
-            .is_some_and(|info| info.nodes.iter().filter(|n| n.alive).count() == 2)
-    });
-    let metrics: Vec<String> = nodes
-        .iter()
-        .map(|(o, _)| o.metrics_addr.clone().unwrap())
-        .collect();
+    wait_alive(&client, 2);
+    let metrics = nodes.metrics();
     wait_for(Duration::from_secs(10), "node metrics", || {
         metrics.iter().all(|m| common::metrics_text(m).is_some())
     });

@@ -16,7 +16,7 @@ use std::net::TcpStream;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{free_port, metric_sum, spawn_master, wait_for, NodeOpts};
+use common::{free_port, metric_sum, spawn_master, wait_alive, wait_for, Nodes};
 use kvtier_client::{Client, KvtierConfig};
 
 const OBJECTS: usize = 48;
@@ -78,25 +78,14 @@ fn objects_that_lost_a_replica_get_it_back_and_survive_a_second_failure() {
     wait_for(Duration::from_secs(10), "the master", || {
         TcpStream::connect(&master).is_ok()
     });
-    let mut opts = Vec::new();
-    let mut procs = Vec::new();
-    for (id, ip) in [
+    let three = [
         ("node-a", "127.0.0.2"),
         ("node-b", "127.0.0.3"),
         ("node-c", "127.0.0.4"),
-    ] {
-        let mut o = NodeOpts::new(dir.path(), &master, id, ip);
-        o.metrics_addr = Some(format!("127.0.0.1:{}", free_port("127.0.0.1")));
-        procs.push(o.spawn());
-        opts.push(o);
-    }
+    ];
+    let Nodes { opts, mut procs } = Nodes::start(dir.path(), &master, &three, true);
     let writer = client(&master, Some("node-a"));
-    wait_for(Duration::from_secs(10), "three nodes registered", || {
-        writer
-            .cluster()
-            .and_then(|c| c.cluster_info().ok())
-            .is_some_and(|i| i.nodes.iter().filter(|n| n.alive).count() == 3)
-    });
+    wait_alive(&writer, 3);
 
     // Objects of different sizes, written through node A: A holds one copy of each.
     let keys: Vec<String> = (0..OBJECTS).map(|i| format!("rr-obj-{i:03}")).collect();

@@ -10,7 +10,7 @@ mod common;
 use std::net::TcpStream;
 use std::time::Duration;
 
-use common::{free_port, metrics_text, spawn_master, wait_for, NodeOpts, TOKEN};
+use common::{free_port, metrics_text, spawn_master, wait_for, NodeOpts};
 use kvtier_client::{Client, KvtierConfig};
 
 const NAME: &str = "kvtier_peer_transfer_bytes_total";
@@ -44,11 +44,9 @@ fn peer_transfer_bytes_count_remote_puts_and_gets_on_both_sides() {
     });
 
     let client = Client::open(KvtierConfig {
-        master_address: Some(master.clone()),
-        cluster_token: Some(TOKEN.into()),
         metrics_addr: Some("127.0.0.1:0".into()),
         cluster_request_timeout_ms: 2000,
-        ..KvtierConfig::default()
+        ..common::cluster_config(&master, None)
     })
     .expect("cluster client");
     let client_metrics = client.metrics_addr().expect("client endpoint").to_string();

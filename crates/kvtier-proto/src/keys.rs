@@ -7,7 +7,8 @@
 //! - `page_hash`: SGLang's page hash (hex), shared by every component of the page in every
 //!   pool, so `[tag/]page_hash@` is the page's eviction group ([`group_of`]);
 //! - `fingerprint`: 12 hex digits naming the pool layout and the key format version
-//!   ([`KEY_FORMAT_VERSION`]); the SGLang adapter hashes the layout facts it gathers;
+//!   ([`KEY_FORMAT_VERSION`]): [`fingerprint::layout_fingerprint`] of the layout facts the
+//!   SGLang adapter gathers;
 //! - `rank_tag`: `.tpN` (absent for replicated pools), then `.ppN`, `.cpN`, `.dcpN` for the
 //!   parallel dimensions of size above 1 ([`rank_tag`]);
 //! - `component`: `k`, `v`, `kv`, `page`, `cN` (the KV pool) or `<pool>[.<part>]` for a side
@@ -17,6 +18,10 @@
 //! panics on arbitrary bytes (keys come from peers and callers).
 
 use std::ops::Range;
+
+pub mod fingerprint;
+
+pub use fingerprint::{layout_fingerprint, FingerprintError, LayoutFact};
 
 /// Version of the key and object format; part of every fingerprint.
 pub const KEY_FORMAT_VERSION: u32 = 1;

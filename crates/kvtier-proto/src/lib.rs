@@ -4,7 +4,8 @@
 //! evaluates them directly, the local server and the cluster master receive them as frames —
 //! so that a whole SGLang v2 existence query (every pool, every hit policy, every verdict) is one
 //! value and therefore one round trip. Besides `thiserror` it uses `hmac`/`sha2`/`getrandom`
-//! (credential proofs) and `xxhash-rust` (object checksums) in [`auth`].
+//! (credential proofs) and `xxhash-rust` (object checksums) in [`auth`], and `blake2` (the key
+//! fingerprint) in [`keys`].
 //!
 //! - [`auth`]: proofs of the cluster token (data ports, master RPCs), object checksums.
 //! - [`keys`]: the object key scheme (compose, parse, pools, page groups; issue 16).

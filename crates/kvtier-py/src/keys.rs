@@ -1,13 +1,17 @@
 //! `kvtier._native` key-scheme functions: the Python face of `kvtier_proto::keys` (issue 16).
 //!
 //! The SGLang adapter gathers SGLang's facts (ranks, pool names, component counts, the layout
-//! fingerprint) and composes and parses keys only through these functions, so the adapter,
-//! the engine's eviction groups, the metrics and the KV events agree on one definition. Every
-//! function is pure and takes plain values; none can fail on odd input (a key outside the
-//! scheme parses to `None` / pool `other`).
+//! facts of the fingerprint) and composes and parses keys only through these functions, so the
+//! adapter, the engine's eviction groups, the metrics and the KV events agree on one
+//! definition. Every function is pure and takes plain values; none can fail on odd input (a
+//! key outside the scheme parses to `None` / pool `other`) except [`key_fingerprint`], which
+//! raises `ValueError` for facts nested too deep and passes on an error of a fact's `__repr__`.
 
-use kvtier_proto::keys::{self, MambaShape, RankLayout};
+use kvtier_proto::keys::fingerprint::MAX_FACT_DEPTH;
+use kvtier_proto::keys::{self, LayoutFact, MambaShape, RankLayout};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::types::{PyInt, PyString, PyTuple};
 
 /// `(tag, page_hash, fingerprint, [rank parts], component)` of a parsed key.
 type ParsedReply = (Option<String>, String, String, Vec<String>, String);
@@ -108,6 +112,51 @@ fn key_superseded_range(
     keys::superseded_range(prefix_pages, new_pages, window).map(|r| (r.start, r.end))
 }
 
+/// The layout fingerprint of a tuple of facts: what
+/// `hashlib.blake2b(repr(facts).encode(), digest_size=6).hexdigest()` gives (see
+/// `kvtier_proto::keys::fingerprint`). Exactly-typed `None`, `int` and ASCII `str` values and
+/// tuples of them are rendered in Rust; anything else (non-ASCII `str`, `bool`, `float`, enums,
+/// `str` / `int` subclasses, other objects) is rendered by its own `repr` here, since only
+/// the running interpreter knows what that gives.
+#[pyfunction]
+fn key_fingerprint(facts: &Bound<'_, PyTuple>) -> PyResult<String> {
+    let facts = facts
+        .iter()
+        .map(|fact| fact_of(&fact, 1))
+        .collect::<PyResult<Vec<_>>>()?;
+    keys::layout_fingerprint(&facts).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// `value` as a typed fact (see [`key_fingerprint`]); `depth` counts the enclosing tuples.
+fn fact_of(value: &Bound<'_, PyAny>, depth: usize) -> PyResult<LayoutFact> {
+    if value.is_none() {
+        return Ok(LayoutFact::None);
+    }
+    if let Ok(text) = value.cast_exact::<PyString>() {
+        if let Ok(text) = text.to_str() {
+            if text.is_ascii() {
+                return Ok(LayoutFact::Text(text.to_string()));
+            }
+        }
+    } else if let Ok(int) = value.cast_exact::<PyInt>() {
+        if let Ok(int) = int.extract::<i128>() {
+            return Ok(LayoutFact::Int(int));
+        }
+    } else if let Ok(tuple) = value.cast_exact::<PyTuple>() {
+        if depth >= MAX_FACT_DEPTH {
+            return Err(PyValueError::new_err(format!(
+                "layout facts nest deeper than {MAX_FACT_DEPTH} tuples"
+            )));
+        }
+        return tuple
+            .iter()
+            .map(|item| fact_of(&item, depth + 1))
+            .collect::<PyResult<Vec<_>>>()
+            .map(LayoutFact::Tuple);
+    }
+    Ok(LayoutFact::Rendered(value.repr()?.to_str()?.to_string()))
+}
+
 /// Register the functions on the `_native` module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(key_format_version, m)?)?;
@@ -120,5 +169,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(key_pool_of, m)?)?;
     m.add_function(wrap_pyfunction!(key_parse, m)?)?;
     m.add_function(wrap_pyfunction!(key_superseded_range, m)?)?;
+    m.add_function(wrap_pyfunction!(key_fingerprint, m)?)?;
     Ok(())
 }

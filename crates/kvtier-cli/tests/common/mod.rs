@@ -1,6 +1,15 @@
 //! Helpers shared by the cluster tests: child processes killed on drop, free ports, waiting,
 //! host memory standing in for a pool, a `kvtier serve --master` node, a real etcd, scraping
 //! a `/metrics` endpoint, a master's own view, a TCP proxy that can cut a link.
+//!
+//! Transport (issue 17): every cluster client opened with [`cluster_config`] reads page bytes
+//! over the transport [`TRANSPORT_VAR`] names (`tcp`, `ucx`, `auto`; unset: the config's
+//! default, `auto`, which on one host keeps kvtier's TCP frames), and nodes started with
+//! [`NodeOpts`] get the same `cluster_transport`. scripts/test.sh runs the cluster tests once
+//! as they are and once with `ucx`. UCX is pinned to its TCP transport on loopback
+//! ([`UCX_PINNED`]) in this process and the nodes it starts, unless the caller pinned it
+//! already (cluster_ucx.rs runs its children with shared memory): left alone, UCX's TCP also
+//! opens connections on the host's other interfaces.
 #![allow(dead_code)]
 #![allow(unsafe_code)] // the shared-memory fixture maps and unmaps a memfd
 
@@ -20,6 +29,71 @@ use kvtier_client::{Client, KvtierConfig, MemRef};
 use kvtier_master::rpc::{ClusterReply, ClusterRequest};
 
 pub const TOKEN: &str = "test-cluster-secret";
+
+/// The environment variable naming the cluster transport of the tests' clients and nodes
+/// (not `KVTIER_*`: kvtier reads that prefix as its own settings and refuses unknown keys).
+pub const TRANSPORT_VAR: &str = "TEST_CLUSTER_TRANSPORT";
+
+/// UCX's settings for every test process that has not pinned them itself: its TCP transport
+/// over loopback (`auto` keeps frames between processes of one host, so `ucx` is how the
+/// tests reach the UCX path here).
+pub const UCX_PINNED: [(&str, &str); 2] = [("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", "lo")];
+
+/// The `cluster_transport` [`TRANSPORT_VAR`] asks for (`None`: unset, the config default).
+/// With `ucx`, libucp must load: a run that silently fell back to frames would test nothing.
+pub fn test_transport() -> Option<String> {
+    let value = std::env::var(TRANSPORT_VAR)
+        .ok()
+        .filter(|v| !v.is_empty())?;
+    assert!(
+        ["auto", "tcp", "ucx"].contains(&value.as_str()),
+        "{TRANSPORT_VAR}={value:?}: use tcp, ucx or auto"
+    );
+    if value == "ucx" {
+        if let Err(why) = kvtier_client::transport::ucx::ffi::Ucp::get() {
+            panic!("{TRANSPORT_VAR}=ucx but libucp is not usable here: {why}");
+        }
+    }
+    Some(value)
+}
+
+/// The transport `client` reads from the node at data address `peer` over, and why (`None`:
+/// not read from yet), as its stats report it.
+pub fn transport_to(client: &Client, peer: &str) -> Option<(String, String)> {
+    let stats = client.stats_json();
+    let list = stats["peer_transports"].as_array()?;
+    let entry = list.iter().find(|p| p["peer"] == peer)?;
+    Some((
+        entry["transport"].as_str().unwrap_or("").to_string(),
+        entry["reason"].as_str().unwrap_or("").to_string(),
+    ))
+}
+
+/// After `client` read from the node at `peer`: the read went over the transport
+/// [`TRANSPORT_VAR`] forces (`tcp` or `ucx`; nothing to check for `auto` or unset).
+pub fn assert_test_transport(client: &Client, peer: &str) {
+    let Some(wanted) = test_transport().filter(|t| t != "auto") else {
+        return;
+    };
+    let (used, reason) = transport_to(client, peer).expect("the peer was read from");
+    assert_eq!(used, wanted, "reads from {peer}: {reason}");
+}
+
+/// Pin UCX ([`UCX_PINNED`]) in this process, once, before any node or client starts: a UCX
+/// context reads the variables when it is created, and nodes inherit them. A variable the
+/// caller set already is kept (cluster_ucx.rs's children choose shared memory). Every path
+/// that creates a UCX context here (a client, a node) calls this first, and the `Once` makes
+/// the others wait, so no context reads the environment while it changes.
+pub fn pin_ucx() {
+    static PIN: std::sync::Once = std::sync::Once::new();
+    PIN.call_once(|| {
+        for (name, value) in UCX_PINNED {
+            if std::env::var_os(name).is_none() {
+                std::env::set_var(name, value);
+            }
+        }
+    });
+}
 
 /// A child process this test started; killed (by its own pid) when dropped.
 pub struct Proc {
@@ -170,6 +244,7 @@ impl NodeOpts {
     /// Spawn the node through `wrapper` (a command that runs the rest of its arguments, e.g.
     /// `["prlimit", "--nofile=256"]`); empty: directly.
     pub fn spawn_under(&self, wrapper: &[&str]) -> Proc {
+        pin_ucx();
         let socket = self.dir.join(format!("{}.sock", self.id));
         let _ = std::fs::remove_file(&socket);
         let ssd_dir = self.dir.join(format!("{}-ssd", self.id));
@@ -208,6 +283,10 @@ impl NodeOpts {
         if let Some(addr) = &self.metrics_addr {
             args.extend(["--metrics-addr", addr.as_str()]);
         }
+        let transport_flag = test_transport().map(|t| format!("cluster_transport={t}"));
+        if let Some(flag) = &transport_flag {
+            args.extend(["--engine", flag.as_str()]);
+        }
         let env = [("KVTIER_CLUSTER_TOKEN", TOKEN)];
         match wrapper.split_first() {
             None => Proc::spawn(&self.id, &args, &env),
@@ -219,6 +298,71 @@ impl NodeOpts {
             }
         }
     }
+}
+
+/// The usual two nodes, on two loopback addresses standing in for two hosts.
+pub const TWO_NODES: [(&str, &str); 2] = [("node-a", "127.0.0.2"), ("node-b", "127.0.0.3")];
+
+/// Nodes started together: their options and processes, in the order asked for.
+pub struct Nodes {
+    pub opts: Vec<NodeOpts>,
+    pub procs: Vec<Proc>,
+}
+
+impl Nodes {
+    /// Start `(id, ip)` nodes of `masters` (comma separated), their sockets in `dir`; with
+    /// `metrics`, each serves `/metrics` on a free loopback port.
+    pub fn start(dir: &Path, masters: &str, nodes: &[(&str, &str)], metrics: bool) -> Nodes {
+        let opts: Vec<NodeOpts> = nodes
+            .iter()
+            .map(|(id, ip)| {
+                let mut o = NodeOpts::new(dir, masters, id, ip);
+                if metrics {
+                    o.metrics_addr = Some(format!("127.0.0.1:{}", free_port("127.0.0.1")));
+                }
+                o
+            })
+            .collect();
+        let procs = opts.iter().map(NodeOpts::spawn).collect();
+        Nodes { opts, procs }
+    }
+
+    /// The `/metrics` addresses (of nodes started with `metrics`).
+    pub fn metrics(&self) -> Vec<String> {
+        self.opts
+            .iter()
+            .filter_map(|o| o.metrics_addr.clone())
+            .collect()
+    }
+
+    /// `(id, data address)` of every node, as [`all_registered`] expects them.
+    pub fn expected(&self) -> Vec<(String, String)> {
+        self.opts
+            .iter()
+            .map(|o| (o.id.clone(), o.data.clone()))
+            .collect()
+    }
+}
+
+/// Wait (10 s at most) until the master `client` talks to lists `count` live nodes.
+pub fn wait_alive(client: &Client, count: usize) {
+    wait_for(
+        Duration::from_secs(10),
+        &format!("{count} nodes registered"),
+        || {
+            client
+                .cluster()
+                .and_then(|c| c.cluster_info().ok())
+                .is_some_and(|info| info.nodes.iter().filter(|n| n.alive).count() == count)
+        },
+    );
+}
+
+/// A single master (no etcd) on a free loopback port: its address and process.
+pub fn start_master(lease_ms: u64, extra: &[&str]) -> (String, Proc) {
+    let addr = format!("127.0.0.1:{}", free_port("127.0.0.1"));
+    let proc = spawn_master(&addr, lease_ms, extra);
+    (addr, proc)
 }
 
 /// Start a single master (no etcd) on `addr`.
@@ -465,16 +609,19 @@ fn pump(mut from: TcpStream, mut to: TcpStream, cut: &AtomicBool, stop: &AtomicB
 }
 
 /// The config of a cluster-mode client of `masters` (comma separated) on node `node_id` (none:
-/// not co-located with any node): the test token, a 500 ms request bound and 5 s of retrying
-/// while no master leads.
+/// not co-located with any node): the test token, a 500 ms request bound, 5 s of retrying
+/// while no master leads, and the transport [`TRANSPORT_VAR`] names.
 pub fn cluster_config(masters: &str, node_id: Option<&str>) -> KvtierConfig {
+    pin_ucx();
+    let defaults = KvtierConfig::default();
     KvtierConfig {
         master_address: Some(masters.to_string()),
         node_id: node_id.map(String::from),
         cluster_token: Some(TOKEN.into()),
         cluster_request_timeout_ms: 500,
         cluster_master_retry_ms: 5000,
-        ..KvtierConfig::default()
+        cluster_transport: test_transport().unwrap_or(defaults.cluster_transport),
+        ..defaults
     }
 }
 
