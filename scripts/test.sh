@@ -15,6 +15,12 @@ cargo clippy --workspace --all-targets --quiet -- -D warnings
 echo "[test] ruff (Python format and lint)"
 "$VENV/bin/ruff" format --check --quiet python tests/python tools/python
 "$VENV/bin/ruff" check --quiet --select E9,F63,F7,F82,F401,F841 python tests/python tools/python
+# The UCX tests skip (and pass) where libucp cannot be loaded; setup installs it, so its
+# absence here would hide them: fail loudly instead.
+if ! ldconfig -p | grep -q 'libucp\.so\.0'; then
+  echo "[test] libucp.so.0 is not installed: the UCX tests would skip (run scripts/setup.sh as root)" >&2
+  exit 1
+fi
 echo "[test] cargo test (release: the concurrency and property tests run many more cases)"
 cargo test --workspace --release --quiet 2>&1 | tee target/cargo-test.log
 if ! grep -qE '^test result: ok\. [1-9][0-9]* passed' target/cargo-test.log; then

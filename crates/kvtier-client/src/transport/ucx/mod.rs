@@ -1001,6 +1001,21 @@ struct UcxPeer {
     landing: Arc<Mutex<LandingState>>,
 }
 
+/// Every item's result once the UCX and frame passes are done; an item neither pass answered
+/// (a bug) fails instead of being dropped.
+fn settle(results: Vec<Option<Result<(), TransportError>>>) -> Vec<Result<(), TransportError>> {
+    results
+        .into_iter()
+        .map(|r| {
+            r.unwrap_or_else(|| {
+                Err(TransportError::BatchAborted {
+                    reason: "no result".into(),
+                })
+            })
+        })
+        .collect()
+}
+
 impl Transport for UcxTransport {
     fn put(&self, peer: &str, items: &[PutItem<'_>]) -> Vec<Result<(), TransportError>> {
         if items.is_empty() {
@@ -1022,16 +1037,7 @@ impl Transport for UcxTransport {
                 results[i] = Some(r);
             }
         }
-        results
-            .into_iter()
-            .map(|r| {
-                r.unwrap_or_else(|| {
-                    Err(TransportError::BatchAborted {
-                        reason: "no result".into(),
-                    })
-                })
-            })
-            .collect()
+        settle(results)
     }
 
     fn get(&self, peer: &str, items: &mut [GetItem<'_>]) -> Vec<Result<(), TransportError>> {
@@ -1064,16 +1070,7 @@ impl Transport for UcxTransport {
                 for (i, r) in frames.into_iter().zip(framed) {
                     results[i] = Some(r);
                 }
-                results
-                    .into_iter()
-                    .map(|r| {
-                        r.unwrap_or_else(|| {
-                            Err(TransportError::BatchAborted {
-                                reason: "no result".into(),
-                            })
-                        })
-                    })
-                    .collect()
+                settle(results)
             }
             Err(reason) => {
                 self.fall_back(peer, reason);
