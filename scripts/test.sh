@@ -29,13 +29,12 @@ if ! grep -qE '^test result: ok\. [1-9][0-9]* passed' target/cargo-test.log; the
 fi
 
 # Issue 17: the cluster tests again with every client and node on UCX (UCX's TCP over
-# loopback: `auto` keeps TCP frames between processes of one host). About 30 s of tests.
-# peer_metrics is left out: its node-side byte counters do not see one-sided UCX reads.
+# loopback: `auto` keeps TCP frames where UCX would emulate one-sided reads). About 30 s.
 echo "[test] cluster tests over UCX (TEST_CLUSTER_TRANSPORT=ucx UCX_TLS=tcp UCX_NET_DEVICES=lo)"
 TEST_CLUSTER_TRANSPORT=ucx UCX_TLS=tcp UCX_NET_DEVICES=lo cargo test --release --quiet \
   -p kvtier-cli --test cluster --test cluster_failover --test cluster_eviction \
   --test cluster_node_stop --test cluster_ops --test cluster_rereplication \
-  --test cluster_page_rollback 2>&1 | tee target/cargo-test-ucx.log
+  --test cluster_page_rollback --test peer_metrics 2>&1 | tee target/cargo-test-ucx.log
 if ! grep -qE '^test result: ok\. [1-9][0-9]* passed' target/cargo-test-ucx.log; then
   echo "[test] the UCX cluster run ran no test" >&2
   exit 1

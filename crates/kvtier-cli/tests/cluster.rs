@@ -65,7 +65,7 @@ fn two_nodes_share_pages_and_survive_a_node_kill() {
     let suffixes = ["_k", "_v"];
     let mut src = Pool::new(32, 256 << 10);
     src.fill(7);
-    src.register(&prefill);
+    let _src_registered = src.register(&prefill);
     let batch = PageBatch {
         prefix: b"m1_",
         page_keys: &pages,
@@ -93,7 +93,7 @@ fn two_nodes_share_pages_and_survive_a_node_kill() {
     let answer = decode.exists_v2(&query);
     assert_eq!(answer.kv_hit_pages, 16, "{answer:?}");
     let dst = Pool::new(32, 256 << 10);
-    dst.register(&decode);
+    let _dst_registered = dst.register(&decode);
     let got = decode.get_pages(&batch, &dst.refs());
     assert!(got.ok.iter().all(|&b| b), "{:?}", got.errors);
     assert!(dst.bytes == src.bytes, "decode read different bytes");
@@ -102,11 +102,11 @@ fn two_nodes_share_pages_and_survive_a_node_kill() {
     // First writer wins: a second put of the same pages from node B changes nothing.
     let mut other = Pool::new(32, 256 << 10);
     other.fill(99);
-    other.register(&decode);
+    let _other_registered = other.register(&decode);
     let again = decode.put_pages(&batch, &other.refs(), None);
     assert!(again.ok.iter().all(|&b| b));
     let check = Pool::new(32, 256 << 10);
-    check.register(&decode);
+    let _check_registered = check.register(&decode);
     assert!(decode
         .get_pages(&batch, &check.refs())
         .ok
@@ -133,7 +133,7 @@ fn two_nodes_share_pages_and_survive_a_node_kill() {
     // An unknown node id still works (placement picks a live node).
     let stranger = client(&cluster, "no-such-node", TOKEN);
     let sbuf = Pool::new(1, 4096);
-    sbuf.register(&stranger);
+    let _sbuf_registered = sbuf.register(&stranger);
     assert_eq!(
         stranger.put_keys(&[b"stranger"], &sbuf.refs(), None).ok,
         vec![true]
@@ -143,7 +143,7 @@ fn two_nodes_share_pages_and_survive_a_node_kill() {
     cluster.nodes.procs[0].kill();
     let started = Instant::now();
     let after = Pool::new(32, 256 << 10);
-    after.register(&decode);
+    let _after_registered = after.register(&decode);
     let r = decode.get_pages(&batch, &after.refs());
     assert!(r.ok.iter().all(|&b| !b), "pages of a dead node were served");
     assert!(
@@ -163,7 +163,7 @@ fn two_nodes_share_pages_and_survive_a_node_kill() {
         suffixes: &suffixes,
     };
     let fb = Pool::new(8, 4096);
-    fb.register(&prefill);
+    let _fb_registered = fb.register(&prefill);
     let r = prefill.put_pages(&fresh_batch, &fb.refs(), None);
     assert!(
         r.ok.iter().all(|&b| b),
@@ -200,9 +200,9 @@ fn clear_removes_one_namespace_from_every_node() {
     let keys_t2: Vec<Vec<u8>> = (0..40).map(|i| format!("c{i:06}").into_bytes()).collect();
     let mut src = Pool::new(512, SMALL);
     src.fill(3);
-    src.register(&t1_a);
-    src.register(&t1_b);
-    src.register(&t2_a);
+    let _src_registered = src.register(&t1_a);
+    let _src_registered = src.register(&t1_b);
+    let _src_registered = src.register(&t2_a);
     for (client, keys) in [(&t1_a, &keys_a), (&t1_b, &keys_b), (&t2_a, &keys_t2)] {
         for chunk in keys.chunks(512) {
             let r = client.put_keys(chunk, &src.refs()[..chunk.len()], None);

@@ -55,7 +55,7 @@ fn superseded(metrics: &str) -> f64 {
 fn put(writer: &Client, prefix: &[u8], pages: &[String], seed: u64) -> Pool {
     let mut src = Pool::new(pages.len() * SUFFIXES.len(), OBJECT);
     fill(&mut src, seed);
-    src.register(writer);
+    let registered = src.register(writer);
     let batch = PageBatch {
         prefix,
         page_keys: pages,
@@ -67,6 +67,7 @@ fn put(writer: &Client, prefix: &[u8], pages: &[String], seed: u64) -> Pool {
         "a put to a full cluster failed: {:?}",
         r.errors
     );
+    drop(registered);
     src
 }
 
@@ -142,7 +143,7 @@ fn a_full_cluster_takes_puts_and_evicts_the_demoted_state_first() {
     let mut held_pages: Vec<bool> = Vec::new();
     for (i, (chunk, src)) in written.iter().enumerate() {
         let dst = Pool::new(chunk.len() * SUFFIXES.len(), OBJECT);
-        dst.register(&elsewhere);
+        let _dst_registered = dst.register(&elsewhere);
         let batch = PageBatch {
             prefix: b"m_",
             page_keys: chunk,

@@ -90,7 +90,7 @@ fn stat_inspect_and_metrics_show_the_cluster() {
         .collect();
     let mut src = Pool::new(8, 64 << 10);
     src.fill(3);
-    src.register(&client);
+    let _src_registered = src.register(&client);
     let put = client.put_keys(&keys, &src.refs(), None);
     assert!(put.ok.iter().all(|&ok| ok), "{:?}", put.errors);
 

@@ -175,13 +175,16 @@ fn client(cluster: &Cluster, node_id: &str) -> Client {
     ucx_client(&cluster.master, (!node_id.is_empty()).then_some(node_id))
 }
 
-/// Page bytes `node`'s data port received as frame puts (its `/metrics`).
+/// Page bytes `node`'s data port received as frame puts: its `/metrics` count of bytes in,
+/// which also counts committed one-sided puts, less those (`ucx_put_bytes`).
 fn frame_bytes_in(node: &Node) -> f64 {
-    metric_sum(
+    let all_in = metric_sum(
         &node.metrics,
         "kvtier_peer_transfer_bytes_total",
         &[("direction", "in")],
-    )
+    );
+    let one_sided = data_plane(node)["ucx_put_bytes"].as_u64().unwrap_or(0);
+    all_in - one_sided as f64
 }
 
 /// `node`'s UCX data plane as `kvtier stat --json` reports it.
@@ -264,13 +267,11 @@ fn child_round_trip() {
         );
         assert!(!lanes.iter().any(|l| l.starts_with("tcp/")), "{lanes:?}");
     }
-    // The pools the tests registered are registered with UCX, and the transfers used them.
+    // The pools the tests registered were registered with UCX and the transfers used them;
+    // each pool was unregistered (and unmapped) after its batch.
     for c in [&prefill, &decode] {
         let stats = c.stats_json();
-        assert!(
-            stats["ucx_registered_regions"].as_u64().unwrap() >= 1,
-            "{stats}"
-        );
+        assert_eq!(stats["ucx_registered_regions"], 0, "{stats}");
         assert_eq!(stats["ucx_registration_failures"], 0, "{stats}");
         assert!(
             stats["ucx_registered_transfers"].as_u64().unwrap() >= 48,
@@ -330,7 +331,7 @@ fn child_node_kill_mid_read() {
         let (reader, stop, ka) = (Arc::clone(&reader), Arc::clone(&stop), ka.clone());
         std::thread::spawn(move || {
             let dst = Pool::new(ka.len(), OBJ);
-            dst.register(&reader);
+            let _dst_registered = dst.register(&reader);
             let mut rounds = 0u32;
             let mut failures = 0u32;
             while !stop.load(Ordering::Relaxed) {
@@ -365,7 +366,7 @@ fn child_node_kill_mid_read() {
     assert!(failures > 0, "reads of a killed node never failed");
     // Node B's objects are intact and read byte-exact.
     let dst = Pool::new(kb.len(), OBJ);
-    dst.register(&reader);
+    let _dst_registered = dst.register(&reader);
     let r = reader.get_keys(&kb, &dst.refs());
     assert!(r.ok.iter().all(|&b| b), "{:?}", r.errors);
     for (i, chunk) in dst.bytes.chunks(OBJ).enumerate() {
@@ -525,6 +526,108 @@ fn child_refused_reservation() {
 }
 
 #[test]
+fn auto_reads_over_frames_where_ucx_emulates_over_ucx_tcp() {
+    in_child("child_auto_keeps_frames", TCP);
+}
+
+#[test]
+fn auto_reads_over_frames_where_ucx_emulates_over_shared_memory() {
+    in_child("child_auto_keeps_frames", SHM);
+}
+
+#[test]
+#[ignore = "run by auto_reads_over_frames_where_ucx_emulates_over_* in a child process"]
+fn child_auto_keeps_frames() {
+    if !is_child() {
+        return;
+    }
+    // UCX 1.13 over tcp or posix alone emulates one-sided reads through the node's worker:
+    // `auto` connects, sees the negotiated lanes, and reads over frames instead, saying why.
+    let cluster = start_cluster("64MiB");
+    let writer = client(&cluster, "node-a");
+    let node_a = &cluster.nodes[0];
+    let ks = keys("auto", 8);
+    put_objects(&writer, &ks, 300);
+    let leases_before = data_plane(node_a)["leases_total"].as_u64().unwrap();
+    let reader = Client::open(KvtierConfig {
+        cluster_transport: "auto".into(),
+        ..common::cluster_config(&cluster.master, Some("node-b"))
+    })
+    .unwrap();
+    assert_read_exact(&reader, &ks, 300, OBJ);
+    let (transport, reason) = transport_of(&reader, &node_a.data).expect("node A read from");
+    println!(
+        "auto with UCX_TLS={}: {transport}: {reason}",
+        std::env::var("UCX_TLS").unwrap()
+    );
+    assert_eq!(transport, "tcp", "{reason}");
+    let lane = if std::env::var("UCX_TLS").unwrap() == TCP {
+        "tcp/lo"
+    } else {
+        "posix/memory"
+    };
+    assert!(
+        reason.contains("emulated") && reason.contains(lane),
+        "{reason}"
+    );
+    // No lease was taken: the bytes came over frames.
+    assert_eq!(data_plane(node_a)["leases_total"], leases_before);
+    // The same peer read with `cluster_transport = "ucx"` goes one-sided: the node serves it.
+    let forced = client(&cluster, "node-b");
+    assert_read_exact(&forced, &ks, 300, OBJ);
+    assert_eq!(transport_of(&forced, &node_a.data).unwrap().0, "ucx");
+    assert!(data_plane(node_a)["leases_total"].as_u64().unwrap() > leases_before);
+}
+
+#[test]
+fn host_regions_are_unmapped_on_unregister_and_close() {
+    in_child("child_host_regions_unmapped", SHM);
+}
+
+#[test]
+#[ignore = "run by host_regions_are_unmapped_on_unregister_and_close in a child process"]
+#[allow(unsafe_code)] // registers test memory it never unregisters, to test the close
+fn child_host_regions_unmapped() {
+    if !is_child() {
+        return;
+    }
+    use kvtier_client::transport::ucx::plane::live_registrations;
+    // Caller memory the client registers is mapped with UCX (`ucp_mem_map`) and unmapped when
+    // it is unregistered or the client closes: no handle outlives the memory it names. The
+    // nodes are other processes, so this process's handles are the clients' alone.
+    let cluster = start_cluster("64MiB");
+    let pool = Pool::new(8, OBJ);
+    let ks = keys("unmap", 8);
+    let baseline = live_registrations();
+    {
+        let client = client(&cluster, "node-a");
+        let registered = pool.register(&client);
+        assert_eq!(live_registrations(), baseline + 1);
+        assert_eq!(client.stats_json()["ucx_registered_regions"], 1);
+        put_objects(&client, &ks, 500);
+        assert_read_exact(&client, &ks, 500, OBJ);
+        // A transfer in flight holds its handle; none is, so unregistering unmaps now.
+        drop(registered);
+        assert_eq!(client.stats_json()["ucx_registered_regions"], 0);
+        assert_eq!(live_registrations(), baseline);
+        // Registered and never unregistered: closing the client unmaps it.
+        // SAFETY: `pool` outlives `client` (declared in the enclosing scope).
+        unsafe {
+            client
+                .register_region(pool.bytes.as_ptr() as usize, pool.bytes.len(), "kept")
+                .unwrap();
+        }
+        assert_eq!(live_registrations(), baseline + 1);
+        assert_read_exact(&client, &ks, 500, OBJ);
+    }
+    assert_eq!(
+        live_registrations(),
+        baseline,
+        "the closed client left a UCX mapping"
+    );
+}
+
+#[test]
 fn eviction_racing_reads_over_ucx_tcp() {
     in_child("child_eviction_racing_reads", TCP);
 }
@@ -566,7 +669,7 @@ fn child_eviction_racing_reads() {
         })
     };
     let dst = Pool::new(first.len(), OBJ);
-    dst.register(&reader);
+    let _dst_registered = dst.register(&reader);
     let (mut hits, mut misses) = (0u64, 0u64);
     let started = Instant::now();
     while started.elapsed() < Duration::from_secs(6) && !churn.is_finished() {

@@ -316,7 +316,7 @@ fn child_round_trip() {
         vec![NODE_A.to_string()]
     );
     let dst = Pool::new(ks.len(), OBJ);
-    dst.register(&reader);
+    let _dst_registered = dst.register(&reader);
     let got = reader.get_keys(&ks, &dst.refs());
     assert!(got.ok.iter().all(|&b| b), "{:?}", got.errors);
     assert_exact(&dst, 77);
@@ -351,7 +351,7 @@ fn child_node_kill_mid_read() {
         let (reader, stop, ka) = (Arc::clone(&reader), Arc::clone(&stop), ka.clone());
         std::thread::spawn(move || {
             let dst = Pool::new(ka.len(), OBJ);
-            dst.register(&reader);
+            let _dst_registered = dst.register(&reader);
             let (mut rounds, mut hits, mut failures) = (0u32, 0u32, 0u32);
             let mut slowest = Duration::ZERO;
             while !stop.load(Ordering::Relaxed) {
@@ -398,7 +398,7 @@ fn child_node_kill_mid_read() {
     assert_eq!(stats["ucx_outstanding_requests"], 0, "{stats}");
     // Node B (same host as the reader) is intact and read byte-exact.
     let dst = Pool::new(kb.len(), OBJ);
-    dst.register(&reader);
+    let _dst_registered = dst.register(&reader);
     let r = reader.get_keys(&kb, &dst.refs());
     assert!(r.ok.iter().all(|&b| b), "{:?}", r.errors);
     assert_exact(&dst, 5000);

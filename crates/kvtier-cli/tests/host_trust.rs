@@ -275,7 +275,7 @@ fn put_objects(client: &Client, names: &[Vec<u8>], seed: u64, len: usize) {
     for (i, chunk) in pool.bytes.chunks_mut(len).enumerate() {
         chunk.copy_from_slice(&object_bytes(seed + i as u64, len));
     }
-    pool.register(client);
+    let _registered = pool.register(client);
     let put = client.put_keys(names, &pool.refs(), None);
     assert!(put.ok.iter().all(|&ok| ok), "{:?}", put.errors);
 }
@@ -283,7 +283,7 @@ fn put_objects(client: &Client, names: &[Vec<u8>], seed: u64, len: usize) {
 /// Every object under `names` reads back as `object_bytes(seed + i)`.
 fn assert_objects(client: &Client, names: &[Vec<u8>], seed: u64, len: usize) {
     let pool = common::Pool::new(names.len(), len);
-    pool.register(client);
+    let _registered = pool.register(client);
     let got = client.get_keys(names, &pool.refs());
     assert!(got.ok.iter().all(|&ok| ok), "{:?}", got.errors);
     for (i, chunk) in pool.bytes.chunks(len).enumerate() {

@@ -2,7 +2,8 @@
 //! processes: a `kvtier master`, one `kvtier serve --master --metrics-addr` node, and a
 //! cluster client in this process that is not on the node (no node id), so every byte crosses
 //! TCP. The node's `/metrics` and the client's own endpoint are scraped over HTTP after a
-//! remote put and after a remote get; each counter moves by exactly the page bytes moved.
+//! remote put and after a remote get; each counter moves by exactly the page bytes moved,
+//! over frames or (`TEST_CLUSTER_TRANSPORT=ucx`, scripts/test.sh) over one-sided UCX.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -88,6 +89,9 @@ fn peer_transfer_bytes_count_remote_puts_and_gets_on_both_sides() {
             .expect("remote get");
         assert!(dst == *v, "{k}: different bytes");
     }
+    // Under TEST_CLUSTER_TRANSPORT=ucx the bytes moved one-sided, and the node still
+    // counted them (committed puts in, released leases out).
+    common::assert_test_transport(&client, &data);
     // A put of a key already stored moves no page bytes (the master answers "present").
     client
         .put_slice(keys[0].as_bytes(), &values[0], None)

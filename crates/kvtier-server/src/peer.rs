@@ -29,7 +29,8 @@
 //! - A frame that loses stream sync closes the connection; a bad body gets an error reply.
 //! - Page bytes moved are counted per peer host in `kvtier_peer_transfer_bytes_total{peer,
 //!   direction}` (`peer` = the client's IP address, `direction="in"` for puts received,
-//!   `"out"` for gets sent), besides the port-wide [`DataPortCounters`].
+//!   `"out"` for gets sent), besides the port-wide [`DataPortCounters`]. One-sided UCX
+//!   traffic counts there too: committed puts in, released leases out ([`crate::ucx_node`]).
 
 use std::collections::{HashMap, HashSet};
 use std::io::{self, BufReader, IoSlice, Write};
@@ -628,6 +629,7 @@ fn serve_connection(
     let (tx, rx) = mpsc::sync_channel::<Vec<Reply>>(REPLIES_IN_FLIGHT);
     let moved_out =
         metrics::counter!(names::PEER_TRANSFER_BYTES, "peer" => host.clone(), "direction" => "out");
+    let ucx_moved_out = moved_out.clone();
     let writer = std::thread::Builder::new()
         .name("kvtier-data-tx".into())
         .spawn(move || write_replies(writer_stream, rx, moved_out))?;
@@ -639,7 +641,15 @@ fn serve_connection(
     let moved_in =
         metrics::counter!(names::PEER_TRANSFER_BYTES, "peer" => host, "direction" => "in");
     let mut reader = BufReader::with_capacity(READ_BUFFER, stream);
-    let served = serve_requests(shared, id, &mut reader, &mut body, &mut replies, &moved_in);
+    let served = serve_requests(
+        shared,
+        id,
+        &mut reader,
+        &mut body,
+        &mut replies,
+        &moved_in,
+        &ucx_moved_out,
+    );
     // The UCX leases this connection took pin store memory: they end with it.
     if let Some(ucx) = &shared.ucx {
         ucx.release_connection(id);
@@ -824,6 +834,7 @@ fn serve_requests(
     body: &mut Vec<u8>,
     replies: &mut Replies,
     moved_in: &metrics::Counter,
+    ucx_moved_out: &metrics::Counter,
 ) -> io::Result<()> {
     loop {
         // Before a read that may wait for the client, let the writer send what is answered.
@@ -981,14 +992,18 @@ fn serve_requests(
                 | Opcode::PeerUcxAbort),
             ) => {
                 // A committed one-sided put is held like a framed one.
-                let frame = crate::ucx_node::serve_with(
+                let frame = crate::ucx_node::serve(
                     shared.ucx.as_deref(),
                     &shared.store,
                     connection,
                     op,
                     id,
                     body,
-                    &|key| shared.held.insert(key),
+                    &crate::ucx_node::Traffic {
+                        stored: &|key| shared.held.insert(key),
+                        moved_in,
+                        moved_out: ucx_moved_out,
+                    },
                 )?;
                 replies.queue(Reply::Frame(frame))?
             }

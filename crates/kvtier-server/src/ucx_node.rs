@@ -70,6 +70,8 @@ struct Lease {
     /// The data-port connection that took it.
     connection: u64,
     _pins: Vec<PinnedObject>,
+    /// The pinned objects' bytes (trailers included): what the reader moves one-sided.
+    bytes: u64,
     expires: Instant,
 }
 
@@ -407,6 +409,7 @@ impl UcxNode {
                 Lease {
                     connection,
                     _pins: pins,
+                    bytes,
                     expires: Instant::now() + LEASE_TIME,
                 },
             );
@@ -415,8 +418,8 @@ impl UcxNode {
     }
 
     /// Drop the pins of `connection`'s lease `lease_id` (unknown, expired or another
-    /// connection's: nothing to do).
-    pub fn release(&self, connection: u64, lease_id: u64) {
+    /// connection's: nothing to do); the bytes it pinned, which the reader says it has read.
+    pub fn release(&self, connection: u64, lease_id: u64) -> u64 {
         let lease = {
             let mut leases = self.leases.lock();
             match leases.held.get(&lease_id) {
@@ -424,7 +427,8 @@ impl UcxNode {
                 _ => None,
             }
         };
-        drop(lease); // the pins drop outside the lock
+        // The pins drop outside the lock.
+        lease.map_or(0, |lease| lease.bytes)
     }
 
     /// Drop every lease and free every put reservation `connection` still holds: called when
@@ -529,14 +533,14 @@ impl UcxNode {
         }
     }
 
-    /// Verify and store `connection`'s reservations `ids`; `stored(key)` is called for each
-    /// object the store now holds.
+    /// Verify and store `connection`'s reservations `ids`; `traffic.stored(key)` is called for
+    /// each object the store now holds, and the bytes that landed are counted in.
     pub fn commit(
         &self,
         store: &TenantStore,
         connection: u64,
         ids: &[u64],
-        stored: &dyn Fn(&[u8]),
+        traffic: &Traffic<'_>,
     ) -> UcxCommitReply {
         let Some(landing) = &self.landing else {
             return UcxCommitReply {
@@ -564,6 +568,7 @@ impl UcxNode {
             // while it is copied.
             let copy = landing.memory.copy_out(r.offset, r.len);
             landing.reservations.lock().free(&r);
+            traffic.moved_in.increment(r.len);
             let Some(copy) = copy else {
                 items.push(CommitItem::Unknown);
                 continue;
@@ -578,7 +583,7 @@ impl UcxNode {
             }
             items.push(match store.put_slice(&r.key, &copy, r.depth) {
                 Ok(outcome) => {
-                    stored(&r.key);
+                    (traffic.stored)(&r.key);
                     if outcome == kvtier_engine::PutOutcome::Stored {
                         self.counters.ucx_puts.fetch_add(1, Ordering::Relaxed);
                         self.counters
@@ -651,6 +656,17 @@ fn refuse(opcode: Opcode, id: u64, code: u16, message: String) -> io::Result<Vec
     Ok(frame)
 }
 
+/// What a data-port connection is told of its UCX traffic, which its own frames never carry.
+pub struct Traffic<'a> {
+    /// Called for each object a commit stored.
+    pub stored: &'a dyn Fn(&[u8]),
+    /// Bytes a peer wrote one-sided and committed (trailers included).
+    pub moved_in: &'a metrics::Counter,
+    /// Bytes of the leases a peer released: its one-sided reads, which never touch this
+    /// node's CPU, counted when the reader says it is done (a lapsed lease counts nothing).
+    pub moved_out: &'a metrics::Counter,
+}
+
 /// Answer one UCX control request of the authenticated data-port connection `connection`:
 /// the whole reply frame (an error frame when the node serves no UCX or the body is malformed).
 pub fn serve(
@@ -660,19 +676,7 @@ pub fn serve(
     opcode: Opcode,
     id: u64,
     body: &[u8],
-) -> io::Result<Vec<u8>> {
-    serve_with(node, store, connection, opcode, id, body, &|_| {})
-}
-
-/// [`serve`], calling `stored(key)` for each object a commit stored.
-pub fn serve_with(
-    node: Option<&UcxNode>,
-    store: &TenantStore,
-    connection: u64,
-    opcode: Opcode,
-    id: u64,
-    body: &[u8],
-    stored: &dyn Fn(&[u8]),
+    traffic: &Traffic<'_>,
 ) -> io::Result<Vec<u8>> {
     let Some(node) = node else {
         return refuse(
@@ -701,7 +705,9 @@ pub fn serve_with(
         },
         Opcode::PeerUcxRelease => match UcxRelease::decode(body) {
             Ok(release) => {
-                node.release(connection, release.lease_id);
+                traffic
+                    .moved_out
+                    .increment(node.release(connection, release.lease_id));
                 reply(opcode, id, &UcxHello)
             }
             Err(e) => refuse(opcode, id, error_code::MALFORMED, e.to_string()),
@@ -724,7 +730,7 @@ pub fn serve_with(
             Ok(commit) => reply(
                 opcode,
                 id,
-                &node.commit(store, connection, &commit.ids, stored),
+                &node.commit(store, connection, &commit.ids, traffic),
             ),
             Err(e) => refuse(opcode, id, error_code::MALFORMED, e.to_string()),
         },

@@ -198,14 +198,35 @@ impl Pool {
             })
             .collect()
     }
-    pub fn register(&self, client: &Client) {
-        // SAFETY: the pool outlives every batch of this test and is not otherwise borrowed
-        // while the client writes into it.
-        unsafe {
+    /// Register the pool with `client` until the returned guard drops, which happens before
+    /// the pool's memory is freed (the guard borrows it).
+    pub fn register<'a>(&'a self, client: &'a Client) -> Registered<'a> {
+        // SAFETY: the guard borrows the pool, so its memory stays allocated and is not
+        // otherwise borrowed mutably until the guard unregisters it.
+        let id = unsafe {
             client
                 .register_region(self.bytes.as_ptr() as usize, self.bytes.len(), "test pool")
-                .unwrap();
+                .unwrap()
+        };
+        Registered {
+            client,
+            id,
+            _pool: std::marker::PhantomData,
         }
+    }
+}
+
+/// A [`Pool`]'s registration with one client; unregistered on drop.
+#[must_use = "dropping it unregisters the pool at once"]
+pub struct Registered<'a> {
+    client: &'a Client,
+    id: kvtier_client::memory::RegionId,
+    _pool: std::marker::PhantomData<&'a Pool>,
+}
+
+impl Drop for Registered<'_> {
+    fn drop(&mut self) {
+        self.client.unregister_region(self.id);
     }
 }
 

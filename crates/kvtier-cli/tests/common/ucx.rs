@@ -23,9 +23,9 @@ pub fn try_put_objects(client: &Client, keys: &[Vec<u8>], seed: u64, len: usize)
     for (i, chunk) in pool.bytes.chunks_mut(len).enumerate() {
         chunk.copy_from_slice(&object_bytes(seed + i as u64, len));
     }
-    pool.register(client);
+    let registered = pool.register(client);
     let report = client.put_keys(keys, &pool.refs(), None);
-    drop(pool);
+    drop(registered);
     report
 }
 
@@ -39,7 +39,7 @@ pub fn put_objects(client: &Client, keys: &[Vec<u8>], seed: u64) {
 /// object `i` is `object_bytes(seed + i, len)`.
 pub fn assert_read_exact(client: &Client, keys: &[Vec<u8>], seed: u64, len: usize) {
     let dst = Pool::new(keys.len(), len);
-    dst.register(client);
+    let _dst_registered = dst.register(client);
     let got = client.get_keys(keys, &dst.refs());
     assert!(got.ok.iter().all(|&b| b), "{:?}", got.errors);
     for (i, chunk) in dst.bytes.chunks(len).enumerate() {

@@ -38,6 +38,9 @@
 //!   close, once no transfer in flight holds it (an `Arc`).
 //! - `peer_transports` names the lanes UCX negotiated per endpoint (`ucp_ep_print_info`,
 //!   captured in [`plane`]), not only `UCX_TLS` as set.
+//! - `auto` keeps UCX for a peer only when those lanes read without the node's CPU (RDMA, or
+//!   single-copy shared memory: [`auto_choice`]); where UCX would emulate one-sided reads
+//!   (UCX 1.13 over `tcp`, or `posix` / `sysv` alone) it reads over frames and says why.
 
 pub mod ffi;
 pub mod plane;
@@ -76,12 +79,16 @@ struct HostRegion {
 /// How long a peer whose UCX path failed is read over frames before UCX is tried again.
 pub const RETRY_UCX_AFTER: Duration = Duration::from_secs(30);
 
-/// Whether UCX over shared memory beat kvtier's TCP frames for same-host reads on the
-/// machines this was measured on (`kvtier bench cluster --transport tcp,ucx-shm`, README's UCX
-/// section): no. `posix,cma` reads reached 1.3-3.2 GB/s against frames' 1.6-3.1, but some
-/// runs fell to 0.03 GB/s with the node busy (reads served through the node's worker), so
-/// `auto` keeps frames for a peer on the same host until that is understood.
-pub const SHM_BEATS_FRAMES: bool = false;
+/// Transports (the part of a lane before `/`) whose one-sided reads run in the network
+/// adapter, not the node's CPU: InfiniBand / RoCE verbs and mlx5 (RC, DC, UD, GGA).
+pub const RDMA_TRANSPORT_PREFIXES: [&str; 4] = ["rc_", "dc_", "ud_", "gga_"];
+
+/// Shared-memory transports that read the node's memory in one copy without its worker
+/// (kernel-assisted `cma`, `knem`; `xpmem` mappings). `posix` and `sysv` are not here:
+/// UCX 1.13 selects them as RMA lanes only with bcopy, so a "one-sided" get over them is
+/// emulated with active messages that the node's progress thread must copy out, 8 KiB
+/// at a time (`ucp_ep_print_info`: `get[0]: 0..<bcopy>..(inf)` on the posix lane).
+pub const SINGLE_COPY_SHM_TRANSPORTS: [&str; 3] = ["cma", "knem", "xpmem"];
 
 /// `cluster_transport`: how a cluster client reads page bytes from a peer.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -144,24 +151,46 @@ pub fn ucx_tls() -> String {
     std::env::var("UCX_TLS").unwrap_or_else(|_| "all".into())
 }
 
-/// Whether `auto` should read from a peer with this offer over UCX: `Ok(why)` or
-/// `Err(why not)`.
-pub fn auto_choice(offer: &UcxOffer, local_host: &str) -> Result<String, String> {
-    let devices = rdma_devices();
-    if !devices.is_empty() {
-        return Ok(format!("RDMA devices here: {}", devices.join(",")));
-    }
-    if !local_host.is_empty() && offer.host == local_host {
-        if SHM_BEATS_FRAMES {
-            return Ok("same host: UCX shared memory".into());
-        }
-        return Err("same host, but UCX shared memory measured slower than frames".into());
+/// Whether `auto` should try UCX with a peer with this offer at all (before connecting):
+/// `Ok(())`, or `Err(why not)`. A peer on another host with no RDMA device here could only
+/// be reached over UCX's TCP, which emulates one-sided reads and is slower than frames.
+pub fn auto_worth_trying(offer: &UcxOffer, local_host: &str) -> Result<(), String> {
+    let same_host = !local_host.is_empty() && offer.host == local_host;
+    if same_host || !rdma_devices().is_empty() {
+        return Ok(());
     }
     Err(
         "no RDMA device here and the peer is on another host: UCX would emulate one-sided \
          reads over TCP, slower than kvtier's frames"
             .into(),
     )
+}
+
+/// Whether `auto` keeps UCX for an endpoint whose negotiated lanes are `lanes` (as
+/// [`parse_lanes`] gives them): `Ok(why)` when one of them reads without the node's CPU (an
+/// RDMA transport, or single-copy shared memory), `Err(why not)` otherwise. Measured on
+/// these machines (README's UCX section): reads UCX emulates (over `tcp`, or `posix` /
+/// `sysv` alone) were 0.2-0.5x frames over TCP, and over shared memory 1.5x frames on a
+/// quiet host but 0.1-0.7x with the cores oversubscribed, as the node's worker thread and
+/// the reader then take turns on the CPU for every FIFO's worth of bytes.
+pub fn auto_choice(lanes: &[String]) -> Result<String, String> {
+    let transport = |lane: &String| lane.split('/').next().unwrap_or("").to_string();
+    if let Some(lane) = lanes.iter().find(|lane| {
+        let t = transport(lane);
+        RDMA_TRANSPORT_PREFIXES.iter().any(|p| t.starts_with(p))
+    }) {
+        return Ok(format!("UCX negotiated RDMA ({lane})"));
+    }
+    if let Some(lane) = lanes
+        .iter()
+        .find(|lane| SINGLE_COPY_SHM_TRANSPORTS.contains(&transport(lane).as_str()))
+    {
+        return Ok(format!("UCX negotiated single-copy shared memory ({lane})"));
+    }
+    Err(format!(
+        "UCX negotiated only {lanes:?} with this peer: its one-sided reads would be emulated \
+         through the node's CPU, which measured slower than kvtier's frames"
+    ))
 }
 
 /// The transport in use for one peer, as stats report it.
@@ -590,11 +619,20 @@ impl UcxTransport {
                 offer.transports,
                 ucx_tls()
             ),
-            _ => auto_choice(&offer, &self.host).map_err(|why| (why, false))?,
+            _ => {
+                auto_worth_trying(&offer, &self.host).map_err(|why| (why, false))?;
+                String::new()
+            }
         };
         let mut endpoint = worker
             .connect(&offer.worker_address)
             .map_err(|e| (e.to_string(), true))?;
+        // `auto` decides on what UCX negotiated for this peer, not on what it could offer.
+        let reason = if self.choice == TransportChoice::Ucx {
+            reason
+        } else {
+            auto_choice(&parse_lanes(&endpoint.describe())).map_err(|why| (why, false))?
+        };
         endpoint
             .set_remote_key(&offer.rkey)
             .map_err(|e| (e.to_string(), true))?;
@@ -1094,7 +1132,41 @@ impl Transport for UcxTransport {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_lanes;
+    use super::{auto_choice, parse_lanes};
+
+    fn lanes(names: &[&str]) -> Vec<String> {
+        names.iter().map(|n| n.to_string()).collect()
+    }
+
+    #[test]
+    fn auto_keeps_ucx_only_where_reads_skip_the_node_cpu() {
+        // What UCX 1.13 negotiates here (tests pin these): emulated reads, frames win.
+        for emulated in [
+            lanes(&["tcp/lo"]),
+            lanes(&["posix/memory"]),
+            lanes(&["sysv/memory", "tcp/lo"]),
+            lanes(&[]),
+        ] {
+            let why = auto_choice(&emulated).unwrap_err();
+            assert!(why.contains("emulated"), "{emulated:?}: {why}");
+        }
+        // RDMA on a fabric, or a single-copy shared-memory lane.
+        for (one_sided, named) in [
+            (
+                lanes(&["rc_mlx5/mlx5_0:1", "ud_mlx5/mlx5_0:1"]),
+                "rc_mlx5/mlx5_0:1",
+            ),
+            (lanes(&["tcp/eth0", "dc_mlx5/mlx5_1:1"]), "dc_mlx5/mlx5_1:1"),
+            (lanes(&["rc_verbs/mlx4_0:1"]), "rc_verbs/mlx4_0:1"),
+            (lanes(&["posix/memory", "cma/memory"]), "cma/memory"),
+            (lanes(&["xpmem/memory"]), "xpmem/memory"),
+        ] {
+            let why = auto_choice(&one_sided).unwrap();
+            assert!(why.contains(named), "{one_sided:?}: {why}");
+        }
+        // A transport merely named like one is not taken for it.
+        assert!(auto_choice(&lanes(&["cmax/memory", "tcp_rc/lo"])).is_err());
+    }
 
     #[test]
     fn lanes_are_read_from_print_info() {

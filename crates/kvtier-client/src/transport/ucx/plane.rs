@@ -140,23 +140,12 @@ impl Context {
     /// long as the registration lives (the caller's invariant: `Registration` is dropped
     /// before the memory is unmapped).
     pub fn register(&self, base: *mut u8, len: usize) -> Result<Registration, UcxError> {
-        let ucp = self.0.ucp;
         let mut params: ffi::MemMapParams = ffi::zeroed();
         params.field_mask =
             ffi::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | ffi::UCP_MEM_MAP_PARAM_FIELD_LENGTH;
         params.address = base.cast::<c_void>();
         params.length = len;
-        let mut memh: ffi::MemH = std::ptr::null_mut();
-        // SAFETY: the context is live (held by `self`); `params` names an address range the
-        // caller keeps mapped while the registration lives; `memh` is written on success.
-        let status = unsafe { (ucp.mem_map)(self.0.raw, &params, &mut memh) };
-        check(ucp, "ucp_mem_map", status)?;
-        Ok(Registration {
-            context: Arc::clone(&self.0),
-            memh,
-            base: base as u64,
-            len: len as u64,
-        })
+        self.map(&params)
     }
 
     /// [`Self::register`] with the remote access peers get: `remote_write = false` registers
@@ -170,7 +159,6 @@ impl Context {
         len: usize,
         remote_write: bool,
     ) -> Result<Registration, UcxError> {
-        let ucp = self.0.ucp;
         let mut params: ffi::MemMapParams = ffi::zeroed();
         params.field_mask = ffi::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
             | ffi::UCP_MEM_MAP_PARAM_FIELD_LENGTH
@@ -185,16 +173,25 @@ impl Context {
             } else {
                 0
             };
+        self.map(&params)
+    }
+
+    /// `ucp_mem_map` of `params` (address and length set; the caller's invariant as for
+    /// [`Self::register`]).
+    fn map(&self, params: &ffi::MemMapParams) -> Result<Registration, UcxError> {
+        let ucp = self.0.ucp;
         let mut memh: ffi::MemH = std::ptr::null_mut();
-        // SAFETY: as in `register`: live context, an address range the caller keeps mapped
-        // while the registration lives, zero-initialised params with the masked fields set.
-        let status = unsafe { (ucp.mem_map)(self.0.raw, &params, &mut memh) };
+        // SAFETY: the context is live (held by `self`); `params` is zero-initialised with the
+        // masked fields set and names an address range the caller keeps mapped while the
+        // registration lives; `memh` is written on success.
+        let status = unsafe { (ucp.mem_map)(self.0.raw, params, &mut memh) };
         check(ucp, "ucp_mem_map", status)?;
+        LIVE_REGISTRATIONS.fetch_add(1, Ordering::Relaxed);
         Ok(Registration {
             context: Arc::clone(&self.0),
             memh,
-            base: base as u64,
-            len: len as u64,
+            base: params.address as u64,
+            len: params.length as u64,
         })
     }
 
@@ -216,6 +213,15 @@ impl Context {
             outstanding: AtomicUsize::new(0),
         })))
     }
+}
+
+/// `ucp_mem_map` handles of this process not yet unmapped (all contexts).
+static LIVE_REGISTRATIONS: AtomicUsize = AtomicUsize::new(0);
+
+/// How many memory registrations of this process are mapped with UCX now: tests check that
+/// unregistering caller memory, or closing the client, unmaps it.
+pub fn live_registrations() -> usize {
+    LIVE_REGISTRATIONS.load(Ordering::Relaxed)
 }
 
 /// Memory registered with a context; unregistered on drop.
@@ -284,6 +290,7 @@ impl Drop for Registration {
     fn drop(&mut self) {
         // SAFETY: `memh` came from `ucp_mem_map` on this context, which is still alive.
         let _ = unsafe { (self.context.ucp.mem_unmap)(self.context.raw, self.memh) };
+        LIVE_REGISTRATIONS.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
