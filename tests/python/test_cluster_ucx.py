@@ -47,9 +47,9 @@ TRANSPORTS = {
 PAGES = 6
 
 
-def frame_bytes(metrics_addr):
-    """Page bytes a node moved over its TCP frames, by direction (its ``/metrics``:
-    ``kvtier_peer_transfer_bytes_total``, summed over peers)."""
+def peer_bytes(metrics_addr):
+    """Page bytes a node moved, by direction (its ``/metrics``:
+    ``kvtier_peer_transfer_bytes_total``, summed over peers): frames and one-sided UCX."""
     with urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=10) as r:
         text = r.read().decode()
     moved = {"in": 0.0, "out": 0.0}
@@ -60,6 +60,17 @@ def frame_bytes(metrics_addr):
                 if f'direction="{d}"' in labels:
                     moved[d] += float(value)
     return moved
+
+
+def frame_bytes(metrics_addr, node):
+    """Page bytes ``node`` moved over its TCP frames: :func:`peer_bytes` less what its UCX
+    data plane counted (committed one-sided puts in, leased one-sided reads out)."""
+    moved = peer_bytes(metrics_addr)
+    plane = node.stat()["data_plane"]
+    return {
+        "in": moved["in"] - plane["ucx_put_bytes"],
+        "out": moved["out"] - plane["leased_bytes_total"],
+    }
 
 
 def _libucp_missing():
@@ -127,7 +138,7 @@ def test_dsv4_group_read_byte_exact_through_another_node_over_ucx(
 
     # The puts went one-sided into node-a's landing area: no page byte came in as a frame,
     # its landing counters moved, and the prefill client names UCX for its puts to node-a.
-    before = frame_bytes(metrics_a)
+    before = frame_bytes(metrics_a, a)
     assert before["in"] == 0, f"node-a received the puts over frames: {before}"
     plane = a.stat()["data_plane"]
     assert plane["ucx_puts"] == len(on_a) and plane["ucx_put_bytes"] > 0, plane
@@ -158,8 +169,10 @@ def test_dsv4_group_read_byte_exact_through_another_node_over_ucx(
     assert f"node UCX_TLS {tls}" in used["reason"] and f"here {tls}" in used["reason"], used
     # And node-a sent no page bytes over its frames for those reads: every page went one-sided
     # (an object the node cannot lease is read over frames without changing peer_transports).
-    after = frame_bytes(metrics_a)
+    after = frame_bytes(metrics_a, a)
     assert after["out"] == before["out"], f"node-a served page bytes over frames: {after}"
+    # The node counted the one-sided reads as bytes out (on each lease's release).
+    assert peer_bytes(metrics_a)["out"] >= pages, peer_bytes(metrics_a)
     tc.log(
         f"[{transport}] batch_set_v2 of {PAGES} pages via node-a over UCX {t_put * 1e3:.1f} ms; "
         f"decode read {pages} side-pool pages from node-a byte-exact in {t_get * 1e3:.1f} ms "
