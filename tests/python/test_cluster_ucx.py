@@ -64,12 +64,12 @@ def peer_bytes(metrics_addr):
 
 def frame_bytes(metrics_addr, node):
     """Page bytes ``node`` moved over its TCP frames: :func:`peer_bytes` less what its UCX
-    data plane counted (committed one-sided puts in, leased one-sided reads out)."""
+    data plane counted (committed one-sided puts in, released one-sided reads out)."""
     moved = peer_bytes(metrics_addr)
     plane = node.stat()["data_plane"]
     return {
-        "in": moved["in"] - plane["ucx_put_bytes"],
-        "out": moved["out"] - plane["leased_bytes_total"],
+        "in": moved["in"] - plane["landed_bytes_total"],
+        "out": moved["out"] - plane["released_bytes_total"],
     }
 
 
@@ -172,7 +172,8 @@ def test_dsv4_group_read_byte_exact_through_another_node_over_ucx(
     after = frame_bytes(metrics_a, a)
     assert after["out"] == before["out"], f"node-a served page bytes over frames: {after}"
     # The node counted the one-sided reads as bytes out (on each lease's release).
-    assert peer_bytes(metrics_a)["out"] >= pages, peer_bytes(metrics_a)
+    released = a.stat()["data_plane"]["released_bytes_total"]
+    assert released >= pages and peer_bytes(metrics_a)["out"] >= released, released
     tc.log(
         f"[{transport}] batch_set_v2 of {PAGES} pages via node-a over UCX {t_put * 1e3:.1f} ms; "
         f"decode read {pages} side-pool pages from node-a byte-exact in {t_get * 1e3:.1f} ms "

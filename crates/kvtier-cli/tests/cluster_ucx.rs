@@ -176,14 +176,14 @@ fn client(cluster: &Cluster, node_id: &str) -> Client {
 }
 
 /// Page bytes `node`'s data port received as frame puts: its `/metrics` count of bytes in,
-/// which also counts committed one-sided puts, less those (`ucx_put_bytes`).
+/// which also counts committed one-sided puts, less those (`landed_bytes_total`).
 fn frame_bytes_in(node: &Node) -> f64 {
     let all_in = metric_sum(
         &node.metrics,
         "kvtier_peer_transfer_bytes_total",
         &[("direction", "in")],
     );
-    let one_sided = data_plane(node)["ucx_put_bytes"].as_u64().unwrap_or(0);
+    let one_sided = data_plane(node)["landed_bytes_total"].as_u64().unwrap();
     all_in - one_sided as f64
 }
 

@@ -173,6 +173,11 @@ pub struct UcxNodeCounters {
     /// Objects stored through the landing area, and their bytes.
     pub ucx_puts: AtomicU64,
     pub ucx_put_bytes: AtomicU64,
+    /// Bytes committed from the landing area (stored, present or refused): what
+    /// `kvtier_peer_transfer_bytes_total{direction="in"}` counts of one-sided puts.
+    pub landed_bytes: AtomicU64,
+    /// Bytes of the leases peers released: what that metric counts `"out"` of one-sided reads.
+    pub released_bytes: AtomicU64,
     /// Commits refused: the extent's bytes did not match their checksum.
     pub commits_refused_checksum: AtomicU64,
     /// Commits of ids that are not a live reservation of the committing connection.
@@ -328,6 +333,7 @@ impl UcxNode {
             .map_or(0, |l| l.expired.load(Ordering::Relaxed)));
         doc["ucx_puts"] = serde_json::json!(load(&c.ucx_puts));
         doc["ucx_put_bytes"] = serde_json::json!(load(&c.ucx_put_bytes));
+        doc["landed_bytes_total"] = serde_json::json!(load(&c.landed_bytes));
         doc["commits_refused_checksum"] = serde_json::json!(load(&c.commits_refused_checksum));
         doc["commits_unknown"] = serde_json::json!(load(&c.commits_unknown));
         doc
@@ -341,6 +347,7 @@ impl UcxNode {
             "leases_held": self.leases_held(),
             "leases_total": self.counters.leases.load(Ordering::Relaxed),
             "leased_bytes_total": self.counters.leased_bytes.load(Ordering::Relaxed),
+            "released_bytes_total": self.counters.released_bytes.load(Ordering::Relaxed),
             "leases_refused_full": self.counters.refused_full.load(Ordering::Relaxed),
             "objects_not_remote": self.counters.not_remote.load(Ordering::Relaxed),
         })
@@ -428,7 +435,11 @@ impl UcxNode {
             }
         };
         // The pins drop outside the lock.
-        lease.map_or(0, |lease| lease.bytes)
+        let bytes = lease.map_or(0, |lease| lease.bytes);
+        self.counters
+            .released_bytes
+            .fetch_add(bytes, Ordering::Relaxed);
+        bytes
     }
 
     /// Drop every lease and free every put reservation `connection` still holds: called when
@@ -569,6 +580,9 @@ impl UcxNode {
             let copy = landing.memory.copy_out(r.offset, r.len);
             landing.reservations.lock().free(&r);
             traffic.moved_in.increment(r.len);
+            self.counters
+                .landed_bytes
+                .fetch_add(r.len, Ordering::Relaxed);
             let Some(copy) = copy else {
                 items.push(CommitItem::Unknown);
                 continue;

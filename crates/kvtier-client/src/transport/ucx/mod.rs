@@ -174,7 +174,7 @@ pub fn auto_worth_trying(offer: &UcxOffer, local_host: &str) -> Result<(), Strin
 /// quiet host but 0.1-0.7x with the cores oversubscribed, as the node's worker thread and
 /// the reader then take turns on the CPU for every FIFO's worth of bytes.
 pub fn auto_choice(lanes: &[String]) -> Result<String, String> {
-    let transport = |lane: &String| lane.split('/').next().unwrap_or("").to_string();
+    let transport = |lane: &str| lane.split('/').next().unwrap_or("").to_owned();
     if let Some(lane) = lanes.iter().find(|lane| {
         let t = transport(lane);
         RDMA_TRANSPORT_PREFIXES.iter().any(|p| t.starts_with(p))
@@ -613,25 +613,20 @@ impl UcxTransport {
                 TransportError::Refused { .. } => (format!("the node serves no UCX: {e}"), true),
                 e => (format!("UCX hello failed: {e}"), true),
             })?;
+        if self.choice != TransportChoice::Ucx {
+            auto_worth_trying(&offer, &self.host).map_err(|why| (why, false))?;
+        }
+        let mut endpoint = worker
+            .connect(&offer.worker_address)
+            .map_err(|e| (e.to_string(), true))?;
         let reason = match self.choice {
             TransportChoice::Ucx => format!(
                 "cluster_transport = \"ucx\" (node UCX_TLS {}, here {})",
                 offer.transports,
                 ucx_tls()
             ),
-            _ => {
-                auto_worth_trying(&offer, &self.host).map_err(|why| (why, false))?;
-                String::new()
-            }
-        };
-        let mut endpoint = worker
-            .connect(&offer.worker_address)
-            .map_err(|e| (e.to_string(), true))?;
-        // `auto` decides on what UCX negotiated for this peer, not on what it could offer.
-        let reason = if self.choice == TransportChoice::Ucx {
-            reason
-        } else {
-            auto_choice(&parse_lanes(&endpoint.describe())).map_err(|why| (why, false))?
+            // `auto` decides on what UCX negotiated for this peer, not on what it could offer.
+            _ => auto_choice(&parse_lanes(&endpoint.describe())).map_err(|why| (why, false))?,
         };
         endpoint
             .set_remote_key(&offer.rkey)
