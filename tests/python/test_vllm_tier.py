@@ -263,3 +263,82 @@ def test_config_a_user_pastes_is_accepted_by_vllm():
         assert type(manager.secondary_tiers[0]).__name__ == "KvtierTier"
     finally:
         manager.shutdown()
+
+
+# ------------------------------------------------------------------ issue 31: the tier's boundary
+
+
+def test_tier_errors_never_reach_the_engine(instances, tmp_path):
+    """The v1 Scheduler with a KvtierTier whose kvtier calls all raise (``_vllm_faulty_tier``:
+    lookups, store/load submissions, store bookkeeping, every other completion poll): each
+    request still finishes (recomputed, never loaded), vLLM's step never sees an exception, and
+    once the faults stop the same engine loads from kvtier again."""
+    fault = tmp_path / "fault"
+    v = instances(
+        [
+            {
+                "type": "FaultyKvtierTier",
+                "module_path": "_vllm_faulty_tier",
+                "fault_file": str(fault),
+                "dram_capacity_bytes": 32 << 20,
+            }
+        ]
+    )
+    req, _ = v.run(PROMPT)  # stored while healthy
+    fault.write_text("on")
+    v.wipe()
+    req2, seen2 = v.run(PROMPT)  # lookups raise: a miss, the forward computes every token
+    assert v.computed[req2.request_id] == len(PROMPT)
+    assert all(seen2[i] == v.expected(req2)[i] for i in range(FULL_BLOCKS))
+    other = [t + 1000 for t in PROMPT]
+    req3, _ = v.run(other)  # store submissions raise: failed jobs, the request finishes
+    assert v.computed[req3.request_id] == len(other)
+    assert v.tier._jobs == {} and not v.tier.has_pending_work()
+    fault.unlink()
+    v.wipe()
+    req4, seen4 = v.run(PROMPT)
+    check_loaded_from_kvtier(v, req4, seen4)
+
+
+def test_works_without_mark_present_as_in_vllm_0_32(instances, monkeypatch):
+    """vLLM 0.32's AsyncLookupManager has no ``mark_present`` (its absence killed 0.32's engine
+    on the first store before issue 31): the tier detects it and stores, lookups and loads run
+    as before."""
+    from kvtier.vllm import _KvtierLookup
+
+    monkeypatch.setattr(_KvtierLookup, "HAS_MARK_PRESENT", False)
+    monkeypatch.delattr(_KvtierLookup.__mro__[1], "mark_present")
+    v = instances([dict(TIER, dram_capacity_bytes=32 << 20)])
+    v.run(PROMPT)
+    v.wipe()
+    req, seen = v.run(PROMPT)
+    check_loaded_from_kvtier(v, req, seen)
+
+
+def test_a_failed_load_never_resolves_a_pending_probe(engines):
+    """vLLM 0.32's ``mark_miss`` forces any cached probe to RESOLVED, which trips the phase
+    asserts of ``flush``/``drain_results`` when the probe was still pending; the tier passes it
+    only resolved keys."""
+    from vllm.v1.kv_offload.base import ReqContext
+    from vllm.v1.kv_offload.tiering.async_lookup import LookupPhase
+
+    e = engines([dict(TIER, dram_capacity_bytes=32 << 20)])
+    keys = ve.request_keys("pending", 2)
+    lk = e.tier._lookup
+    calls = []
+    real = lk.mark_miss
+    lk.mark_miss = lambda ks: (calls.append(list(ks)), real(ks))
+    ctx = ReqContext(req_id="probe")
+    assert lk.lookup(keys[0], ctx) is None  # PENDING
+    lk.missed([keys[0]])
+    assert calls == []  # not passed on
+    assert lk._lookup_state[keys[0]].phase is LookupPhase.PENDING
+    lk.flush()  # would assert if the phase had been forced
+    deadline = time.monotonic() + 10
+    while lk.lookup(keys[0], ctx) is None:
+        lk.flush()
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    lk.missed([keys[0]])  # resolved now: passed on
+    assert calls == [[keys[0]]]
+    lk.cleanup("probe")
