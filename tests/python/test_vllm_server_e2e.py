@@ -17,9 +17,11 @@ hit produced (a cold prefill's last token may differ in bf16: the comparison is 
 that also reuses cached KV). A killed ``kvtier serve`` or node makes requests recompute (slower),
 never fail: HTTP 200 and the cold text.
 
-Servers are shared across cases (each start is ~30-60 s here): A (embedded kvtier, with the
-fault-injecting subclass of ``_vllm_faulty_tier``), B1/B2 on one ``kvtier serve``, C1/C2 on two
-nodes of a kvtier cluster. ``pytest -s`` prints the TTFT of every case.
+Servers are shared across cases (each start is 30-60 s here), in three groups run in order
+(``Fleet``): A (embedded kvtier, through the fault-injecting subclass of ``_vllm_faulty_tier``,
+which is plain ``KvtierTier`` until its fault file exists), B1/B2 on one ``kvtier serve``, C1/C2
+on two nodes of a kvtier cluster; the next group starts while the cases of the one before run.
+``pytest -s`` prints the TTFT of every case and the module's run time.
 """
 
 from __future__ import annotations
@@ -86,11 +88,21 @@ def kvtier_binary():
 
 
 class Fleet:
-    """Servers started together (their starts overlap), stopped together."""
+    """The module's servers in three groups run in order: A (embedded), B (one ``kvtier serve``),
+    C (a kvtier cluster). When a group's cases start, the group before it is stopped (memory:
+    each server holds its model, KV cache and CPU tier) and the next group is launched in the
+    background, so its 30-60 s start overlaps these cases."""
 
-    def __init__(self, tmp: Path, model: Path):
-        self.tmp, self.model = tmp, model
+    ORDER = ("A", "B", "C")
+
+    def __init__(self, tmp: Path, model: Path, binary: Path):
+        self.tmp, self.model, self.binary = tmp, model, binary
         self.servers: list[vs.VllmServer] = []
+        self.groups: dict[str, list[vs.VllmServer]] = {}
+        self.served = None
+        self.cluster = None
+        self.fault = tmp / "fault"
+        self._token = os.environ.get("KVTIER_CLUSTER_TOKEN")
 
     def server(self, name: str, tiers, env=None) -> vs.VllmServer:
         s = vs.VllmServer(self.model, self.tmp / f"{name}.log", offload=tiers, env=env)
@@ -98,27 +110,73 @@ class Fleet:
         self.servers.append(s)
         return s
 
-    def start(self, *servers, timeout=900):
+    def _launch(self, group: str) -> list[vs.VllmServer]:
+        if group in self.groups:
+            return self.groups[group]
+        if group == "A":
+            tier = {
+                "type": "FaultyKvtierTier",
+                "module_path": "_vllm_faulty_tier",
+                "fault_file": str(self.fault),
+                "dram_capacity_bytes": 512 << 20,
+            }
+            env = {"PYTHONPATH": f"{vs.TOOLS}:{TESTS}"}
+            servers = [self.server("A-embedded", [tier], env=env)]
+        elif group == "B":
+            d = self.tmp / "serve"
+            d.mkdir()
+            self.served = sm.Served(self.binary, d)
+            self.shared_tier = dict(TIER, server_socket=self.served.socket)
+            servers = [self.server(n, [self.shared_tier]) for n in ("B1-shared", "B2-shared")]
+        else:
+            os.environ["KVTIER_CLUSTER_TOKEN"] = tc.TOKEN
+            d = self.tmp / "cluster"
+            d.mkdir()
+            self.cluster = c = tc.Cluster(self.binary, d)
+            c.add_node("node-a", "127.0.0.2")
+            c.add_node("node-b", "127.0.0.3")
+            c.master.wait_nodes(["node-a", "node-b"])
+            servers = [
+                self.server("C1-node-a", [dict(TIER, **c.store_config("node-a"))]),
+                self.server("C2-node-b", [dict(TIER, **c.store_config("node-b"))]),
+            ]
+        for srv in servers:
+            srv.start(wait=False)
+        self.groups[group] = servers
+        return servers
+
+    def ready(self, group: str) -> list[vs.VllmServer]:
+        i = self.ORDER.index(group)
+        for earlier in self.ORDER[:i]:
+            for srv in self.groups.get(earlier, ()):
+                srv.stop()
         t0 = time.monotonic()
-        for s in servers:
-            s.start(wait=False)
-        for s in servers:
-            s.wait_ready(timeout)
-        for s in servers:
+        servers = self._launch(group)
+        if i + 1 < len(self.ORDER):
+            self._launch(self.ORDER[i + 1])
+        self.wait(*servers)
+        log(f"group {group} ready after {time.monotonic() - t0:.0f} s more")
+        return servers
+
+    def wait(self, *servers, timeout=900):
+        for srv in servers:
+            srv.wait_ready(timeout)
+        for srv in servers:
             # A server's first request pays one-off costs (allocations, first kernels): a short
             # unrelated prompt takes them, so the timed requests compare like with like.
-            s.complete("the cache tier of the model server.", 2)
-        log(f"started {[s.name for s in servers]} in {time.monotonic() - t0:.0f} s")
-
-    def retire(self):
-        """Stop the servers of the cases already run (memory: each server holds its model,
-        KV cache and primary tier); the next group of cases starts its own."""
-        for s in self.servers:
-            s.stop()
+            srv.complete("the cache tier of the model server.", 2)
 
     def stop(self):
-        for s in self.servers:
-            s.stop()
+        for srv in self.servers:
+            srv.stop()
+        if self.served is not None:
+            self.served.stop()
+        if self.cluster is not None:
+            self.cluster.stop()
+        if self._token is None:
+            os.environ.pop("KVTIER_CLUSTER_TOKEN", None)
+        else:
+            os.environ["KVTIER_CLUSTER_TOKEN"] = self._token
 
 
 def check_no_engine_errors(server):
@@ -128,10 +186,14 @@ def check_no_engine_errors(server):
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, model_dir):
-    f = Fleet(tmp_path_factory.mktemp("vllm-e2e"), model_dir)
-    yield f
-    f.stop()
+def fleet(tmp_path_factory, model_dir, kvtier_binary):
+    t0 = time.monotonic()
+    f = Fleet(tmp_path_factory.mktemp("vllm-e2e"), model_dir, kvtier_binary)
+    try:
+        yield f
+    finally:
+        f.stop()
+        log(f"module took {time.monotonic() - t0:.0f} s")
     leftover = [p for s in f.servers for p in Path("/dev/shm").glob(f"vllm_offload_{s.engine_id}*")]
     assert leftover == []
 
@@ -170,16 +232,8 @@ def from_kvtier(server, p, cold, local, label):
 
 @pytest.fixture(scope="module")
 def embedded(fleet):
-    fault = fleet.tmp / "fault"
-    tier = {
-        "type": "FaultyKvtierTier",
-        "module_path": "_vllm_faulty_tier",
-        "fault_file": str(fault),
-        "dram_capacity_bytes": 512 << 20,
-    }
-    a = fleet.server("A-embedded", [tier], env={"PYTHONPATH": f"{vs.TOOLS}:{TESTS}"})
-    fleet.start(a)
-    a.fault = fault
+    (a,) = fleet.ready("A")
+    a.fault = fleet.fault
     return a
 
 
@@ -229,17 +283,9 @@ def test_tier_errors_are_misses_and_the_engine_keeps_serving(embedded):
 
 
 @pytest.fixture(scope="module")
-def shared(fleet, kvtier_binary):
-    d = fleet.tmp / "serve"
-    d.mkdir()
-    fleet.retire()
-    served = sm.Served(kvtier_binary, d)
-    tier = dict(TIER, server_socket=served.socket)
-    b1 = fleet.server("B1-shared", [tier])
-    b2 = fleet.server("B2-shared", [tier])
-    fleet.start(b1, b2)
-    yield served, tier, b1, b2
-    served.stop()
+def shared(fleet):
+    b1, b2 = fleet.ready("B")
+    return fleet.served, fleet.shared_tier, b1, b2
 
 
 def test_second_server_answers_from_a_shared_kvtier_serve(shared):
@@ -265,7 +311,9 @@ def test_restarted_server_with_empty_caches_answers_from_kvtier(shared, fleet):
     b1.stop()
     assert list(Path("/dev/shm").glob(f"vllm_offload_{b1.engine_id}*")) == []
     b1r = fleet.server("B1-restarted", [tier])
-    fleet.start(b1r)
+    fleet.groups["B"].append(b1r)
+    b1r.start(wait=False)
+    fleet.wait(b1r)
     from_kvtier(b1r, p, cold, local, "restarted server")
 
 
@@ -297,30 +345,9 @@ def test_killed_kvtier_serve_makes_requests_slower_never_failing(shared):
 
 
 @pytest.fixture(scope="module")
-def cluster2(fleet, kvtier_binary):
-    old = os.environ.get("KVTIER_CLUSTER_TOKEN")
-    os.environ["KVTIER_CLUSTER_TOKEN"] = tc.TOKEN
-    d = fleet.tmp / "cluster"
-    d.mkdir()
-    fleet.retire()
-    c = tc.Cluster(kvtier_binary, d)
-    try:
-        c.add_node("node-a", "127.0.0.2")
-        c.add_node("node-b", "127.0.0.3")
-        c.master.wait_nodes(["node-a", "node-b"])
-        c1 = fleet.server("C1-node-a", [dict(TIER, **c.store_config("node-a"))])
-        c2 = fleet.server("C2-node-b", [dict(TIER, **c.store_config("node-b"))])
-        fleet.start(c1, c2)
-        yield c, c1, c2
-    finally:
-        for s in fleet.servers:
-            if s.name.startswith("C"):
-                s.stop()
-        c.stop()
-        if old is None:
-            os.environ.pop("KVTIER_CLUSTER_TOKEN", None)
-        else:
-            os.environ["KVTIER_CLUSTER_TOKEN"] = old
+def cluster2(fleet):
+    c1, c2 = fleet.ready("C")
+    return fleet.cluster, c1, c2
 
 
 def test_two_hosts_of_a_kvtier_cluster(cluster2):

@@ -49,10 +49,10 @@ TOKEN = "vllm-bench-token"
 @dataclass
 class Trace:
     systems: int = 2
-    system_words: int = 1024
-    users: int = 6
+    system_words: int = 256
+    users: int = 8
     turns: int = 4
-    turn_words: int = 160
+    turn_words: int = 384
     max_tokens: int = 8
     seed: int = 1
 
@@ -138,6 +138,7 @@ def _node_count(binary, master):
         capture_output=True,
         text=True,
         timeout=30,
+        env=dict(os.environ, KVTIER_CLUSTER_TOKEN=TOKEN),
     )
     if r.returncode != 0:
         return 0
@@ -215,6 +216,7 @@ def run_setup(setup, args, trace: Trace, model: Path, tmp: Path) -> dict:
             offload=tiers,
             cpu_bytes=args.cpu_mib << 20,
             num_gpu_blocks=args.num_gpu_blocks,
+            max_model_len=args.max_model_len,
         )
         t0 = time.monotonic()
         srv.start(timeout=args.start_timeout)
@@ -294,6 +296,7 @@ def main(argv=None) -> int:
         default=os.environ.get("KVTIER_SERVER_BIN", str(root / "target" / "release" / "kvtier")),
     )
     ap.add_argument("--num-gpu-blocks", type=int, default=96, help="device KV blocks of 32 tokens")
+    ap.add_argument("--max-model-len", type=int, default=2560, help="fits the device budget")
     ap.add_argument("--cpu-mib", type=int, default=24, help="vLLM's CPU primary tier")
     ap.add_argument("--kvtier-mib", type=int, default=512)
     ap.add_argument("--users", type=int, default=Trace.users)
@@ -310,7 +313,11 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvtier-vllm-bench-") as tmp:
         for setup in args.setups.split(","):
-            r = run_setup(setup, args, trace, model, Path(tmp))
+            try:
+                r = run_setup(setup, args, trace, model, Path(tmp))
+            except Exception as e:  # one broken setup must not lose the others' figures
+                print(f"{setup}: failed: {e}", file=sys.stderr, flush=True)
+                continue
             print(json.dumps(r), flush=True)
             rows.append(r)
     doc = dict(

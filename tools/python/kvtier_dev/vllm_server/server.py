@@ -226,7 +226,9 @@ class VllmServer:
         except OSError:
             return ""
         keep = [ln for ln in lines if "FutureWarning" not in ln and "wrapper = lookup" not in ln]
-        return "\n".join(keep[-n:])
+        # The root cause of a failed start is an "...Error: ..." line far above the tail.
+        errors = [ln for ln in keep if "Error: " in ln][-5:]
+        return "\n".join(keep[-n:] + ["--- error lines:"] + errors)
 
     def log_text(self) -> str:
         try:
