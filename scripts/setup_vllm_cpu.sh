@@ -46,7 +46,7 @@ if [ "$(cat "$VENV/.kvtier-stamp" 2>/dev/null)" != "$stamp" ]; then
   fi
   out=target/wheels-vllm-cpu
   rm -rf "$out"
-  "$MATURIN" build --release -q -i "$VENV/bin/python" -o "$out" 2>&1 | grep -vE '^(📦|✏️|🔗|🍹|🐍|⚠️ Warning: You.*)' || true
+  "$MATURIN" build --release -q -i "$VENV/bin/python" -o "$out" 2>&1 | grep -vE '^(📦|📡|✏️|🔗|🍹|🐍|⚠️ Warning: You.*)' || true
   pip_q --no-deps --force-reinstall "$out"/kvtier-*.whl
   echo "$stamp" > "$VENV/.kvtier-stamp"
 fi
