@@ -15,6 +15,9 @@
 //!   `transport` for reads, `puts` for writes, and the lanes UCX negotiated).
 //! - Node CPU: the node's utime + stime (`/proc/PID/stat`, 10 ms ticks: coarse for short
 //!   runs) over the timed gets, per GB read.
+//! - Issue 26: kvtier refuses UCX's emulated lanes (tcp, posix) unless the INSECURE test hook
+//!   `TEST_INSECURE_UCX_EMULATED_RMA=1` is set (inherited by the node): without it `ucx-tcp`
+//!   and `ucx-shm` measure the frames a UCX client falls back to, and say so.
 //! - Every get is verified byte for byte outside the timed part; the transport in use is read
 //!   back from the client's stats (`peer_transports`) and printed, so a silent fallback shows.
 
@@ -342,6 +345,16 @@ pub(crate) fn run(
         if *choice == "ucx" {
             if let Err(why) = kvtier_client::transport::ucx::ffi::Ucp::get() {
                 return Err(format!("--transport {name}: {why}"));
+            }
+            if !kvtier_client::transport::ucx::lanes::insecure_hook() {
+                eprintln!(
+                    "kvtier bench cluster: --transport {name}: kvtier refuses UCX's emulated \
+                     lanes (tcp, posix: any peer could read or write the processes' memory), so \
+                     this measures what a `cluster_transport = \"ucx\"` client gets here \
+                     (frames, see \"transport in use\"); {}=1 measures UCX itself \
+                     (INSECURE: tests only)",
+                    kvtier_client::transport::ucx::lanes::INSECURE_EMULATED_RMA_ENV
+                );
             }
         }
         rows.extend(measure(
