@@ -164,7 +164,10 @@ fn run_stranger(
         );
     let text = run_bounded(cmd, "the stranger");
     let mut results = Vec::new();
-    for line in text.lines().filter_map(|l| l.strip_prefix("STRANGER ")) {
+    for line in text
+        .lines()
+        .filter_map(|l| l.find("STRANGER ").map(|at| &l[at + "STRANGER ".len()..]))
+    {
         let mut parts = line.splitn(3, ' ');
         let target: SocketAddr = parts.next().unwrap().parse().unwrap();
         let read = parts.next().unwrap();

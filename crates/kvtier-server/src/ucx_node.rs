@@ -72,9 +72,11 @@ pub const CONNECTION_SHARE: u64 = 2;
 /// rest stays evictable, so members leasing everything cannot block puts (local tenants'
 /// included) by pinning the store full (issue 26). Objects beyond are answered `NotRemote`
 /// (read over frames).
-pub const LEASE_NODE_SHARE: u64 = 4;
-/// One data-port connection's leases pin at most `1 / LEASE_CONNECTION_SHARE` of the arena.
-pub const LEASE_CONNECTION_SHARE: u64 = 16;
+pub const LEASE_NODE_SHARE: u64 = 2;
+/// One data-port connection's leases pin at most `1 / LEASE_CONNECTION_SHARE` of the arena
+/// (a reader's batch of up to `MAX_LEASE_OBJECTS` objects larger than that is partly read
+/// over frames).
+pub const LEASE_CONNECTION_SHARE: u64 = 4;
 /// How long the progress thread sleeps on the worker's event descriptor at most.
 const PROGRESS_WAIT: Duration = Duration::from_millis(100);
 
