@@ -191,8 +191,13 @@ pub fn stranger_probe(
     let std::net::IpAddr::V4(own_ip) = own_socket.ip() else {
         return Err(format!("not IPv4: {own_socket}"));
     };
-    let port_at = find_once(&own, &own_socket.port().to_be_bytes())
-        .ok_or_else(|| format!("own port {} not once in the address", own_socket.port()))?;
+    // The tcp interface address (the port, big-endian) ends UCX 1.13's packed address; the
+    // last match, as the random UUID before it may hold the same two bytes.
+    let port = own_socket.port().to_be_bytes();
+    let port_at = own
+        .windows(2)
+        .rposition(|w| w == port)
+        .ok_or_else(|| format!("own port {} not in the address", own_socket.port()))?;
     // UCX 1.13 packs a loopback device's address without its IP; another device's IP is in
     // it once (checked when a target needs it replaced).
     let ip_at = find_once(&own, &own_ip.octets());
