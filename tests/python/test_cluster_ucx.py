@@ -23,6 +23,12 @@ equals the registry's regions; one region refused through the test-only
 ``TEST_KVTIER_UCX_REFUSE_REGION`` is counted once in ``ucx_registration_failures``), their
 transfers pass those memory handles, and the decode client names the transports UCX negotiated
 for node-a's endpoint (``ucx_lanes``: tcp lanes, or a shared-memory one).
+Issue 26: UCX's tcp and posix lanes emulate one-sided access in software and would serve any
+peer's read or write, so kvtier refuses them unless the INSECURE test hook
+``TEST_INSECURE_UCX_EMULATED_RMA=1`` is set; the two protocol runs set it (nodes and hosts),
+as no RDMA lane exists here. ``test_default_refuses_emulated_ucx_and_frames_serve_byte_exact``
+runs the same group with ``UCX_TLS=tcp`` and no hook: both nodes and both hosts refuse UCX
+(saying why), and decode reads every page byte-exact over frames.
 It skips, naming itself, where libucp cannot be loaded. Under shared memory UCX logs one
 "no active messages transport ... no peer failure handler" error: the endpoint is asked for
 with peer failure handling first, which UCX's shm transports lack, then made without it
@@ -40,9 +46,10 @@ import pytest
 import test_cluster as tc
 from test_cluster import _host_pool, cluster, hosts, kvtier_bin  # noqa: F401  (fixtures)
 
+HOOK = "TEST_INSECURE_UCX_EMULATED_RMA"
 TRANSPORTS = {
-    "tcp": {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"},
-    "shm": {"UCX_TLS": "posix,cma,self", "UCX_NET_DEVICES": "lo"},
+    "tcp": {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", HOOK: "1"},
+    "shm": {"UCX_TLS": "posix,cma,self", "UCX_NET_DEVICES": "lo", HOOK: "1"},
 }
 PAGES = 6
 
@@ -179,3 +186,42 @@ def test_dsv4_group_read_byte_exact_through_another_node_over_ucx(
         f"decode read {pages} side-pool pages from node-a byte-exact in {t_get * 1e3:.1f} ms "
         f"over {used['transport']} ({used['reason']})"
     )
+
+
+def test_default_refuses_emulated_ucx_and_frames_serve_byte_exact(cluster, hosts, monkeypatch):
+    missing = _libucp_missing()
+    if missing:
+        pytest.skip(f"test_cluster_ucx needs libucp (UCX): {missing}")
+    env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", HOOK: None}
+    for k, v in env.items():
+        if v is None:
+            monkeypatch.delenv(k, raising=False)
+        else:
+            monkeypatch.setenv(k, v)  # inherited by the nodes
+    c = cluster()
+    a = c.add_node("node-a", "127.0.0.2", "--engine", "cluster_transport=ucx")
+    b = c.add_node("node-b", "127.0.0.3", "--engine", "cluster_transport=ucx")
+    c.master.wait_nodes(["node-a", "node-b"])
+    for node in (a, b):
+        plane = node.stat()["data_plane"]
+        assert plane["transport"] == "frames" and "UCX refused" in plane["reason"], plane
+    prefill, decode = hosts
+    tc.in_parallel((prefill, "set_env", {"env": env}), (decode, "set_env", {"env": env}))
+    dsv4 = dict(kind="dsv4", tp_rank=0, tp_size=1, socket=None, allocator="default")
+    ucx = dict(cluster_transport="ucx", cluster_request_timeout_ms=2000)
+    tc.in_parallel(
+        (prefill, "setup", {**dsv4, **c.store_config("node-a", **ucx)}),
+        (decode, "setup", {**dsv4, **c.store_config("node-b", **ucx)}),
+    )
+    keys = tc.keys_for(PAGES, "ucx-refused-")
+    completed, _, truth, _ = prefill("v2_backup_hashed", keys=keys, seed=23)
+    assert completed == PAGES and truth and all(truth.values()), truth
+    assert b.objects() == 0
+    hit, kv_hit, read, _ = decode("v2_prefetch_hashed", keys=keys)
+    assert hit == kv_hit == PAGES, (hit, kv_hit)
+    assert read == truth, "decode read different bytes than prefill wrote"
+    for host in (prefill, decode):
+        peers = {p["peer"]: p for p in host("stats_json").get("peer_transports", [])}
+        used = peers[a.data_addr]
+        assert used["transport"] == "tcp" and "UCX refused" in used["reason"], used
+        assert used["ucx_lanes"] == [], used

@@ -15,6 +15,9 @@
 //!   `transport` for reads, `puts` for writes, and the lanes UCX negotiated).
 //! - Node CPU: the node's utime + stime (`/proc/PID/stat`, 10 ms ticks: coarse for short
 //!   runs) over the timed gets, per GB read.
+//! - Issue 26: kvtier refuses UCX's emulated lanes (tcp, posix) unless the INSECURE test hook
+//!   `TEST_INSECURE_UCX_EMULATED_RMA=1` is set (inherited by the node): without it `ucx-tcp`
+//!   and `ucx-shm` measure the frames a UCX client falls back to, and say so.
 //! - Every get is verified byte for byte outside the timed part; the transport in use is read
 //!   back from the client's stats (`peer_transports`) and printed, so a silent fallback shows.
 
@@ -162,7 +165,9 @@ fn measure(
     let token = format!("bench-ucx-{}-{nanos:x}", std::process::id());
     let master_addr = format!("127.0.0.1:{}", free_port()?);
     let largest = sizes.iter().copied().max().unwrap_or(1 << 20);
-    let capacity_mib = ((largest * batch * 3) >> 20).max(64);
+    // Five batches: one data-port connection's leases pin at most a quarter of the arena
+    // (issue 26, `LEASE_CONNECTION_SHARE`), and a whole batch is leased at once.
+    let capacity_mib = ((largest * batch * 5) >> 20).max(64);
     let mut env: Vec<(&str, &str)> = vec![("KVTIER_CLUSTER_TOKEN", &token)];
     env.extend_from_slice(ucx_env);
     let _master = spawn(
@@ -342,6 +347,16 @@ pub(crate) fn run(
         if *choice == "ucx" {
             if let Err(why) = kvtier_client::transport::ucx::ffi::Ucp::get() {
                 return Err(format!("--transport {name}: {why}"));
+            }
+            if !kvtier_client::transport::ucx::lanes::insecure_hook() {
+                eprintln!(
+                    "kvtier bench cluster: --transport {name}: kvtier refuses UCX's emulated \
+                     lanes (tcp, posix: any peer could read or write the processes' memory), so \
+                     this measures what a `cluster_transport = \"ucx\"` client gets here \
+                     (frames, see \"transport in use\"); {}=1 measures UCX itself \
+                     (INSECURE: tests only)",
+                    kvtier_client::transport::ucx::lanes::INSECURE_EMULATED_RMA_ENV
+                );
             }
         }
         rows.extend(measure(

@@ -14,6 +14,12 @@
 //! frames byte-exact, and eviction racing remote reads (a read is byte-exact or a miss,
 //! never other bytes).
 //! `kvtier stat` names each node's data plane: UCX (with its `UCX_TLS`) or TCP frames and why.
+//!
+//! Issue 26: UCX's tcp and posix lanes emulate one-sided access in software (they serve any
+//! peer's read or write), so kvtier refuses them by default; these protocol tests run them
+//! through the INSECURE test hook (`TEST_INSECURE_UCX_EMULATED_RMA=1`, set only in their
+//! child processes and nodes), as no RDMA lane exists here. `stat_names_the_data_plane` also
+//! shows a default node refusing UCX with the same `UCX_TLS`.
 
 mod common;
 
@@ -29,6 +35,8 @@ use common::{free_port, metric_sum, object_bytes, spawn_master, wait_for, Pool, 
 use kvtier_client::{Client, KvtierConfig};
 
 const CHILD: &str = "TEST_CHILD_UCX_CLUSTER";
+/// The insecure test hook that lets kvtier use UCX's emulated lanes (see the module doc).
+const HOOK: &str = kvtier_client::transport::ucx::lanes::INSECURE_EMULATED_RMA_ENV;
 const TCP: &str = "tcp";
 const SHM: &str = "posix,cma,self";
 
@@ -48,6 +56,7 @@ fn in_child(name: &str, tls: &str) {
             "--test-threads=1",
         ])
         .env(CHILD, "1")
+        .env(HOOK, "1")
         .env("UCX_TLS", tls)
         .env("UCX_NET_DEVICES", "lo")
         .output()
@@ -728,9 +737,10 @@ fn stat_names_the_data_plane() {
     let master = format!("127.0.0.1:{}", free_port("127.0.0.1"));
     let _master_proc = spawn_master(&master, 1000, &[]);
     let mut nodes = Vec::new();
-    for (id, ip, transport) in [
-        ("node-u", "127.0.0.2", "ucx"),
-        ("node-t", "127.0.0.3", "tcp"),
+    for (id, ip, transport, hook) in [
+        ("node-u", "127.0.0.2", "ucx", "1"),
+        ("node-t", "127.0.0.3", "tcp", "1"),
+        ("node-d", "127.0.0.4", "ucx", "0"),
     ] {
         let data = format!("{ip}:{}", free_port(ip));
         let socket = dir.path().join(format!("{id}.sock"));
@@ -756,6 +766,7 @@ fn stat_names_the_data_plane() {
             ("KVTIER_CLUSTER_TOKEN", TOKEN),
             ("UCX_TLS", TCP),
             ("UCX_NET_DEVICES", "lo"),
+            (HOOK, hook),
         ];
         let proc = Proc::spawn(id, &args, &envs);
         nodes.push((socket.clone(), proc));
@@ -763,12 +774,15 @@ fn stat_names_the_data_plane() {
     let (human, doc) = stat_with_data_plane(&nodes[0].0);
     println!("ucx node: {human}");
     let line = human.lines().find(|l| l.contains("data plane:")).unwrap();
-    assert!(line.contains("data plane: UCX (UCX_TLS tcp,"), "{human}");
+    assert!(
+        line.contains("data plane: UCX (UCX_TLS tcp (INSECURE test hook),"),
+        "{human}"
+    );
     assert!(line.contains("16 MiB registered"), "{human}");
     let plane = &doc["data_plane"];
     assert_eq!(plane["transport"], "ucx", "{doc}");
     assert_eq!(plane["enabled"], true, "{doc}");
-    assert_eq!(plane["ucx_tls"], TCP, "{doc}");
+    assert_eq!(plane["ucx_tls"], "tcp (INSECURE test hook)", "{doc}");
     assert_eq!(plane["leases_held"], 0, "{doc}");
 
     let (human, doc) = stat_with_data_plane(&nodes[1].0);
@@ -779,4 +793,13 @@ fn stat_names_the_data_plane() {
     );
     assert_eq!(doc["data_plane"]["transport"], "frames", "{doc}");
     assert_eq!(doc["data_plane"]["enabled"], false, "{doc}");
+
+    // Issue 26: the same UCX_TLS=tcp without the hook: UCX refused, frames, and why.
+    let (human, doc) = stat_with_data_plane(&nodes[2].0);
+    println!("default node: {human}");
+    assert!(
+        human.contains("data plane: TCP frames (no UCX: UCX refused: UCX_TLS=tcp leaves no"),
+        "{human}"
+    );
+    assert_eq!(doc["data_plane"]["transport"], "frames", "{doc}");
 }

@@ -143,6 +143,12 @@ fn across_hosts(name: &str, tag: char) {
             "--test-threads=1",
         ])
         .env(CHILD, "1")
+        // Issue 26: UCX's tcp lane is emulated, refused by default; these protocol tests use
+        // the INSECURE test hook (inherited by every node the child starts).
+        .env(
+            kvtier_client::transport::ucx::lanes::INSECURE_EMULATED_RMA_ENV,
+            "1",
+        )
         .env("TEST_NS_A", &hosts.ns_a)
         .env("TEST_VETH_A", &hosts.veth_a)
         .env("UCX_TLS", "tcp")

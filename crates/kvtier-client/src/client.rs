@@ -475,6 +475,11 @@ impl Client {
                 "ucx_registered_transfers".into(),
                 ucx.registered_transfers().into(),
             );
+            // Issue 26: why this client runs no UCX worker at all (null: it runs one).
+            map.insert(
+                "ucx_unavailable".into(),
+                ucx.unavailable().map(str::to_string).into(),
+            );
         }
         if let Stores::Server(remote) = &self.store {
             map.extend(remote.local_stats());

@@ -6,13 +6,20 @@
 //! Each transport runs in a child process of this test binary, because UCX reads its
 //! `UCX_TLS` / `UCX_NET_DEVICES` from the environment once per context and tests share one
 //! environment. A host without libucp skips with the reason printed (setup.sh installs it).
+//!
+//! Issue 26: UCX's tcp and shared-memory (posix) lanes emulate one-sided access in software,
+//! so kvtier's contexts refuse them unless the INSECURE test hook
+//! (`TEST_INSECURE_UCX_EMULATED_RMA=1`) is set: the round trips set it in their child;
+//! `contexts_refuse_emulated_lanes_without_the_hook` shows the default refusing every
+//! `UCX_TLS` (no RDMA device here) before UCX is initialised.
 
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_client::transport::ucx::{Context, RemoteExtent};
+use kvtier_client::transport::ucx::lanes::INSECURE_EMULATED_RMA_ENV;
+use kvtier_client::transport::ucx::{Context, RemoteExtent, UcxError};
 
 const CHILD: &str = "TEST_CHILD_UCX_TRANSFER";
 
@@ -25,6 +32,7 @@ fn run_child(tls: &str) {
     let out = Command::new(std::env::current_exe().unwrap())
         .args(["--ignored", "--exact", "child_round_trip", "--nocapture"])
         .env(CHILD, "1")
+        .env(INSECURE_EMULATED_RMA_ENV, "1")
         .env("UCX_TLS", tls)
         .env("UCX_NET_DEVICES", "lo")
         .output()
@@ -37,6 +45,58 @@ fn run_child(tls: &str) {
     assert!(out.status.success(), "UCX_TLS={tls}: {text}");
     assert!(text.contains("ROUND TRIP OK"), "UCX_TLS={tls}: {text}");
     eprintln!("UCX_TLS={tls}: ok in {:?}", started.elapsed());
+}
+
+#[test]
+fn contexts_refuse_emulated_lanes_without_the_hook() {
+    if kvtier_client::transport::ucx::ffi::Ucp::get().is_err() {
+        eprintln!("SKIP: libucp is not available here");
+        return;
+    }
+    if !kvtier_client::transport::ucx::rdma_devices().is_empty() {
+        eprintln!("SKIP: this host has an RDMA device (the allow-list keeps a lane)");
+        return;
+    }
+    for tls in [
+        None,
+        Some("tcp"),
+        Some("posix,cma,self"),
+        Some("sm"),
+        Some("all"),
+    ] {
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.args(["--ignored", "--exact", "child_refused", "--nocapture"])
+            .env(CHILD, "1")
+            .env_remove(INSECURE_EMULATED_RMA_ENV)
+            .env("UCX_NET_DEVICES", "lo");
+        match tls {
+            Some(tls) => cmd.env("UCX_TLS", tls),
+            None => cmd.env_remove("UCX_TLS"),
+        };
+        let out = cmd.output().unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            out.status.success() && text.contains("REFUSED: UCX refused:"),
+            "UCX_TLS={tls:?}: {text}"
+        );
+    }
+}
+
+#[test]
+#[ignore = "run by contexts_refuse_emulated_lanes_without_the_hook in a child process"]
+fn child_refused() {
+    if std::env::var_os(CHILD).is_none() {
+        return;
+    }
+    match Context::new() {
+        Err(e @ UcxError::NoProtectedLane(_)) => println!("REFUSED: {e}"),
+        Err(e) => panic!("refused for another reason: {e}"),
+        Ok(c) => panic!("a context was created with {}", c.transports()),
+    }
 }
 
 #[test]

@@ -70,6 +70,71 @@ pub const MAX_RESERVE_BYTES: u64 = 1 << 30;
 /// Longest transport description.
 const MAX_TRANSPORTS_LEN: usize = 1024;
 
+/// Why a client refuses the extents a node leased for one object (issue 26: a hostile node's
+/// reply made a client loop and abort on a 2 GiB allocation). Every variant names the sizes.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum LeaseExtentError {
+    #[error("the node leased no extent for an object of {object} bytes")]
+    NoExtents { object: u64 },
+    #[error("the node leased {count} extents for one object (at most {MAX_LEASE_EXTENTS})")]
+    TooManyExtents { count: usize },
+    #[error(
+        "the node leased an empty extent (#{index} at {addr:#x}) for an object of {object} bytes"
+    )]
+    Empty {
+        index: usize,
+        addr: u64,
+        object: u64,
+    },
+    #[error("the node leased extent #{index} at {addr:#x} of {len} bytes, which wraps the address space")]
+    Wraps { index: usize, addr: u64, len: u64 },
+    #[error("the node leased extent #{index} of {len} bytes, more than the {object}-byte object it belongs to")]
+    ExceedsObject { index: usize, len: u64, object: u64 },
+    #[error("the node leased {leased} bytes for an object of {object} bytes")]
+    SizeDiffers { leased: u64, object: u64 },
+}
+
+/// Check a node's extents for one object of `object` bytes (its value and checksum trailer:
+/// the destination the client reads into): a non-empty list of at most
+/// [`MAX_LEASE_EXTENTS`] extents, none empty, none wrapping, each within the object, adding
+/// up to exactly `object` bytes (no sum overflows). A reader splits the extents over its
+/// destination only after this, so a hostile reply can neither spin it nor make it write
+/// past its buffer.
+pub fn check_lease_extents(extents: &[(u64, u64)], object: u64) -> Result<(), LeaseExtentError> {
+    if extents.is_empty() {
+        return Err(LeaseExtentError::NoExtents { object });
+    }
+    if extents.len() > MAX_LEASE_EXTENTS {
+        return Err(LeaseExtentError::TooManyExtents {
+            count: extents.len(),
+        });
+    }
+    let mut leased = 0u64;
+    for (index, &(addr, len)) in extents.iter().enumerate() {
+        if len == 0 {
+            return Err(LeaseExtentError::Empty {
+                index,
+                addr,
+                object,
+            });
+        }
+        if addr.checked_add(len).is_none() {
+            return Err(LeaseExtentError::Wraps { index, addr, len });
+        }
+        if len > object {
+            return Err(LeaseExtentError::ExceedsObject { index, len, object });
+        }
+        leased = leased.saturating_add(len);
+        if leased > object {
+            return Err(LeaseExtentError::SizeDiffers { leased, object });
+        }
+    }
+    if leased != object {
+        return Err(LeaseExtentError::SizeDiffers { leased, object });
+    }
+    Ok(())
+}
+
 /// What the node found for one object of a lease request.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum LeaseItem {
@@ -513,6 +578,73 @@ impl Decode for UcxCommitReply {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn lease_extents_are_checked_before_a_reader_uses_them() {
+        use super::{check_lease_extents as check, LeaseExtentError as E};
+        assert_eq!(check(&[(0x1000, 24)], 24), Ok(()));
+        assert_eq!(check(&[(0x1000, 16), (0x9000, 8)], 24), Ok(()));
+        assert_eq!(check(&[], 24), Err(E::NoExtents { object: 24 }));
+        assert_eq!(
+            check(&[(0x1000, 0), (0x1000, 24)], 24),
+            Err(E::Empty {
+                index: 0,
+                addr: 0x1000,
+                object: 24
+            })
+        );
+        assert_eq!(
+            check(&[(u64::MAX - 3, 8), (0, 16)], 24),
+            Err(E::Wraps {
+                index: 0,
+                addr: u64::MAX - 3,
+                len: 8
+            })
+        );
+        // Lengths whose sum wraps to the object's size (the old reader summed with `+`).
+        assert_eq!(
+            check(&[(0x1000, u64::MAX), (0x2000, 25)], 24),
+            Err(E::Wraps {
+                index: 0,
+                addr: 0x1000,
+                len: u64::MAX
+            })
+        );
+        assert_eq!(
+            check(&[(0x1000, 1 << 31)], 24),
+            Err(E::ExceedsObject {
+                index: 0,
+                len: 1 << 31,
+                object: 24
+            })
+        );
+        assert_eq!(
+            check(&[(0x1000, 16), (0x2000, 16)], 24),
+            Err(E::SizeDiffers {
+                leased: 32,
+                object: 24
+            })
+        );
+        assert_eq!(
+            check(&[(0x1000, 16)], 24),
+            Err(E::SizeDiffers {
+                leased: 16,
+                object: 24
+            })
+        );
+        let many = vec![(0x1000u64, 1u64); super::MAX_LEASE_EXTENTS + 1];
+        assert_eq!(
+            check(&many, many.len() as u64),
+            Err(E::TooManyExtents {
+                count: super::MAX_LEASE_EXTENTS + 1
+            })
+        );
+        let text = check(&[(0x1000, 1 << 31)], 24).unwrap_err().to_string();
+        assert!(
+            text.contains("2147483648") && text.contains("24-byte"),
+            "{text}"
+        );
+    }
+
     use super::*;
 
     #[test]

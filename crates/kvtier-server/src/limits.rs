@@ -20,3 +20,9 @@ const _: () = assert!(
 );
 // The master takes as many keys per call as a batch on the wire may name.
 const _: () = assert!(MAX_KEYS_PER_CALL <= MAX_KEYS_PER_BATCH);
+
+// Issue 26: leases pin at most half the arena at once (the rest stays evictable for
+// everyone's puts), one connection's leases a share no larger than that.
+pub use crate::ucx_node::{LEASE_CONNECTION_SHARE, LEASE_NODE_SHARE};
+const _: () = assert!(LEASE_NODE_SHARE >= 2);
+const _: () = assert!(LEASE_CONNECTION_SHARE >= LEASE_NODE_SHARE);

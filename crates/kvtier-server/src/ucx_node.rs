@@ -7,6 +7,11 @@
 //! Invariants:
 //! - Only the data port calls [`serve`], on connections that passed the cluster-token
 //!   handshake: an unauthenticated process never learns the worker address or the key.
+//! - Issue 26: the context loads only transports that protect memory (RDMA RC/DC, cma:
+//!   [`kvtier_client::transport::ucx::lanes`]); UCX's emulated lanes, which would serve a
+//!   stranger's reads and writes without any key check, are never loaded, and without an RDMA
+//!   lane [`UcxNode::start`] fails with the reason and the node serves frames only. Still
+//!   open: the read key covers the whole arena (see docs/security.md, "UCX plane").
 //! - A leased object is pinned ([`kvtier_client::Client::pin`]): its DRAM extents cannot be
 //!   evicted or reused until the lease is released or expires ([`LEASE_TIME`]); at most
 //!   [`MAX_LEASES`] leases are held (a new one beyond is refused, the reader uses frames), so
@@ -36,7 +41,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::server::TenantStore;
-use kvtier_client::transport::ucx::{host_id, ucx_tls, Context, Registration, Worker};
+use kvtier_client::transport::ucx::{host_id, Context, Registration, Worker};
 use kvtier_engine::PinnedObject;
 use kvtier_proto::auth::{object_checksum, CHECKSUM_LEN};
 use kvtier_proto::frame::{FLAG_ERROR, FLAG_RESPONSE};
@@ -63,6 +68,15 @@ pub const MAX_RESERVATIONS: usize = 4096;
 pub const RESERVATION_TIME: Duration = Duration::from_secs(5);
 /// One connection holds at most `1 / CONNECTION_SHARE` of the landing area.
 pub const CONNECTION_SHARE: u64 = 2;
+/// Leases pin at most `1 / LEASE_NODE_SHARE` of the arena at once, whoever holds them: the
+/// rest stays evictable, so members leasing everything cannot block puts (local tenants'
+/// included) by pinning the store full (issue 26). Objects beyond are answered `NotRemote`
+/// (read over frames).
+pub const LEASE_NODE_SHARE: u64 = 2;
+/// One data-port connection's leases pin at most `1 / LEASE_CONNECTION_SHARE` of the arena
+/// (a reader's batch of up to `MAX_LEASE_OBJECTS` objects larger than that is partly read
+/// over frames).
+pub const LEASE_CONNECTION_SHARE: u64 = 4;
 /// How long the progress thread sleeps on the worker's event descriptor at most.
 const PROGRESS_WAIT: Duration = Duration::from_millis(100);
 
@@ -78,9 +92,37 @@ struct Lease {
 #[derive(Default)]
 struct Leases {
     held: HashMap<u64, Lease>,
+    /// Bytes pinned by held leases plus those set aside for leases being made, in all and per
+    /// connection (bounded by [`LEASE_NODE_SHARE`] / [`LEASE_CONNECTION_SHARE`]).
+    pinned: u64,
+    pinned_per_connection: HashMap<u64, u64>,
 }
 
 impl Leases {
+    /// Count `bytes` pinned (or set aside) for `connection`.
+    fn add_pinned(&mut self, connection: u64, bytes: u64) {
+        self.pinned += bytes;
+        *self.pinned_per_connection.entry(connection).or_default() += bytes;
+    }
+
+    /// Stop counting `bytes` of `connection`'s.
+    fn sub_pinned(&mut self, connection: u64, bytes: u64) {
+        self.pinned = self.pinned.saturating_sub(bytes);
+        if let Some(held) = self.pinned_per_connection.get_mut(&connection) {
+            *held = held.saturating_sub(bytes);
+            if *held == 0 {
+                self.pinned_per_connection.remove(&connection);
+            }
+        }
+    }
+
+    /// Remove lease `id` (its pinned bytes no longer counted).
+    fn remove(&mut self, id: u64) -> Option<Lease> {
+        let lease = self.held.remove(&id)?;
+        self.sub_pinned(lease.connection, lease.bytes);
+        Some(lease)
+    }
+
     /// Remove the leases `drop_it` picks and hand them back, so their pins drop after the
     /// table's lock is released.
     fn take(&mut self, mut drop_it: impl FnMut(&Lease) -> bool) -> Vec<Lease> {
@@ -90,7 +132,7 @@ impl Leases {
             .filter(|(_, lease)| drop_it(lease))
             .map(|(id, _)| *id)
             .collect();
-        ids.iter().filter_map(|id| self.held.remove(id)).collect()
+        ids.iter().filter_map(|id| self.remove(*id)).collect()
     }
 }
 
@@ -165,6 +207,8 @@ pub struct UcxNodeCounters {
     pub leased_objects: AtomicU64,
     pub leased_bytes: AtomicU64,
     pub refused_full: AtomicU64,
+    /// Lease items answered `NotRemote` because the pinned-bytes bounds were reached.
+    pub refused_pinned: AtomicU64,
     pub not_remote: AtomicU64,
     /// Put extents handed out.
     pub reservations: AtomicU64,
@@ -233,7 +277,7 @@ impl UcxNode {
             rkey: registration.pack_key().map_err(|e| e.to_string())?,
             max_leases: MAX_LEASES as u64,
             lease_ms: LEASE_TIME.as_millis() as u64,
-            transports: ucx_tls(),
+            transports: context.transports().to_string(),
             host: host_id(),
         };
         let landing = if landing_bytes == 0 {
@@ -302,6 +346,16 @@ impl UcxNode {
         self.leases.lock().held.len()
     }
 
+    /// Bytes the held leases pin now (at most `1 / LEASE_NODE_SHARE` of the arena).
+    pub fn pinned_bytes(&self) -> u64 {
+        self.leases.lock().pinned
+    }
+
+    /// The arena's registered length (the pinned-bytes bounds are shares of it).
+    pub fn arena_len(&self) -> u64 {
+        self.len
+    }
+
     /// Put reservations held now.
     pub fn reservations_held(&self) -> usize {
         self.landing
@@ -349,6 +403,7 @@ impl UcxNode {
             "leased_bytes_total": self.counters.leased_bytes.load(Ordering::Relaxed),
             "released_bytes_total": self.counters.released_bytes.load(Ordering::Relaxed),
             "leases_refused_full": self.counters.refused_full.load(Ordering::Relaxed),
+            "lease_items_refused_pinned": self.counters.refused_pinned.load(Ordering::Relaxed),
             "objects_not_remote": self.counters.not_remote.load(Ordering::Relaxed),
         })
     }
@@ -360,7 +415,11 @@ impl UcxNode {
         connection: u64,
         request: &UcxLeaseRequest,
     ) -> Result<UcxLeaseReply, u16> {
-        let expired = {
+        let wanted = request
+            .objects
+            .iter()
+            .fold(0u64, |sum, (_, len)| sum.saturating_add(*len));
+        let (expired, budget) = {
             let mut leases = self.leases.lock();
             let now = Instant::now();
             let expired = leases.take(|lease| lease.expires <= now);
@@ -368,7 +427,18 @@ impl UcxNode {
                 self.counters.refused_full.fetch_add(1, Ordering::Relaxed);
                 return Err(LEASES_FULL);
             }
-            expired
+            // Set aside what this request may pin, within both bounds, before pinning (the
+            // pins are taken outside the lock; other connections see the room as taken).
+            let node_room = (self.len / LEASE_NODE_SHARE).saturating_sub(leases.pinned);
+            let held = leases
+                .pinned_per_connection
+                .get(&connection)
+                .copied()
+                .unwrap_or(0);
+            let connection_room = (self.len / LEASE_CONNECTION_SHARE).saturating_sub(held);
+            let budget = wanted.min(node_room).min(connection_room);
+            leases.add_pinned(connection, budget);
+            (expired, budget)
         };
         drop(expired);
         let (start, end) = (self.base, self.base + self.len);
@@ -376,6 +446,12 @@ impl UcxNode {
         let mut items = Vec::with_capacity(request.objects.len());
         let mut bytes = 0u64;
         for (key, expected) in &request.objects {
+            if bytes.saturating_add(*expected) > budget {
+                // Over the node's or this connection's pinned-bytes bound: over frames.
+                self.counters.refused_pinned.fetch_add(1, Ordering::Relaxed);
+                items.push(LeaseItem::NotRemote);
+                continue;
+            }
             let Some(pin) = store.pin(key) else {
                 items.push(LeaseItem::NotFound);
                 continue;
@@ -410,8 +486,11 @@ impl UcxNode {
         self.counters
             .leased_bytes
             .fetch_add(bytes, Ordering::Relaxed);
+        let mut leases = self.leases.lock();
+        // Only what was pinned stays counted (`bytes <= budget`: checked per object above).
+        leases.sub_pinned(connection, budget - bytes);
         if !pins.is_empty() {
-            self.leases.lock().held.insert(
+            leases.held.insert(
                 lease_id,
                 Lease {
                     connection,
@@ -421,6 +500,7 @@ impl UcxNode {
                 },
             );
         }
+        drop(leases);
         Ok(UcxLeaseReply { lease_id, items })
     }
 
@@ -430,7 +510,7 @@ impl UcxNode {
         let lease = {
             let mut leases = self.leases.lock();
             match leases.held.get(&lease_id) {
-                Some(lease) if lease.connection == connection => leases.held.remove(&lease_id),
+                Some(lease) if lease.connection == connection => leases.remove(lease_id),
                 _ => None,
             }
         };

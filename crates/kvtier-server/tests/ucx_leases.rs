@@ -43,6 +43,12 @@ fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
 fn leases_are_owned_by_their_connection_and_end_with_it() {
     // Pin UCX to loopback TCP before its context reads the environment.
     std::env::set_var("UCX_TLS", "tcp");
+    // Issue 26: UCX's tcp lane is emulated and refused by default; the protocol is tested
+    // over it through the INSECURE test hook (no RDMA here).
+    std::env::set_var(
+        kvtier_client::transport::ucx::lanes::INSECURE_EMULATED_RMA_ENV,
+        "1",
+    );
     std::env::set_var("UCX_NET_DEVICES", "lo");
     let store = Arc::new(
         TenantStore::open(
@@ -136,4 +142,122 @@ fn leases_are_owned_by_their_connection_and_end_with_it() {
         "the wait above must be shorter than the lease time to prove anything"
     );
     drop(intruder);
+}
+
+/// Issue 26: a member that leases every object cannot pin more than its connection's share of
+/// the arena, all members together no more than the node's share, and a local put that needs
+/// the rest of the arena still succeeds (the unpinned objects are evicted for it).
+#[test]
+fn a_member_leasing_everything_cannot_block_puts() {
+    std::env::set_var("UCX_TLS", "tcp");
+    std::env::set_var(
+        kvtier_client::transport::ucx::lanes::INSECURE_EMULATED_RMA_ENV,
+        "1",
+    );
+    std::env::set_var("UCX_NET_DEVICES", "lo");
+    let store = Arc::new(
+        TenantStore::open(
+            KvtierConfig {
+                engine: kvtier_engine::EngineConfig {
+                    dram_capacity_bytes: 16 << 20,
+                    dram_prefault: false,
+                    ..kvtier_engine::EngineConfig::default()
+                },
+                ..KvtierConfig::default()
+            },
+            "main",
+        )
+        .unwrap(),
+    );
+    let node = match UcxNode::start(&store) {
+        Ok(node) => Arc::new(node),
+        Err(reason) if reason.contains("libucp") => {
+            eprintln!("SKIP: UCX is not installed here ({reason})");
+            return;
+        }
+        Err(reason) => panic!("UCX node did not start: {reason}"),
+    };
+    let port = DataPort::start_with_ucx(
+        "127.0.0.1:0".parse().unwrap(),
+        Arc::clone(&store),
+        TOKEN.to_vec(),
+        Some(Arc::clone(&node)),
+    )
+    .unwrap();
+    let peer = port.local_addr().to_string();
+    let member = transport();
+    let value = vec![3u8; 256 << 10];
+    let keys: Vec<Vec<u8>> = (0..40).map(|i| format!("all{i:03}").into_bytes()).collect();
+    for key in &keys {
+        let put = member.put(
+            &peer,
+            &[PutItem {
+                key,
+                value: &value,
+                depth: Some(1),
+            }],
+        );
+        assert!(put.iter().all(Result::is_ok), "{put:?}");
+    }
+    let object = (value.len() + CHECKSUM_LEN) as u64;
+    let request = UcxLeaseRequest {
+        objects: keys.iter().map(|k| (k.clone(), object)).collect(),
+    };
+    let arena = node.arena_len();
+    let connection_share = arena / kvtier_server::limits::LEASE_CONNECTION_SHARE;
+    let node_share = arena / kvtier_server::limits::LEASE_NODE_SHARE;
+    // One connection asks for everything: it gets its share, the rest is answered NotRemote.
+    let transports: Vec<TcpTransport> = (0..8).map(|_| transport()).collect();
+    let mut sessions: Vec<_> = transports
+        .iter()
+        .map(|t| t.session(&peer).unwrap())
+        .collect();
+    let mut leased_total = 0u64;
+    for (i, session) in sessions.iter_mut().enumerate() {
+        let lease: UcxLeaseReply = session.control(Opcode::PeerUcxLease, &request).unwrap();
+        let leased = lease
+            .items
+            .iter()
+            .filter(|i| matches!(i, LeaseItem::Extents(_)))
+            .count() as u64
+            * object;
+        assert!(
+            leased <= connection_share,
+            "connection {i} pinned {leased} bytes (share {connection_share})"
+        );
+        leased_total += leased;
+        assert!(node.pinned_bytes() <= node_share, "{}", node.pinned_bytes());
+    }
+    assert_eq!(node.pinned_bytes(), leased_total);
+    assert!(
+        leased_total > 0 && leased_total <= node_share,
+        "{leased_total}"
+    );
+    eprintln!(
+        "figures: arena {arena} B, 8 connections leasing all 40 objects pinned {leased_total} B \
+         (node share {node_share}, connection share {connection_share})"
+    );
+    // A put needing most of the arena still succeeds: the unpinned objects make room.
+    let fresh = vec![9u8; 256 << 10];
+    let new_keys: Vec<Vec<u8>> = (0..40).map(|i| format!("new{i:03}").into_bytes()).collect();
+    for key in &new_keys {
+        let put = member.put(
+            &peer,
+            &[PutItem {
+                key,
+                value: &fresh,
+                depth: Some(1),
+            }],
+        );
+        assert!(
+            put.iter().all(Result::is_ok),
+            "put {key:?} blocked: {put:?}"
+        );
+    }
+    // The leases end with their connections, and so does the pinned count.
+    drop(sessions);
+    drop(transports);
+    wait_for("the leases to end with their connections", || {
+        node.leases_held() == 0 && node.pinned_bytes() == 0
+    });
 }

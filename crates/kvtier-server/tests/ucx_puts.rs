@@ -53,6 +53,12 @@ fn with_trailer(key: &[u8], value: &[u8]) -> Vec<u8> {
 #[test]
 fn puts_land_verified_and_reservations_are_owned_and_bounded() {
     std::env::set_var("UCX_TLS", "tcp");
+    // Issue 26: UCX's tcp lane is emulated and refused by default; the protocol is tested
+    // over it through the INSECURE test hook (no RDMA here).
+    std::env::set_var(
+        kvtier_client::transport::ucx::lanes::INSECURE_EMULATED_RMA_ENV,
+        "1",
+    );
     std::env::set_var("UCX_NET_DEVICES", "lo");
     let store = Arc::new(
         TenantStore::open(

@@ -34,6 +34,8 @@ pub type Ep = *mut c_void;
 pub type MemH = *mut c_void;
 pub type RKey = *mut c_void;
 pub type Address = c_void;
+/// `ucp_config_t *` (opaque).
+pub type Config = *mut c_void;
 
 /// The API version these declarations come from (`UCP_API_MAJOR` / `UCP_API_MINOR`).
 pub const API_MAJOR: c_uint = 1;
@@ -203,6 +205,11 @@ pub struct Ucp {
     pub init_version:
         unsafe extern "C" fn(c_uint, c_uint, *const Params, *const c_void, *mut Context) -> Status,
     pub cleanup: unsafe extern "C" fn(Context),
+    /// `ucp_config_read(env_prefix, filename, &config)`.
+    pub config_read: unsafe extern "C" fn(*const c_char, *const c_char, *mut Config) -> Status,
+    /// `ucp_config_modify(config, name, value)`.
+    pub config_modify: unsafe extern "C" fn(Config, *const c_char, *const c_char) -> Status,
+    pub config_release: unsafe extern "C" fn(Config),
     pub worker_create: unsafe extern "C" fn(Context, *const WorkerParams, *mut Worker) -> Status,
     pub worker_destroy: unsafe extern "C" fn(Worker),
     pub worker_get_address: unsafe extern "C" fn(Worker, *mut *mut Address, *mut usize) -> Status,
@@ -286,6 +293,9 @@ impl Ucp {
         Ok(Ucp {
             init_version: sym!("ucp_init_version"),
             cleanup: sym!("ucp_cleanup"),
+            config_read: sym!("ucp_config_read"),
+            config_modify: sym!("ucp_config_modify"),
+            config_release: sym!("ucp_config_release"),
             worker_create: sym!("ucp_worker_create"),
             worker_destroy: sym!("ucp_worker_destroy"),
             worker_get_address: sym!("ucp_worker_get_address"),

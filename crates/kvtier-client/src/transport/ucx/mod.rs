@@ -11,6 +11,11 @@
 //! Invariants:
 //! - libucp is loaded at run time ([`ffi`]); without it (or with `cluster_transport = "tcp"`)
 //!   every call goes to the TCP frames, and the reason is logged once.
+//! - Issue 26: only transports that protect memory are loaded ([`lanes`]: RDMA RC/DC and
+//!   cma, intersected with `UCX_TLS`, whatever `cluster_transport` says); where none is left
+//!   this client creates no UCX worker (so opens no UCX socket), reads and writes over frames
+//!   and says why (`unavailable`). A node's lease reply is checked before any read
+//!   ([`check_lease_extents`]).
 //! - The node's worker address and remote key are asked for over an authenticated data-port
 //!   connection only (the TCP transport's handshake proves the cluster token both ways).
 //! - A read pins its objects on the node first (a lease), reads their extents, releases the
@@ -43,6 +48,7 @@
 //!   (UCX 1.13 over `tcp`, or `posix` / `sysv` alone) it reads over frames and says why.
 
 pub mod ffi;
+pub mod lanes;
 pub mod plane;
 
 use std::collections::{BTreeMap, HashMap};
@@ -53,9 +59,9 @@ use std::time::{Duration, Instant};
 use kvtier_proto::auth::{object_checksum, CHECKSUM_LEN};
 use kvtier_proto::peer::peer_error_code;
 use kvtier_proto::peer_ucx::{
-    CommitItem, LeaseItem, ReserveItem, UcxCommit, UcxCommitReply, UcxHello, UcxLanding,
-    UcxLeaseReply, UcxLeaseRequest, UcxOffer, UcxRelease, UcxReserveReply, UcxReserveRequest,
-    MAX_LEASE_OBJECTS, MAX_RESERVE_BYTES, MAX_RESERVE_OBJECTS,
+    check_lease_extents, CommitItem, LeaseExtentError, LeaseItem, ReserveItem, UcxCommit,
+    UcxCommitReply, UcxHello, UcxLanding, UcxLeaseReply, UcxLeaseRequest, UcxOffer, UcxRelease,
+    UcxReserveReply, UcxReserveRequest, MAX_LEASE_OBJECTS, MAX_RESERVE_BYTES, MAX_RESERVE_OBJECTS,
 };
 use kvtier_proto::Opcode;
 use parking_lot::Mutex;
@@ -693,37 +699,18 @@ impl UcxTransport {
         for ((item, leased), trailer) in items.iter_mut().zip(&lease.items).zip(&mut trailers) {
             match leased {
                 LeaseItem::Extents(parts) => {
-                    let total: u64 = parts.iter().map(|p| p.1).sum();
-                    if total != (item.dst.len() + CHECKSUM_LEN) as u64 {
-                        release(&mut session);
-                        return Err(format!(
-                            "lease of {total} bytes for an object of {}",
-                            item.dst.len() + CHECKSUM_LEN
-                        ));
-                    }
-                    bytes += total;
-                    // Split the object's extents over the destination, then the trailer.
-                    let mut rest: &mut [u8] = &mut *item.dst;
-                    let mut tail: &mut [u8] = &mut trailer[..];
-                    for &(addr, len) in parts {
-                        let (mut addr, mut len) = (addr, len as usize);
-                        while len > 0 {
-                            let target = if rest.is_empty() {
-                                &mut tail
-                            } else {
-                                &mut rest
-                            };
-                            let n = len.min(target.len());
-                            let (head, after) = std::mem::take(target).split_at_mut(n);
-                            *target = after;
-                            extents.push(RemoteExtent {
-                                remote: addr,
-                                len: n,
-                            });
-                            dsts.push(head);
-                            addr += n as u64;
-                            len -= n;
+                    let object = (item.dst.len() + CHECKSUM_LEN) as u64;
+                    let reads = match object_reads(parts, &mut *item.dst, &mut trailer[..]) {
+                        Ok(reads) => reads,
+                        Err(e) => {
+                            release(&mut session);
+                            return Err(format!("lease refused: {e}"));
                         }
+                    };
+                    bytes += object;
+                    for (extent, dst) in reads {
+                        extents.push(extent);
+                        dsts.push(dst);
                     }
                     results.push(Some(Ok(())));
                 }
@@ -766,6 +753,52 @@ impl UcxTransport {
         }
         Ok(results)
     }
+}
+
+/// The one-sided reads of one leased object: its extents (as the node answered them) split
+/// over `dst` (the value) and then `trailer` (its checksum), in order. The extents are
+/// checked first ([`check_lease_extents`]: none empty or wrapping, exactly the object's
+/// length in all), so a hostile node's reply is refused with the sizes named, before any read
+/// is issued, and the split always ends.
+fn object_reads<'a>(
+    parts: &[(u64, u64)],
+    dst: &'a mut [u8],
+    trailer: &'a mut [u8],
+) -> Result<Vec<(RemoteExtent, &'a mut [u8])>, LeaseExtentError> {
+    check_lease_extents(parts, (dst.len() + trailer.len()) as u64)?;
+    let mut reads = Vec::new();
+    let mut rest: &'a mut [u8] = dst;
+    let mut tail: &'a mut [u8] = trailer;
+    for &(addr, len) in parts {
+        let (mut addr, mut len) = (addr, len);
+        while len > 0 {
+            let target = if rest.is_empty() {
+                &mut tail
+            } else {
+                &mut rest
+            };
+            // Checked above: the extents add up to `dst` plus `trailer`, so room is left.
+            let n = (len as usize).min(target.len());
+            if n == 0 {
+                return Err(LeaseExtentError::SizeDiffers {
+                    leased: len,
+                    object: 0,
+                });
+            }
+            let (head, after) = std::mem::take(target).split_at_mut(n);
+            *target = after;
+            reads.push((
+                RemoteExtent {
+                    remote: addr,
+                    len: n,
+                },
+                head,
+            ));
+            addr += n as u64;
+            len -= n as u64;
+        }
+    }
+    Ok(reads)
 }
 
 /// The length a node's landing area takes for `len` bytes (its extents are rounded to 64).
@@ -1127,7 +1160,64 @@ impl Transport for UcxTransport {
 
 #[cfg(test)]
 mod tests {
-    use super::{auto_choice, parse_lanes};
+    use super::{auto_choice, object_reads, parse_lanes};
+    use kvtier_proto::peer_ucx::LeaseExtentError;
+
+    #[test]
+    fn hostile_lease_replies_are_refused_before_any_read() {
+        let mut dst = vec![0u8; 16];
+        let mut trailer = [0u8; 8];
+        // A well-formed reply: split over the value, then the trailer.
+        let reads = object_reads(&[(0x1000, 10), (0x8000, 14)], &mut dst, &mut trailer).unwrap();
+        let shape: Vec<(u64, usize, usize)> = reads
+            .iter()
+            .map(|(e, d)| (e.remote, e.len, d.len()))
+            .collect();
+        assert_eq!(
+            shape,
+            vec![(0x1000, 10, 10), (0x8000, 6, 6), (0x8006, 8, 8)]
+        );
+        // What made a reader spin and abort: lengths that wrap to the object's size when
+        // summed with `+`, an empty extent, a 2 GiB extent, an address that wraps.
+        let hostile: [(&[(u64, u64)], LeaseExtentError); 4] = [
+            (
+                &[(0x1000, u64::MAX - 7), (0x2000, 32)],
+                LeaseExtentError::Wraps {
+                    index: 0,
+                    addr: 0x1000,
+                    len: u64::MAX - 7,
+                },
+            ),
+            (
+                &[(0x1000, 0), (0x2000, 24)],
+                LeaseExtentError::Empty {
+                    index: 0,
+                    addr: 0x1000,
+                    object: 24,
+                },
+            ),
+            (
+                &[(0x1000, 2 << 30)],
+                LeaseExtentError::ExceedsObject {
+                    index: 0,
+                    len: 2 << 30,
+                    object: 24,
+                },
+            ),
+            (
+                &[(u64::MAX - 8, 24)],
+                LeaseExtentError::Wraps {
+                    index: 0,
+                    addr: u64::MAX - 8,
+                    len: 24,
+                },
+            ),
+        ];
+        for (parts, expected) in hostile {
+            let got = object_reads(parts, &mut dst, &mut trailer).map(|r| r.len());
+            assert_eq!(got, Err(expected.clone()), "{parts:?}");
+        }
+    }
 
     fn lanes(names: &[&str]) -> Vec<String> {
         names.iter().map(|n| n.to_string()).collect()

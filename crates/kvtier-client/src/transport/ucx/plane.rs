@@ -21,6 +21,10 @@
 //!   of one-sided operations trusts the address: a read outside the registration can crash the
 //!   target), which is why a node hands its key only to peers that proved the cluster token.
 //!   The caller still verifies the bytes' end-to-end checksum.
+//! - Issue 26: those emulated lanes serve any peer that reaches the worker, token or not, so
+//!   [`Context::new`] never loads them: it sets UCP's `TLS` from [`super::lanes::plan`] (RDMA
+//!   RC/DC and cma only, intersected with `UCX_TLS`) and creates nothing when no lane is left,
+//!   unless the insecure test hook is on.
 //! - A local memory handle is passed to UCX ([`Endpoint::get_with`] / [`Endpoint::put_with`])
 //!   only when it belongs to the worker's own context and covers the whole buffer; the
 //!   caller's `Arc<Registration>` keeps it mapped until the transfer returned.
@@ -66,6 +70,42 @@ pub enum UcxError {
     PeerFailed,
     #[error("{0}")]
     Invalid(String),
+    /// kvtier's transport allow-list leaves no UCX lane here (see [`super::lanes`]).
+    #[error("UCX refused: {0}")]
+    NoProtectedLane(String),
+}
+
+/// A `ucp_config_t` read from the environment; released on drop.
+struct UcpConfig(ffi::Config, &'static Ucp);
+
+impl UcpConfig {
+    fn read(ucp: &'static Ucp) -> Result<UcpConfig, UcxError> {
+        let mut raw: ffi::Config = std::ptr::null_mut();
+        // SAFETY: null prefix and file name make UCP read the `UCX_*` environment; `raw` is
+        // written on success and released once by `Drop`.
+        let status = unsafe { (ucp.config_read)(std::ptr::null(), std::ptr::null(), &mut raw) };
+        check(ucp, "ucp_config_read", status)?;
+        Ok(UcpConfig(raw, ucp))
+    }
+
+    /// Set UCP variable `name` (without its `UCX_` prefix) to `value`.
+    fn modify(&self, name: &str, value: &str) -> Result<(), UcxError> {
+        let name_c = std::ffi::CString::new(name)
+            .map_err(|_| UcxError::Invalid(format!("UCX variable name {name:?} has a NUL")))?;
+        let value_c = std::ffi::CString::new(value)
+            .map_err(|_| UcxError::Invalid(format!("UCX value {value:?} has a NUL")))?;
+        // SAFETY: live configuration (owned by `self`); both strings are NUL-terminated and
+        // outlive the call (UCP copies the value).
+        let status = unsafe { (self.1.config_modify)(self.0, name_c.as_ptr(), value_c.as_ptr()) };
+        check(self.1, "ucp_config_modify", status)
+    }
+}
+
+impl Drop for UcpConfig {
+    fn drop(&mut self) {
+        // SAFETY: `self.0` came from `ucp_config_read` and is released once.
+        unsafe { (self.1.config_release)(self.0) };
+    }
 }
 
 fn check(ucp: &Ucp, call: &'static str, status: ffi::Status) -> Result<(), UcxError> {
@@ -83,6 +123,9 @@ fn check(ucp: &Ucp, call: &'static str, status: ffi::Status) -> Result<(), UcxEr
 struct ContextRaw {
     ucp: &'static Ucp,
     raw: ffi::Context,
+    /// The transport list the context was created with (kvtier's allow-list applied, or
+    /// `UCX_TLS` as given under the insecure test hook).
+    tls: String,
 }
 
 // SAFETY: a UCP context is used from any thread once created (memory map/unmap and rkey pack
@@ -112,28 +155,42 @@ impl std::fmt::Debug for Context {
 
 impl Context {
     /// Load libucp (once per process) and create a context. UCX reads its own `UCX_*`
-    /// environment variables here (`UCX_TLS`, `UCX_NET_DEVICES`, ...).
+    /// environment variables here (`UCX_NET_DEVICES`, ...), but its transport list is kvtier's
+    /// ([`super::lanes::plan`]: the operator's `UCX_TLS` intersected with the transports that
+    /// protect memory, set with `ucp_config_modify` before `ucp_init`); where that leaves no
+    /// UCX lane the error is [`UcxError::NoProtectedLane`] and nothing of UCX is created.
     pub fn new() -> Result<Context, UcxError> {
+        let tls = super::lanes::plan().map_err(UcxError::NoProtectedLane)?;
         let ucp = Ucp::get().map_err(UcxError::Unavailable)?;
+        let config = UcpConfig::read(ucp)?;
+        if let Some(tls) = &tls {
+            config.modify("TLS", tls)?;
+        }
         let mut params: ffi::Params = ffi::zeroed();
         params.field_mask = ffi::UCP_PARAM_FIELD_FEATURES | ffi::UCP_PARAM_FIELD_MT_WORKERS_SHARED;
         params.features = ffi::UCP_FEATURE_RMA | ffi::UCP_FEATURE_WAKEUP;
         params.mt_workers_shared = 1;
         let mut raw: ffi::Context = std::ptr::null_mut();
         // SAFETY: `params` is a zero-initialised 1.13 `ucp_params_t` with the fields named in
-        // its mask set; a null config makes UCP read the environment; `raw` is written on
-        // success only.
+        // its mask set; `config` is a live configuration from `ucp_config_read` (released by
+        // its guard after the call; UCP copies what it needs); `raw` is written on success.
         let status = unsafe {
             (ucp.init_version)(
                 ffi::API_MAJOR,
                 ffi::API_MINOR,
                 &params,
-                std::ptr::null(),
+                config.0.cast_const(),
                 &mut raw,
             )
         };
         check(ucp, "ucp_init", status)?;
-        Ok(Context(Arc::new(ContextRaw { ucp, raw })))
+        let tls = tls.unwrap_or_else(|| format!("{} (INSECURE test hook)", super::ucx_tls()));
+        Ok(Context(Arc::new(ContextRaw { ucp, raw, tls })))
+    }
+
+    /// The transports this context may use (`UCX_TLS` as kvtier set it).
+    pub fn transports(&self) -> &str {
+        &self.0.tls
     }
 
     /// Register `len` bytes at `base` for remote access. The memory must stay mapped for as
