@@ -213,7 +213,13 @@ fn puts_land_verified_and_reservations_are_owned_and_bounded() {
 
     // Beyond the connection's share (half the area): refused, the store intact.
     let many: Vec<(Vec<u8>, u64, Option<u32>)> = (0..5)
-        .map(|i| (format!("big{i}").into_bytes(), (512 << 10) + 8, None))
+        .map(|i| {
+            (
+                [GOOD, format!("big{i}").as_bytes()].concat(),
+                (512 << 10) + 8,
+                None,
+            )
+        })
         .collect();
     let greedy: UcxReserveReply = session
         .control(Opcode::PeerUcxReserve, &UcxReserveRequest { objects: many })
