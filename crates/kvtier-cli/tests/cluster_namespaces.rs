@@ -11,7 +11,7 @@
 //!    tenant `team-a`, and the local tenant's clear does not touch the cluster namespace;
 //! 3. a local user without the token, as tenant `team-a` (or the empty tenant, naming the
 //!    cluster key's bytes), cannot replace or plant a cluster object: readers get the right
-//!    bytes or a clean miss;
+//!    bytes or a clean miss; a session naming the cluster marker as its tenant is refused;
 //! 4. forged bytes stored directly with a recomputed unkeyed trailer (BLAKE3 unkeyed, XXH3-128,
 //!    keyed with another token) are a miss and counted; only a token holder's trailer passes.
 #![allow(clippy::unwrap_used)]
@@ -430,6 +430,37 @@ fn clears_of_a_cluster_namespace_and_a_local_tenant_of_one_name_stay_apart() {
     assert_exact(&local, &n, &local_v, "local after storing again");
 }
 
+/// Open a session of `tenant` on `socket` with raw frames: the server's refusal (`None`:
+/// opened).
+fn raw_open_session(socket: &Path, tenant: &str) -> Option<kvtier_proto::ErrorReply> {
+    use kvtier_proto::Decode;
+    use std::io::Write;
+    let mut stream = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let mut body = Vec::new();
+    let mut call = |opcode: Opcode, id: u64, message: &dyn kvtier_proto::Encode| {
+        let mut out = Vec::new();
+        kvtier_proto::encode_frame(&mut out, opcode, id, 0, message).unwrap();
+        stream.write_all(&out).unwrap();
+        let header = kvtier_proto::read_frame(&mut stream, &mut body).unwrap();
+        (header.flags & kvtier_proto::frame::FLAG_ERROR != 0)
+            .then(|| kvtier_proto::ErrorReply::decode(&body).unwrap())
+    };
+    let hello = kvtier_proto::Handshake {
+        version: kvtier_proto::frame::PROTOCOL_VERSION,
+        client_name: "attacker".into(),
+    };
+    assert!(call(Opcode::Handshake, 1, &hello).is_none());
+    let open = kvtier_proto::server::OpenSession {
+        tenant: tenant.into(),
+        client_name: "attacker".into(),
+        join: None,
+    };
+    call(Opcode::OpenSession, 2, &open)
+}
+
 /// The trailer an attacker without the token could compute: every unkeyed or wrongly keyed
 /// variant, 16 bytes as the reader expects.
 fn forged_trailers(key: &[u8], value: &[u8]) -> Vec<(&'static str, [u8; CHECKSUM_LEN])> {
@@ -506,6 +537,20 @@ fn a_local_user_without_the_token_cannot_replace_or_plant_a_cluster_object() {
     }
     // The attacker's writes landed in its own namespace only.
     assert!(attackers[0].0.exists_keys(&n).iter().all(|&e| e));
+    // Nor can it name the cluster namespace as its tenant: a session whose tenant holds the
+    // kind marker's NUL or the separator is refused at open (raw frames, past any client-side
+    // check).
+    for tenant in ["\0Cteam-a", "\0C", "team-a\x1f\0C"] {
+        let refusal = raw_open_session(&node.socket, tenant);
+        assert!(
+            refusal
+                .as_ref()
+                .is_some_and(|r| r.code == kvtier_proto::server::error_code::MALFORMED
+                    && r.message.contains("NUL or 0x1f")),
+            "tenant {tenant:?}: {refusal:?}"
+        );
+    }
+    assert!(raw_open_session(&node.socket, "another-tenant").is_none());
     assert!(node.node.running());
 }
 
