@@ -70,6 +70,9 @@ def _tcp_open(addr):
         return False
 
 
+# The kind marker of the cluster namespace in a node's store (kvtier-proto namespace.rs).
+CLUSTER_MARK = "\x00C"
+
 # ------------------------------------------------------------------------------ processes
 
 
@@ -109,18 +112,29 @@ class Master:
         return sorted(n["node_id"] for n in self.stat()["nodes"] if n["alive"])
 
     def holders(self, keys):
-        """Per key (as the client stored it), the ids of the nodes the directory lists."""
-        out = subprocess.run(
-            [str(self.binary), "inspect", "--master", self.address, "--raw", "--json", *keys],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        return {
-            e["key"]: sorted(n["node_id"] for n in e["nodes"])
-            for e in json.loads(out.stdout)["keys"]
-        }
+        """Per key (as a node stores it: NUL 'C' tag 0x1f key, the cluster namespace of
+        crates/kvtier-proto/src/namespace.rs), the ids of the nodes the directory lists. Asked
+        per tag with `inspect --tenant TAG` (a NUL cannot travel in a command's arguments)."""
+        by_tag = {}
+        for key in keys:
+            assert key.startswith(CLUSTER_MARK), f"not a cluster key: {key!r}"
+            tag, _, name = key[len(CLUSTER_MARK) :].partition("\x1f")
+            by_tag.setdefault(tag, []).append(name)
+        held = {}
+        for tag, names in by_tag.items():
+            out = subprocess.run(
+                [str(self.binary), "inspect", "--master", self.address, "--tenant", tag, "--json"]
+                + names,
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            for e in json.loads(out.stdout)["keys"]:
+                held[f"{CLUSTER_MARK}{tag}\x1f{e['key']}"] = sorted(
+                    n["node_id"] for n in e["nodes"]
+                )
+        return held
 
     def wait_nodes(self, want, timeout=15):
         deadline = time.time() + timeout

@@ -13,8 +13,6 @@ use serde_json::{json, Value};
 const LEADER_SEARCH: Duration = Duration::from_secs(5);
 /// Bound of one RPC.
 const RPC_TIMEOUT: Duration = Duration::from_secs(3);
-/// Separates the tenant from the key, as in every other mode.
-const TENANT_SEPARATOR: u8 = 0x1f;
 
 /// The cluster token, read the ways a node reads it (`KVTIER_CLUSTER_TOKEN`, or
 /// `cluster_token` in `KVTIER_CONFIG_FILE`); every master RPC must prove it.
@@ -191,10 +189,11 @@ pub fn inspect(masters: &str, args: &InspectArgs) -> i32 {
         .key
         .iter()
         .map(|k| {
+            // The key as cluster clients of namespace `--tenant` (their extra_backend_tag;
+            // none: the untagged namespace) store it.
             let mut out = Vec::new();
-            if !args.raw && !args.tenant.is_empty() {
-                out.extend_from_slice(args.tenant.as_bytes());
-                out.push(TENANT_SEPARATOR);
+            if !args.raw {
+                out.extend_from_slice(&kvtier_proto::namespace::cluster_prefix(&args.tenant));
             }
             out.extend_from_slice(k.as_bytes());
             out

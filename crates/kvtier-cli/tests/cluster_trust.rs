@@ -31,7 +31,9 @@ use kvtier_client::cluster::master::{connect, MasterCredential, MasterRpc};
 use kvtier_client::{Client, KvtierConfig};
 use kvtier_master::rpc::master_client::MasterClient;
 use kvtier_master::rpc::*;
-use kvtier_proto::auth::{object_checksum, rpc_credential, RPC_AUTH_HEADER, RPC_NONCE_LEN};
+use kvtier_proto::auth::{
+    rpc_credential, ObjectIntegrity, CHECKSUM_LEN, RPC_AUTH_HEADER, RPC_NONCE_LEN,
+};
 use tonic::Code;
 
 fn runtime() -> tokio::runtime::Runtime {
@@ -602,9 +604,13 @@ fn forged_torn_or_misplaced_bytes_are_a_miss_and_counted() {
         .iter()
         .map(|(k, _)| writer.cluster().unwrap().namespaced(k))
         .collect();
-    let stored = |key: &[u8], value: &[u8], sum: u64| {
+    // The malicious node holds the token: it can seal, which the test uses for the copies
+    // that stand for accidents (a torn or misplaced copy keeps a trailer made by a member).
+    let seal = ObjectIntegrity::from_token(TOKEN.as_bytes());
+    let object_checksum = |key: &[u8], value: &[u8]| seal.trailer(key, value);
+    let stored = |key: &[u8], value: &[u8], sum: [u8; CHECKSUM_LEN]| {
         let mut bytes = value.to_vec();
-        bytes.extend_from_slice(&sum.to_le_bytes());
+        bytes.extend_from_slice(&sum);
         store.put_slice(key, &bytes, None).unwrap();
     };
     // Forged bytes under the original checksum (a flipped bit, as a torn or rotted copy).
@@ -618,7 +624,7 @@ fn forged_torn_or_misplaced_bytes_are_a_miss_and_counted() {
         object_checksum(&keys[2], &items[2].1),
     );
     // Forged bytes with a made-up checksum.
-    stored(&keys[2], &object_bytes(77, 16 << 10), 0x0123_4567_89ab_cdef);
+    stored(&keys[2], &object_bytes(77, 16 << 10), [0x5a; CHECKSUM_LEN]);
     // Object 3: a faithful copy (a hit from this node).
     stored(
         &keys[3],
@@ -660,7 +666,7 @@ fn forged_torn_or_misplaced_bytes_are_a_miss_and_counted() {
         }))
         .unwrap()
         .into_inner();
-    stored(&only, &object_bytes(5, 4096), 42);
+    stored(&only, &object_bytes(5, 4096), [42; CHECKSUM_LEN]);
     let committed = rt
         .block_on(holder.commit_puts(CommitPutsRequest {
             claim: place.claim,

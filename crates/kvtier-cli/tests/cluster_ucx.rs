@@ -235,7 +235,7 @@ fn child_round_trip() {
     assert_eq!(plane["ucx_puts"], 48, "{plane}");
     assert_eq!(
         plane["ucx_put_bytes"],
-        48 * (OBJ as u64 + 8),
+        48 * (OBJ + kvtier_proto::auth::CHECKSUM_LEN) as u64,
         "objects and their trailers: {plane}"
     );
     assert!(

@@ -64,7 +64,7 @@ fn peer_transfer_bytes_count_remote_puts_and_gets_on_both_sides() {
         .enumerate()
         .map(|(i, &len)| (0..len).map(|b| (b * 7 + i) as u8).collect())
         .collect();
-    // Objects as stored: each with its 8-byte end-to-end checksum trailer.
+    // Objects as stored: each with its end-to-end integrity trailer.
     let total: u64 = values
         .iter()
         .map(|v| (v.len() + kvtier_proto::auth::CHECKSUM_LEN) as u64)

@@ -112,6 +112,9 @@ pub mod names {
     /// the cluster token (`unauthorized`, `hello_timeout`, `too_many_unauthenticated`,
     /// `too_many_connections`).
     pub const DATA_PORT_REFUSED: &str = "kvtier_data_port_refused_total";
+    /// Counter `{op}`: requests a node's data port refused because they named a key (or a
+    /// clear prefix) outside the cluster namespace, e.g. a local tenant's (issue 26).
+    pub const DATA_PORT_OUTSIDE_NAMESPACE: &str = "kvtier_data_port_outside_namespace_total";
     /// Gauge: 1 when the scrape reached this `kvtier master`'s RPC port.
     pub const MASTER_UP: &str = "kvtier_master_up";
     /// Gauge: 1 while this master leads (single-master mode: always).

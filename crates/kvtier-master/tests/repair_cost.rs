@@ -27,7 +27,11 @@ fn spec(n: usize) -> NodeSpec {
 fn planning_ticks_over_one_million_short_objects_stay_cheap() {
     const OBJECTS: usize = 1_000_000;
     let keys: Vec<Vec<u8>> = (0..OBJECTS)
-        .map(|i| format!("prod\x1f{i:064x}_k_dp0_tp0").into_bytes())
+        .map(|i| {
+            let mut k = kvtier_proto::namespace::cluster_prefix("prod");
+            k.extend_from_slice(format!("{i:064x}_k_dp0_tp0").as_bytes());
+            k
+        })
         .collect();
     let lease = Duration::from_millis(300);
     let d = Directory::with_replication(

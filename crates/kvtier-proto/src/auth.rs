@@ -1,4 +1,5 @@
-//! Proofs of the cluster credential, and the end-to-end object checksum of cluster mode.
+//! Proofs of the cluster credential, and the keyed end-to-end integrity trailer of cluster
+//! objects ([`ObjectIntegrity`]).
 //!
 //! The cluster token never crosses the wire: every party proves it holds the token with an
 //! HMAC-SHA-256 over fresh values, domain-separated by a label per use, so a proof made for one
@@ -142,20 +143,98 @@ impl RpcCredential {
     }
 }
 
-/// The end-to-end checksum of a cluster object: XXH3-64 over the key's length, the key and the
-/// value. Written by the client after the value (8 bytes, little endian) and checked by every
-/// reader, so bytes a node serves for another key, torn bytes, or bytes changed at rest or in
-/// flight are a miss, never a hit. Not a MAC: it does not stop a token holder who forges both.
-pub fn object_checksum(key: &[u8], value: &[u8]) -> u64 {
-    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
-    hasher.update(&(key.len() as u64).to_le_bytes());
-    hasher.update(key);
-    hasher.update(value);
-    hasher.digest()
+/// Context of the key derivation of [`ObjectIntegrity`] (BLAKE3 `derive_key`): the integrity
+/// key is never the token itself, and never a key of any other use of it.
+pub const OBJECT_INTEGRITY_CONTEXT: &str = "kvtier cluster object integrity v1";
+
+/// Length of the integrity trailer stored after each cluster object: a 128-bit tag.
+pub const CHECKSUM_LEN: usize = 16;
+
+/// The end-to-end integrity check of cluster objects, keyed with a secret derived from the
+/// cluster token: the trailer is BLAKE3 in keyed mode, key = `derive_key(`
+/// [`OBJECT_INTEGRITY_CONTEXT`]`, token)`, over the key's length, the key and the value,
+/// truncated to [`CHECKSUM_LEN`] bytes. Written by the first writer after the value and checked
+/// by every reader (and by a node on a one-sided put) before the bytes count: only holders of
+/// the token can produce a valid trailer, so bytes a node serves for another key, torn or
+/// rotted bytes, and bytes forged by anyone without the token (a local user who reached the
+/// store, an on-path attacker) are a miss, never a hit.
+///
+/// [`ObjectIntegrity::sealer`] is the one computation every path uses (TCP frames, UCX
+/// one-sided puts and reads, the node's check of a landed put): [`ObjectIntegrity::trailer`]
+/// and [`ObjectIntegrity::verify`] run it over a whole value, a reader that receives the
+/// value in pieces feeds them in order (hashing each piece while it is still in cache).
+#[derive(Clone)]
+pub struct ObjectIntegrity {
+    key: [u8; 32],
 }
 
-/// Length of the checksum trailer stored after each cluster object.
-pub const CHECKSUM_LEN: usize = 8;
+impl std::fmt::Debug for ObjectIntegrity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the key.
+        f.write_str("ObjectIntegrity")
+    }
+}
+
+impl ObjectIntegrity {
+    /// The integrity key of the cluster whose token is `token`.
+    pub fn from_token(token: &[u8]) -> ObjectIntegrity {
+        ObjectIntegrity {
+            key: blake3::derive_key(OBJECT_INTEGRITY_CONTEXT, token),
+        }
+    }
+
+    /// The trailer of the object `key` in the making: feed its value in order
+    /// ([`Sealer::update`]), then [`Sealer::finish`] or [`Sealer::verify`].
+    pub fn sealer(&self, key: &[u8]) -> Sealer {
+        let mut hasher = blake3::Hasher::new_keyed(&self.key);
+        hasher.update(&(key.len() as u64).to_le_bytes());
+        hasher.update(key);
+        Sealer(hasher)
+    }
+
+    /// The trailer of the object `key` holding `value`.
+    pub fn trailer(&self, key: &[u8], value: &[u8]) -> [u8; CHECKSUM_LEN] {
+        let mut sealer = self.sealer(key);
+        sealer.update(value);
+        sealer.finish()
+    }
+
+    /// Whether `trailer` is [`Self::trailer`]`(key, value)` (compared in constant time).
+    pub fn verify(&self, key: &[u8], value: &[u8], trailer: &[u8]) -> bool {
+        let mut sealer = self.sealer(key);
+        sealer.update(value);
+        sealer.verify(trailer)
+    }
+}
+
+/// One object's integrity trailer being computed ([`ObjectIntegrity::sealer`]).
+pub struct Sealer(blake3::Hasher);
+
+impl Sealer {
+    /// The next bytes of the value.
+    pub fn update(&mut self, bytes: &[u8]) {
+        self.0.update(bytes);
+    }
+
+    /// The trailer of the bytes fed so far.
+    pub fn finish(&self) -> [u8; CHECKSUM_LEN] {
+        let mut out = [0u8; CHECKSUM_LEN];
+        self.0.finalize_xof().fill(&mut out);
+        out
+    }
+
+    /// Whether `trailer` is the trailer of the bytes fed so far (constant time in its
+    /// contents).
+    pub fn verify(&self, trailer: &[u8]) -> bool {
+        trailer.len() == CHECKSUM_LEN
+            && self
+                .finish()
+                .iter()
+                .zip(trailer)
+                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                == 0
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -187,10 +266,30 @@ mod tests {
     }
 
     #[test]
-    fn checksum_binds_key_and_value() {
-        let c = object_checksum(b"k", b"value");
-        assert_ne!(c, object_checksum(b"k", b"valuf"));
-        assert_ne!(c, object_checksum(b"kv", b"alue"));
-        assert_eq!(c, object_checksum(b"k", b"value"));
+    fn trailer_binds_token_key_and_value() {
+        let seal = ObjectIntegrity::from_token(b"tok");
+        let t = seal.trailer(b"k", b"value");
+        assert!(seal.verify(b"k", b"value", &t));
+        assert!(!seal.verify(b"k", b"valuf", &t));
+        assert!(!seal.verify(b"kv", b"alue", &t));
+        assert!(!seal.verify(b"k", b"value", &t[..CHECKSUM_LEN - 1]));
+        // Another token (anyone without this one) cannot produce it.
+        let other = ObjectIntegrity::from_token(b"tok2");
+        assert_ne!(other.trailer(b"k", b"value"), t);
+        assert!(!other.verify(b"k", b"value", &t));
+        // The key is derived, not the token: an unkeyed hash of the same input differs.
+        let mut plain = blake3::Hasher::new();
+        plain.update(&1u64.to_le_bytes());
+        plain.update(b"k");
+        plain.update(b"value");
+        assert_ne!(&plain.finalize().as_bytes()[..CHECKSUM_LEN], &t[..]);
+        assert_eq!(format!("{seal:?}"), "ObjectIntegrity");
+        // Fed in pieces: the same trailer.
+        let mut pieces = seal.sealer(b"k");
+        pieces.update(b"val");
+        pieces.update(b"");
+        pieces.update(b"ue");
+        assert_eq!(pieces.finish(), t);
+        assert!(pieces.verify(&t));
     }
 }

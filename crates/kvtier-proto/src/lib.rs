@@ -4,10 +4,12 @@
 //! evaluates them directly, the local server and the cluster master receive them as frames —
 //! so that a whole SGLang v2 existence query (every pool, every hit policy, every verdict) is one
 //! value and therefore one round trip. Besides `thiserror` it uses `hmac`/`sha2`/`getrandom`
-//! (credential proofs) and `xxhash-rust` (object checksums) in [`auth`], and `blake2` (the key
+//! (credential proofs) and `blake3` (the keyed object integrity trailer) in [`auth`], and `blake2` (the key
 //! fingerprint) in [`keys`].
 //!
-//! - [`auth`]: proofs of the cluster token (data ports, master RPCs), object checksums.
+//! - [`auth`]: proofs of the cluster token (data ports, master RPCs), the keyed object
+//!   integrity trailer.
+//! - [`namespace`]: who owns a stored key (local tenants vs the cluster).
 //! - [`keys`]: the object key scheme (compose, parse, pools, page groups; issue 16).
 //! - [`query`]: the v2 existence query model and its fold.
 //! - [`messages`]: the other request/reply bodies (batches, handshake, error reply).
@@ -30,6 +32,7 @@ pub mod frame;
 pub mod keys;
 pub mod limits;
 pub mod messages;
+pub mod namespace;
 pub mod opcode;
 pub mod peer;
 /// Issue 17: control bodies of the UCX data plane.

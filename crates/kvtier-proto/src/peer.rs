@@ -17,8 +17,10 @@
 //!
 //! Page bytes travel inside frames, right after a small metadata prefix ([`PeerPutMeta`]) or as
 //! the whole response body (`PeerGet`), so a reader can take them straight into the
-//! destination buffer once it has checked the length. Cluster objects end with an 8-byte
-//! checksum trailer ([`crate::auth::object_checksum`]) that every reader verifies.
+//! destination buffer once it has checked the length. Cluster objects end with a 16-byte
+//! integrity trailer keyed with the cluster token ([`crate::auth::ObjectIntegrity`]) that
+//! every reader verifies; every key on the port is in the cluster namespace
+//! ([`crate::namespace`]).
 //!
 //! Wire forms (same primitives as [`crate::codec`]):
 //! ```text
@@ -54,6 +56,10 @@ pub mod peer_error_code {
     pub const SIZE_MISMATCH: u16 = 22;
     /// The node's store refused the put (no space, bad key).
     pub const STORE: u16 = 23;
+    /// A key (or clear prefix) outside the cluster namespace
+    /// ([`crate::namespace::is_cluster_key`]): the data port serves no local tenant's keys.
+    /// The whole request is refused, nothing is touched.
+    pub const OUTSIDE_CLUSTER_NAMESPACE: u16 = 24;
 }
 
 /// The first frame on a peer connection: the client's challenge.

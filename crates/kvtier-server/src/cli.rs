@@ -116,7 +116,8 @@ pub struct InspectArgs {
     /// List every object whose key starts with this (e.g. a page hash; "" lists the tenant).
     #[arg(long)]
     pub prefix: Option<String>,
-    /// The tenant whose keys these are (the client's extra_backend_tag; default: none).
+    /// The tenant whose keys these are (the client's extra_backend_tag; default: none). With
+    /// --master: the cluster namespace (cluster clients' extra_backend_tag).
     #[arg(long, default_value = "")]
     pub tenant: String,
     /// Send KEY and --prefix as stored, without the tenant namespace (e.g. --prefix "" over
@@ -357,8 +358,7 @@ pub fn inspect_main(args: InspectArgs) -> i32 {
     let ns = |k: &str| {
         let mut out = Vec::new();
         if !args.raw {
-            out.extend_from_slice(args.tenant.as_bytes());
-            out.push(TENANT_SEPARATOR);
+            out.extend_from_slice(&kvtier_proto::namespace::tenant_prefix(&args.tenant));
         }
         out.extend_from_slice(k.as_bytes());
         out
@@ -399,9 +399,18 @@ pub fn inspect_main(args: InspectArgs) -> i32 {
         let under = s["prefix"].as_array().into_iter().flatten();
         for p in asked.chain(under) {
             let stored = p["key"].as_str().unwrap_or("");
-            let (tenant, key) = stored
-                .split_once(char::from(TENANT_SEPARATOR))
-                .unwrap_or(("?", stored));
+            // A node's cluster objects show as `cluster:TAG` (`cluster:` untagged).
+            let (tenant, key) = match kvtier_proto::namespace::owner(stored.as_bytes()) {
+                kvtier_proto::namespace::Owner::Tenant { tenant, key } => (
+                    String::from_utf8_lossy(tenant).into_owned(),
+                    String::from_utf8_lossy(key).into_owned(),
+                ),
+                kvtier_proto::namespace::Owner::Cluster { tag, key } => (
+                    format!("cluster:{}", String::from_utf8_lossy(tag)),
+                    String::from_utf8_lossy(key).into_owned(),
+                ),
+                kvtier_proto::namespace::Owner::Unknown => ("?".into(), stored.to_string()),
+            };
             let tiers = match (p["dram_bytes"].is_null(), p["ssd_bytes"].is_null()) {
                 (false, false) => "dram+ssd",
                 (false, true) => "dram",
@@ -412,11 +421,11 @@ pub fn inspect_main(args: InspectArgs) -> i32 {
             println!(
                 "{:<10} {:<10} {:<8} {:>10} {:>10}  {:<16} {}",
                 name,
-                if tenant.is_empty() { "-" } else { tenant },
+                if tenant.is_empty() { "-" } else { &tenant },
                 tiers,
                 bytes(&p["dram_bytes"]),
                 bytes(&p["ssd_bytes"]),
-                pool_of(key),
+                pool_of(&key),
                 key
             );
         }
@@ -426,9 +435,6 @@ pub fn inspect_main(args: InspectArgs) -> i32 {
     }
     code
 }
-
-/// What separates the tenant from the key in a stored key (kvtier serve's namespaces).
-const TENANT_SEPARATOR: u8 = 0x1f;
 
 /// The pool component of a kvtier key (`...@fingerprint[.tpN...].component`): the text after
 /// the last `.` following the `@`, or `-` for a key outside kvtier's scheme.

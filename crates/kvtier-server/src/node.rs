@@ -177,15 +177,32 @@ fn in_calls(mut keys: Vec<Vec<u8>>) -> Vec<Vec<Vec<u8>>> {
 /// cycle carries on).
 const MAX_REREGISTER_ROUNDS: usize = 4;
 
-/// Every key the store holds now, in any tier (embedded stores only; empty otherwise).
+/// Every cluster key the store holds now, in any tier (embedded stores only; empty otherwise).
+/// Only the cluster namespace ([`kvtier_proto::namespace::CLUSTER_MARK`]): the local tenants'
+/// keys sharing the store are never registered with the master, copied, cleared or listed
+/// for the cluster.
 pub(crate) fn keys_in_store(store: &TenantStore) -> HashSet<Vec<u8>> {
+    cluster_keys_under(
+        store,
+        kvtier_proto::namespace::CLUSTER_MARK,
+        MAX_REGISTERED_KEYS,
+    )
+}
+
+/// Up to `limit` cluster keys the store holds under `prefix` (a cluster prefix), any tier.
+pub(crate) fn cluster_keys_under(
+    store: &TenantStore,
+    prefix: &[u8],
+    limit: usize,
+) -> HashSet<Vec<u8>> {
     store
         .with_engine(|engine| {
             engine
-                .inspect_prefix(b"", MAX_REGISTERED_KEYS)
+                .inspect_prefix(prefix, limit)
                 .0
                 .into_iter()
                 .map(|p| p.key)
+                .filter(|k| kvtier_proto::namespace::is_cluster_key(k))
                 .collect()
         })
         .unwrap_or_default()

@@ -23,6 +23,13 @@
 //! - A get is sent without a copy: the reader pins the object ([`TenantStore::pin`]) and the writer
 //!   sends the header and the pinned DRAM extents with vectored writes straight from the
 //!   store, then drops the pin (so the memory cannot be evicted or reused while it is sent).
+//! - Keys: the port serves the cluster namespace only ([`kvtier_proto::namespace`]): a get,
+//!   put, remove, demote, clear prefix, UCX lease or reservation naming any key outside it (a
+//!   local tenant's `tenant 0x1f key`, a raw key) is refused whole with
+//!   `OUTSIDE_CLUSTER_NAMESPACE` before anything is touched, counted in
+//!   `kvtier_data_port_outside_namespace_total{op}` and logged (at most one line per
+//!   [`REFUSAL_LOG_PERIOD`], with the number not logged since). Listings (clear replies, the
+//!   keys registered with the master) hold cluster keys only.
 //! - Puts are put-if-absent in the node's store. Every key stored through this port is
 //!   remembered in [`HeldKeys`], which the node agent reports to the master when it
 //!   (re-)registers and checks against the store to report evictions.
@@ -44,12 +51,16 @@ use crate::server::TenantStore;
 use kvtier_client::metrics::names;
 use kvtier_client::transport::tcp::write_all_vectored;
 use kvtier_engine::PinnedObject;
-use kvtier_proto::auth::{proof, verify, NONCE_LEN, PEER_CLIENT_LABEL, PEER_NODE_LABEL};
+use kvtier_proto::auth::{
+    proof, verify, ObjectIntegrity, NONCE_LEN, PEER_CLIENT_LABEL, PEER_NODE_LABEL,
+};
 use kvtier_proto::frame::{FLAG_ERROR, FLAG_RESPONSE, HEADER_LEN};
+use kvtier_proto::namespace;
 use kvtier_proto::peer::MAX_CLEARED_KEYS;
 use kvtier_proto::peer::{
     peer_error_code, PeerAuth, PeerChallenge, PeerGet, PeerHello, PeerPutMeta,
 };
+use kvtier_proto::peer_ucx::{UcxLeaseRequest, UcxReserveRequest};
 use kvtier_proto::server::error_code;
 use kvtier_proto::{
     encode_frame, read_frame_limited, BatchResult as WireResult, Decode, ErrorReply, FrameHeader,
@@ -85,32 +96,106 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 /// How often the reaper looks for connections past their handshake deadline.
 const REAPER_PERIOD: Duration = Duration::from_millis(100);
 
-/// Whether `key` is in the cluster namespace `namespace` (`tag 0x1f`, or empty for a client
-/// without `extra_backend_tag`). Keys of the untagged namespace carry no 0x1f; every key a
-/// local-socket tenant stores does (`tenant 0x1f key`, the empty tenant included), so an
-/// untagged cluster clear never reaches the local tenants sharing this node's store.
-fn in_cluster_namespace(key: &[u8], namespace: &[u8]) -> bool {
-    if namespace.is_empty() {
-        !key.contains(&0x1f)
-    } else {
-        key.starts_with(namespace)
-    }
-}
-
-/// Remove up to [`MAX_CLEARED_KEYS`] of the keys of the namespace `prefix` (see
-/// [`in_cluster_namespace`]) from the store (any tier) and from the held set; the keys
-/// removed, for the caller to forget at the master.
+/// Remove up to [`MAX_CLEARED_KEYS`] of the cluster keys under `prefix` (a cluster prefix,
+/// checked by the caller: [`namespace::is_cluster_prefix`]) from the store (any tier) and from
+/// the held set; the keys removed, for the caller to forget at the master. Local tenants' keys
+/// never start with a cluster prefix, so they are neither removed nor listed.
 fn clear_prefix(shared: &PortShared, prefix: &[u8]) -> Vec<Vec<u8>> {
-    let keys: Vec<Vec<u8>> = crate::node::keys_in_store(&shared.store)
-        .into_iter()
-        .filter(|k| in_cluster_namespace(k, prefix))
-        .take(MAX_CLEARED_KEYS)
-        .collect();
+    let keys: Vec<Vec<u8>> =
+        crate::node::cluster_keys_under(&shared.store, prefix, MAX_CLEARED_KEYS)
+            .into_iter()
+            .collect();
     for key in &keys {
         shared.held.remove(key);
     }
     shared.store.remove_keys(&keys);
     keys
+}
+
+/// A request named a key outside the cluster namespace: refused whole (issue 26).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{op}: key {key} is outside the cluster namespace; a node's data port serves cluster \
+     objects only, never a local tenant's keys"
+)]
+pub struct OutsideClusterNamespace {
+    pub op: &'static str,
+    /// The key, escaped and cut to [`SHOWN_KEY_BYTES`].
+    pub key: String,
+}
+
+/// Bytes of a refused key shown in its error and log line.
+const SHOWN_KEY_BYTES: usize = 64;
+
+impl OutsideClusterNamespace {
+    fn new(op: &'static str, key: &[u8]) -> Self {
+        let shown = &key[..key.len().min(SHOWN_KEY_BYTES)];
+        let more = if key.len() > SHOWN_KEY_BYTES {
+            "..."
+        } else {
+            ""
+        };
+        OutsideClusterNamespace {
+            op,
+            key: format!("\"{}\"{more}", shown.escape_ascii()),
+        }
+    }
+}
+
+/// The first key of a request that is outside the cluster namespace, as its refusal.
+fn outside_namespace<'k>(
+    op: &'static str,
+    mut keys: impl Iterator<Item = &'k [u8]>,
+) -> Option<OutsideClusterNamespace> {
+    keys.find(|k| !namespace::is_cluster_key(k))
+        .map(|k| OutsideClusterNamespace::new(op, k))
+}
+
+/// The keys a data-port request names, checked against the cluster namespace before it is
+/// served (`None`: nothing outside it, or a body the handler itself refuses as malformed).
+fn refusal_of(op: Opcode, body: &[u8]) -> Option<OutsideClusterNamespace> {
+    match op {
+        Opcode::PeerPut => PeerPutMeta::split_body(body)
+            .ok()
+            .and_then(|(meta, _)| outside_namespace("put", std::iter::once(&meta.key[..]))),
+        Opcode::PeerGet => PeerGet::decode(body)
+            .ok()
+            .and_then(|get| outside_namespace("get", std::iter::once(&get.key[..]))),
+        Opcode::PeerRemove | Opcode::PeerDemote => {
+            let name = if op == Opcode::PeerRemove {
+                "remove"
+            } else {
+                "demote"
+            };
+            KeyBatch::decode(body)
+                .ok()
+                .and_then(|b| outside_namespace(name, b.keys.iter().map(Vec::as_slice)))
+        }
+        Opcode::PeerClear => KeyBatch::decode(body).ok().and_then(|b| {
+            b.keys
+                .iter()
+                .find(|p| !namespace::is_cluster_prefix(p))
+                .map(|p| OutsideClusterNamespace::new("clear", p))
+        }),
+        Opcode::PeerUcxLease => UcxLeaseRequest::decode(body)
+            .ok()
+            .and_then(|r| outside_namespace("ucx lease", r.objects.iter().map(|o| o.0.as_slice()))),
+        Opcode::PeerUcxReserve => UcxReserveRequest::decode(body).ok().and_then(|r| {
+            outside_namespace("ucx reserve", r.objects.iter().map(|o| o.0.as_slice()))
+        }),
+        _ => None,
+    }
+}
+
+/// At most one log line per this long for refused keys (the counter counts every one).
+pub const REFUSAL_LOG_PERIOD: Duration = Duration::from_secs(10);
+
+/// Rate limit of the refused-key log lines.
+#[derive(Default)]
+struct RefusalLog {
+    last: Option<Instant>,
+    /// Refusals since the last line that had no line of their own.
+    quiet: u64,
 }
 
 /// Keys this node stored for the cluster.
@@ -199,6 +284,8 @@ pub struct DataPortCounters {
     pub misses: AtomicU64,
     pub bytes_in: AtomicU64,
     pub bytes_out: AtomicU64,
+    /// Requests refused whole for a key outside the cluster namespace.
+    pub refused_outside_namespace: AtomicU64,
 }
 
 /// One open connection, as the registry holds it.
@@ -229,6 +316,10 @@ struct PortShared {
     max_unauthenticated: usize,
     store: Arc<TenantStore>,
     token: Vec<u8>,
+    /// The end-to-end integrity key (derived from `token`): checks one-sided puts' trailers.
+    integrity: ObjectIntegrity,
+    /// Rate limit of the refused-key log lines.
+    refusal_log: Mutex<RefusalLog>,
     /// This port's address as peers dial it (bound into the handshake proofs).
     address: String,
     held: Arc<HeldKeys>,
@@ -253,6 +344,35 @@ impl Drop for Registered<'_> {
 
 fn count_refused(reason: &'static str) {
     metrics::counter!(names::DATA_PORT_REFUSED, "reason" => reason).increment(1);
+}
+
+/// Count and (rate-limited) log a request refused for a key outside the cluster namespace.
+fn note_outside_namespace(shared: &PortShared, peer: &str, refusal: &OutsideClusterNamespace) {
+    shared
+        .counters
+        .refused_outside_namespace
+        .fetch_add(1, Ordering::Relaxed);
+    metrics::counter!(names::DATA_PORT_OUTSIDE_NAMESPACE, "op" => refusal.op).increment(1);
+    let mut log = shared.refusal_log.lock();
+    let now = Instant::now();
+    if log
+        .last
+        .is_some_and(|t| now.duration_since(t) < REFUSAL_LOG_PERIOD)
+    {
+        log.quiet += 1;
+        return;
+    }
+    let quiet = std::mem::take(&mut log.quiet);
+    log.last = Some(now);
+    drop(log);
+    if quiet > 0 {
+        eprintln!(
+            "kvtier serve: data port refused {peer}: {refusal} ({quiet} more such refusals \
+             since the last line)"
+        );
+    } else {
+        eprintln!("kvtier serve: data port refused {peer}: {refusal}");
+    }
 }
 
 /// A running data port.
@@ -289,6 +409,8 @@ impl DataPort {
             max_connections,
             max_unauthenticated,
             store,
+            integrity: ObjectIntegrity::from_token(&token),
+            refusal_log: Mutex::new(RefusalLog::default()),
             token,
             address: addr.to_string(),
             held: Arc::new(HeldKeys::default()),
@@ -644,6 +766,7 @@ fn serve_connection(
     let served = serve_requests(
         shared,
         id,
+        peer,
         &mut reader,
         &mut body,
         &mut replies,
@@ -827,9 +950,11 @@ fn frame_buffered(reader: &BufReader<TcpStream>) -> bool {
             .is_ok_and(|h| buffered.len() - HEADER_LEN >= h.body_len as usize)
 }
 
+#[allow(clippy::too_many_arguments)]
 fn serve_requests(
     shared: &PortShared,
     connection: u64,
+    peer: &str,
     stream: &mut BufReader<TcpStream>,
     body: &mut Vec<u8>,
     replies: &mut Replies,
@@ -850,6 +975,20 @@ fn serve_requests(
             return Ok(());
         }
         let id = header.request_id;
+        // Issue 26: a key outside the cluster namespace refuses the whole request.
+        if let Some(refusal) = header.opcode().ok().and_then(|op| refusal_of(op, body)) {
+            note_outside_namespace(shared, peer, &refusal);
+            replies.error(
+                header.opcode,
+                id,
+                peer_error_code::OUTSIDE_CLUSTER_NAMESPACE,
+                refusal.to_string(),
+            )?;
+            if body.capacity() > MAX_KEPT_BUFFER {
+                *body = Vec::new();
+            }
+            continue;
+        }
         match header.opcode() {
             Ok(Opcode::PeerPut) => match PeerPutMeta::split_body(body) {
                 Ok((meta, value)) => {
@@ -1003,6 +1142,7 @@ fn serve_requests(
                         stored: &|key| shared.held.insert(key),
                         moved_in,
                         moved_out: ucx_moved_out,
+                        integrity: &shared.integrity,
                     },
                 )?;
                 replies.queue(Reply::Frame(frame))?

@@ -43,7 +43,7 @@ use std::time::{Duration, Instant};
 use crate::server::TenantStore;
 use kvtier_client::transport::ucx::{host_id, Context, Registration, Worker};
 use kvtier_engine::PinnedObject;
-use kvtier_proto::auth::{object_checksum, CHECKSUM_LEN};
+use kvtier_proto::auth::{ObjectIntegrity, CHECKSUM_LEN};
 use kvtier_proto::frame::{FLAG_ERROR, FLAG_RESPONSE};
 use kvtier_proto::peer_ucx::{
     CommitItem, LeaseItem, ReserveItem, UcxCommit, UcxCommitReply, UcxHello, UcxLanding,
@@ -668,7 +668,10 @@ impl UcxNode {
                 continue;
             };
             let body = copy.len() - CHECKSUM_LEN;
-            if object_checksum(&r.key, &copy[..body]).to_le_bytes()[..] != copy[body..] {
+            if !traffic
+                .integrity
+                .verify(&r.key, &copy[..body], &copy[body..])
+            {
                 self.counters
                     .commits_refused_checksum
                     .fetch_add(1, Ordering::Relaxed);
@@ -759,6 +762,8 @@ pub struct Traffic<'a> {
     /// Bytes of the leases a peer released: its one-sided reads, which never touch this
     /// node's CPU, counted when the reader says it is done (a lapsed lease counts nothing).
     pub moved_out: &'a metrics::Counter,
+    /// The cluster's end-to-end integrity key: a landed put's trailer is checked with it.
+    pub integrity: &'a ObjectIntegrity,
 }
 
 /// Answer one UCX control request of the authenticated data-port connection `connection`:

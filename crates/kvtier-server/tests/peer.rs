@@ -1,6 +1,7 @@
 //! The peer data port and the TCP transport, in-process: a real listener over loopback,
 //! authenticated pooled connections, pipelined batches, byte-exact transfers, and every
-//! refusal (wrong token, unknown peer, size mismatch, miss) failing only its own items.
+//! refusal (wrong token, unknown peer, size mismatch, miss) failing only its own items, and
+//! every key outside the cluster namespace (a local tenant's) refused on every op.
 #![allow(clippy::unwrap_used)]
 
 use std::net::SocketAddr;
@@ -46,6 +47,14 @@ fn transport(token: &[u8]) -> TcpTransport {
     })
 }
 
+/// `name` in the cluster namespace `t` (as a cluster client with extra_backend_tag = "t"
+/// names it).
+fn ck(name: &str) -> Vec<u8> {
+    let mut key = kvtier_proto::namespace::cluster_prefix("t");
+    key.extend_from_slice(name.as_bytes());
+    key
+}
+
 fn pattern(seed: usize, len: usize) -> Vec<u8> {
     (0..len)
         .map(|i| (i.wrapping_mul(31) ^ seed.wrapping_mul(7919)) as u8)
@@ -62,7 +71,7 @@ fn batches_round_trip_byte_exact_over_several_connections() {
     let values: Vec<Vec<u8>> = (0..40)
         .map(|i| pattern(i, if i % 5 == 0 { 4097 + i } else { 512 << 10 }))
         .collect();
-    let keys: Vec<Vec<u8>> = (0..40).map(|i| format!("page-{i}").into_bytes()).collect();
+    let keys: Vec<Vec<u8>> = (0..40).map(|i| ck(&format!("page-{i}"))).collect();
     let items: Vec<PutItem<'_>> = keys
         .iter()
         .zip(&values)
@@ -83,7 +92,7 @@ fn batches_round_trip_byte_exact_over_several_connections() {
 
     let mut bufs: Vec<Vec<u8>> = values.iter().map(|v| vec![0u8; v.len()]).collect();
     // A miss and a wrong-sized buffer in the middle of the batch fail only themselves.
-    let missing = b"no-such-page".to_vec();
+    let missing = ck("no-such-page");
     let mut miss_buf = vec![0u8; 10];
     let mut short_buf = vec![0u8; 100];
     let mut items: Vec<GetItem<'_>> = Vec::new();
@@ -123,7 +132,7 @@ fn batches_round_trip_byte_exact_over_several_connections() {
     assert_eq!(bufs, values, "bytes differ after the round trip");
 
     // Remove through the port: gone from the node's store and from its held keys.
-    let removed = t.remove(&peer, &[&keys[0][..], b"absent"]).unwrap();
+    let removed = t.remove(&peer, &[&keys[0][..], &ck("absent")]).unwrap();
     assert_eq!(removed, vec![true, false]);
     assert!(!node.exists_keys(&[&keys[0]])[0]);
     assert_eq!(port.held().len(), 39);
@@ -136,10 +145,11 @@ fn a_wrong_token_is_refused_counted_and_serves_nothing() {
     let peer = port.local_addr().to_string();
     let bad = transport(b"wrong");
     let value = pattern(1, 1000);
+    let k = ck("k");
     let r = bad.put(
         &peer,
         &[PutItem {
-            key: b"k",
+            key: &k,
             value: &value,
             depth: None,
         }],
@@ -151,7 +161,7 @@ fn a_wrong_token_is_refused_counted_and_serves_nothing() {
         "{r:?}"
     );
     assert!(
-        !node.exists_keys(&[b"k"])[0],
+        !node.exists_keys(&[&k])[0],
         "an unauthenticated put was stored"
     );
     // The right token still works on the same port.
@@ -159,7 +169,7 @@ fn a_wrong_token_is_refused_counted_and_serves_nothing() {
     let r = good.put(
         &peer,
         &[PutItem {
-            key: b"k",
+            key: &k,
             value: &value,
             depth: None,
         }],
@@ -170,7 +180,7 @@ fn a_wrong_token_is_refused_counted_and_serves_nothing() {
     let mut raw = std::net::TcpStream::connect(port.local_addr()).unwrap();
     let mut frame = Vec::new();
     let get = kvtier_proto::peer::PeerGet {
-        key: b"k".to_vec(),
+        key: k.clone(),
         expected_len: 1000,
     };
     kvtier_proto::encode_frame(&mut frame, kvtier_proto::Opcode::PeerGet, 1, 0, &get).unwrap();
@@ -199,8 +209,9 @@ fn a_dead_peer_fails_fast_and_others_keep_working() {
     };
     let t = transport(b"t");
     let value = pattern(2, 4096);
+    let x = ck("x");
     let item = [PutItem {
-        key: b"x",
+        key: &x,
         value: &value,
         depth: None,
     }];
@@ -220,5 +231,131 @@ fn a_dead_peer_fails_fast_and_others_keep_working() {
     assert!(t.put(&live, &item)[0].is_ok());
     let r = t.put("not-an-address", &item);
     assert!(matches!(r[0], Err(TransportError::Connect { .. })), "{r:?}");
+    port.shutdown();
+}
+
+/// Issue 26: a member of the cluster (it holds the token) cannot reach a local tenant's keys
+/// in the node's store over the data port: get, put, remove, demote, clear and UCX lease and
+/// reserve naming such a key are refused whole (a typed code, counted), nothing is touched,
+/// and the same connection keeps serving cluster keys.
+#[test]
+fn keys_outside_the_cluster_namespace_are_refused_on_every_op() {
+    use kvtier_proto::peer::peer_error_code::OUTSIDE_CLUSTER_NAMESPACE;
+    use kvtier_proto::peer_ucx::{
+        UcxLeaseReply, UcxLeaseRequest, UcxReserveReply, UcxReserveRequest,
+    };
+    use kvtier_proto::Opcode;
+
+    let (port, node) = port(b"tok");
+    let peer = port.local_addr().to_string();
+    // A local session of tenant team-a stored this (the server's own namespacing).
+    let mut local = kvtier_proto::namespace::tenant_prefix("team-a");
+    local.extend_from_slice(b"secret-page");
+    let secret = pattern(9, 4096);
+    node.put_slice(&local, &secret, None).unwrap();
+    let member = transport(b"tok");
+    let refused = |e: &TransportError| {
+        matches!(e, TransportError::Refused { code, message, .. }
+            if *code == OUTSIDE_CLUSTER_NAMESPACE && message.contains("outside the cluster namespace"))
+    };
+
+    // get (with the trailer's length and without), put over it, plant a new one.
+    let mut dst = vec![0u8; secret.len()];
+    let r = member.get(
+        &peer,
+        &mut [GetItem {
+            key: &local,
+            dst: &mut dst,
+        }],
+    );
+    assert!(r[0].as_ref().is_err_and(refused), "{r:?}");
+    let forged = pattern(10, 4096);
+    let planted = [&local[..], b"-new"].concat();
+    for key in [&local, &planted, &b"raw-key".to_vec()] {
+        let r = member.put(
+            &peer,
+            &[PutItem {
+                key,
+                value: &forged,
+                depth: None,
+            }],
+        );
+        assert!(r[0].as_ref().is_err_and(refused), "{r:?}");
+    }
+    // remove and demote: a batch with one such key is refused whole (the cluster key in it
+    // too).
+    let cluster_key = ck("mine");
+    assert!(member.put(
+        &peer,
+        &[PutItem {
+            key: &cluster_key,
+            value: &forged,
+            depth: None
+        }]
+    )[0]
+    .is_ok());
+    let e = member.remove(&peer, &[&cluster_key, &local]).unwrap_err();
+    assert!(refused(&e), "{e:?}");
+    let e = member.demote(&peer, &[&local]).unwrap_err();
+    assert!(refused(&e), "{e:?}");
+    // clear (and its listing) of the tenant's prefix, of everything, of a non-cluster prefix.
+    for prefix in [&b"team-a\x1f"[..], b"", b"\x1f", b"\0"] {
+        let e = member.clear_prefix(&peer, prefix).unwrap_err();
+        assert!(refused(&e), "{prefix:?}: {e:?}");
+    }
+    // UCX lease and reservation of the key (refused before the UCX plane is asked).
+    let e = member
+        .control::<UcxLeaseReply>(
+            &peer,
+            Opcode::PeerUcxLease,
+            &UcxLeaseRequest {
+                objects: vec![(local.clone(), 4096 + 16)],
+            },
+        )
+        .unwrap_err();
+    assert!(refused(&e), "{e:?}");
+    let e = member
+        .control::<UcxReserveReply>(
+            &peer,
+            Opcode::PeerUcxReserve,
+            &UcxReserveRequest {
+                objects: vec![(planted.clone(), 4096 + 16, None)],
+            },
+        )
+        .unwrap_err();
+    assert!(refused(&e), "{e:?}");
+
+    // Nothing touched: the tenant's object is intact, nothing planted, nothing held.
+    let mut back = vec![0u8; secret.len()];
+    node.get_into_slice(&local, &mut back).unwrap();
+    assert_eq!(back, secret);
+    assert!(!node.exists_keys(&[&planted])[0]);
+    assert_eq!(
+        port.counters()
+            .refused_outside_namespace
+            .load(Ordering::Relaxed),
+        12
+    );
+    // The member's own cluster objects are still served, and its clear lists only them.
+    let mut dst = vec![0u8; forged.len()];
+    let r = member.get(
+        &peer,
+        &mut [GetItem {
+            key: &cluster_key,
+            dst: &mut dst,
+        }],
+    );
+    assert!(r[0].is_ok(), "{r:?}");
+    assert_eq!(dst, forged);
+    let cleared = member
+        .clear_prefix(&peer, &kvtier_proto::namespace::cluster_prefix(""))
+        .unwrap();
+    assert!(cleared.is_empty(), "the untagged clear took {cleared:?}");
+    let cleared = member
+        .clear_prefix(&peer, kvtier_proto::namespace::CLUSTER_MARK)
+        .unwrap();
+    assert_eq!(cleared, vec![cluster_key]);
+    node.get_into_slice(&local, &mut back).unwrap();
+    assert_eq!(back, secret);
     port.shutdown();
 }

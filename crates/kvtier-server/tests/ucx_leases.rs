@@ -19,6 +19,8 @@ use kvtier_server::server::TenantStore;
 use kvtier_server::ucx_node::UcxNode;
 
 const TOKEN: &[u8] = b"lease-token";
+/// A cluster key (the data port serves the cluster namespace only).
+const LEASED: &[u8] = b"\0Cucx\x1fleased";
 
 fn transport() -> TcpTransport {
     TcpTransport::new(TcpTransportConfig {
@@ -87,14 +89,14 @@ fn leases_are_owned_by_their_connection_and_end_with_it() {
     let put = owner.put(
         &peer,
         &[PutItem {
-            key: b"leased",
+            key: LEASED,
             value: &value,
             depth: Some(1),
         }],
     );
     assert!(put.iter().all(Result::is_ok), "{put:?}");
     let request = UcxLeaseRequest {
-        objects: vec![(b"leased".to_vec(), (value.len() + CHECKSUM_LEN) as u64)],
+        objects: vec![(LEASED.to_vec(), (value.len() + CHECKSUM_LEN) as u64)],
     };
 
     // A lease taken and released on one session: nothing stays pinned.

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use kvtier_client::transport::tcp::{TcpTransport, TcpTransportConfig};
 use kvtier_client::transport::ucx::{Context, RemoteExtent};
 use kvtier_client::KvtierConfig;
-use kvtier_proto::auth::object_checksum;
+use kvtier_proto::auth::ObjectIntegrity;
 use kvtier_proto::peer_ucx::{
     CommitItem, ReserveItem, UcxCommit, UcxCommitReply, UcxHello, UcxLanding, UcxOffer,
     UcxReserveReply, UcxReserveRequest,
@@ -24,6 +24,9 @@ use kvtier_server::server::TenantStore;
 use kvtier_server::ucx_node::UcxNode;
 
 const TOKEN: &[u8] = b"put-token";
+/// Cluster keys (the data port serves the cluster namespace only).
+const GOOD: &[u8] = b"\0Cucx\x1fgood";
+const BAD: &[u8] = b"\0Cucx\x1fbad";
 
 fn transport() -> TcpTransport {
     TcpTransport::new(TcpTransportConfig {
@@ -46,7 +49,7 @@ fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
 
 fn with_trailer(key: &[u8], value: &[u8]) -> Vec<u8> {
     let mut bytes = value.to_vec();
-    bytes.extend_from_slice(&object_checksum(key, value).to_le_bytes());
+    bytes.extend_from_slice(&ObjectIntegrity::from_token(TOKEN).trailer(key, value));
     bytes
 }
 
@@ -104,16 +107,16 @@ fn puts_land_verified_and_reservations_are_owned_and_bounded() {
 
     // Reserve, write one-sided, commit: stored byte-exact.
     let value: Vec<u8> = (0..64 << 10).map(|i| (i % 251) as u8).collect();
-    let good = with_trailer(b"good", &value);
-    let mut bad = with_trailer(b"bad", &value);
+    let good = with_trailer(GOOD, &value);
+    let mut bad = with_trailer(BAD, &value);
     bad[10] ^= 1; // the bytes no longer match their trailer
     let reply: UcxReserveReply = session
         .control(
             Opcode::PeerUcxReserve,
             &UcxReserveRequest {
                 objects: vec![
-                    (b"good".to_vec(), good.len() as u64, Some(1)),
-                    (b"bad".to_vec(), bad.len() as u64, None),
+                    (GOOD.to_vec(), good.len() as u64, Some(1)),
+                    (BAD.to_vec(), bad.len() as u64, None),
                 ],
             },
         )
@@ -163,7 +166,7 @@ fn puts_land_verified_and_reservations_are_owned_and_bounded() {
         )
         .unwrap();
     assert_eq!(node.reservations_held(), 2, "another connection freed them");
-    assert!(store.object_len(b"good").is_none());
+    assert!(store.object_len(GOOD).is_none());
 
     let done: UcxCommitReply = session
         .control(
@@ -175,10 +178,10 @@ fn puts_land_verified_and_reservations_are_owned_and_bounded() {
         .unwrap();
     assert_eq!(done.items, vec![CommitItem::Stored, CommitItem::Checksum]);
     let mut back = vec![0u8; good.len()];
-    store.get_into_slice(b"good", &mut back).unwrap();
+    store.get_into_slice(GOOD, &mut back).unwrap();
     assert_eq!(back, good, "stored bytes differ from the bytes put");
     assert!(
-        store.object_len(b"bad").is_none(),
+        store.object_len(BAD).is_none(),
         "bytes failing their checksum were stored"
     );
     assert_eq!(
@@ -200,7 +203,7 @@ fn puts_land_verified_and_reservations_are_owned_and_bounded() {
         &[&junk],
         Duration::from_secs(5),
     );
-    store.get_into_slice(b"good", &mut back).unwrap();
+    store.get_into_slice(GOOD, &mut back).unwrap();
     assert_eq!(back, good);
 
     // Already present: skipped, nothing reserved.
@@ -208,7 +211,7 @@ fn puts_land_verified_and_reservations_are_owned_and_bounded() {
         .control(
             Opcode::PeerUcxReserve,
             &UcxReserveRequest {
-                objects: vec![(b"good".to_vec(), good.len() as u64, None)],
+                objects: vec![(GOOD.to_vec(), good.len() as u64, None)],
             },
         )
         .unwrap();
@@ -216,7 +219,13 @@ fn puts_land_verified_and_reservations_are_owned_and_bounded() {
 
     // Beyond the connection's share (half the area): refused, the store intact.
     let many: Vec<(Vec<u8>, u64, Option<u32>)> = (0..5)
-        .map(|i| (format!("big{i}").into_bytes(), (512 << 10) + 8, None))
+        .map(|i| {
+            (
+                [GOOD, format!("big{i}").as_bytes()].concat(),
+                (512 << 10) + 8,
+                None,
+            )
+        })
         .collect();
     let greedy: UcxReserveReply = session
         .control(Opcode::PeerUcxReserve, &UcxReserveRequest { objects: many })
@@ -229,7 +238,7 @@ fn puts_land_verified_and_reservations_are_owned_and_bounded() {
     assert_eq!(granted, 3, "{greedy:?}");
     assert!(greedy.items[3..].iter().all(|i| *i == ReserveItem::Full));
     assert!(node.landing_used() <= landing.max_connection_bytes);
-    store.get_into_slice(b"good", &mut back).unwrap();
+    store.get_into_slice(GOOD, &mut back).unwrap();
     assert_eq!(back, good);
 
     // The owner's connection ends without committing: its reservations are freed then, well

@@ -74,7 +74,9 @@ pub struct ClusterStore {
     transport: Arc<dyn Transport>,
     /// Issue 17: the same transport, for its per-peer choice (stats).
     ucx: Arc<UcxTransport>,
-    /// `tag 0x1f` (or empty): prefixed to every key, as in the other modes.
+    /// `NUL 'C' tag 0x1f` ([`kvtier_proto::namespace::cluster_prefix`]; the empty tag without
+    /// `extra_backend_tag`): prefixed to every key. It is the cluster namespace, which no local
+    /// tenant's keys can spell, and the only one nodes' data ports serve.
     namespace: Vec<u8>,
     namespace_name: String,
     node_id: String,
@@ -120,14 +122,9 @@ impl ClusterStore {
         let choice = crate::transport::ucx::TransportChoice::parse(&config.cluster_transport)
             .map_err(ClusterError::Setup)?;
         let transport = Arc::new(UcxTransport::new(tcp, choice, timeout));
-        let namespace = match &config.extra_backend_tag {
-            Some(tag) => {
-                let mut ns = tag.as_bytes().to_vec();
-                ns.push(0x1f);
-                ns
-            }
-            None => Vec::new(),
-        };
+        let namespace = kvtier_proto::namespace::cluster_prefix(
+            config.extra_backend_tag.as_deref().unwrap_or_default(),
+        );
         let store = ClusterStore {
             runtime,
             master: MasterLink::new(
@@ -773,8 +770,8 @@ impl ClusterStore {
         Ok(marked)
     }
 
-    /// Remove every object of this client's namespace (without a namespace: every object)
-    /// from every live node and from the directory. Each node removes up to
+    /// Remove every object of this client's namespace (without `extra_backend_tag`: the
+    /// untagged namespace's objects) from every live node and from the directory. Each node removes up to
     /// `MAX_CLEARED_KEYS` keys per request and names them; they are forgotten at the master
     /// before the next request, so when this returns no node holds and no exists sees them.
     /// Objects on nodes that are down are forgotten with the lease (they are misses already).

@@ -4,9 +4,10 @@
 //!   ([`kvtier_proto::peer`]): the node must prove the cluster token first (otherwise
 //!   [`TransportError::NotAuthentic`], and nothing derived from the token was sent), then this
 //!   side proves it (a refusal is [`TransportError::Unauthorized`]). The token is never sent.
-//! - With `end_to_end_checksums` (cluster clients) every object put carries an 8-byte trailer,
-//!   [`kvtier_proto::auth::object_checksum`] of its key and bytes, stored with it on the node;
-//!   every get reads the trailer after the bytes and checks it: a mismatch fails that item
+//! - With `end_to_end_checksums` (cluster clients) every object put carries a 16-byte trailer,
+//!   [`kvtier_proto::auth::ObjectIntegrity::trailer`] of its key and bytes (keyed with a
+//!   secret derived from the cluster token), stored with it on the node; every get reads the
+//!   trailer after the bytes and checks it: a mismatch fails that item
 //!   ([`TransportError::Integrity`]), never a hit. Without it (a node copying stored objects,
 //!   trailer included, to another node) the bytes go as they are.
 //! - Up to `connections_per_peer` idle connections are kept per peer. A large batch is spread
@@ -37,7 +38,7 @@ use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use kvtier_proto::auth::{
-    object_checksum, proof, verify, CHECKSUM_LEN, NONCE_LEN, PEER_CLIENT_LABEL, PEER_NODE_LABEL,
+    proof, verify, ObjectIntegrity, CHECKSUM_LEN, NONCE_LEN, PEER_CLIENT_LABEL, PEER_NODE_LABEL,
 };
 use kvtier_proto::frame::{FrameHeader, FLAG_ERROR, HEADER_LEN};
 use kvtier_proto::peer::{
@@ -51,6 +52,9 @@ use parking_lot::Mutex;
 
 use super::{GetItem, PutItem, Transport, TransportError};
 use crate::metrics::names;
+
+/// A get's bytes are read and hashed in pieces of this size (hashed while in cache).
+const HASH_PIECE: usize = 256 << 10;
 
 /// Requests in flight on one connection.
 pub const PIPELINE_WINDOW: usize = 32;
@@ -118,6 +122,8 @@ impl std::fmt::Debug for TcpTransportConfig {
 #[derive(Debug)]
 pub struct TcpTransport {
     config: TcpTransportConfig,
+    /// The end-to-end integrity key (derived from the token once).
+    integrity: ObjectIntegrity,
     idle: Mutex<HashMap<String, Vec<TcpStream>>>,
     down_until: Mutex<HashMap<String, Instant>>,
 }
@@ -237,10 +243,17 @@ fn is_stale(e: &TransportError) -> bool {
 impl TcpTransport {
     pub fn new(config: TcpTransportConfig) -> TcpTransport {
         TcpTransport {
+            integrity: ObjectIntegrity::from_token(&config.token),
             config,
             idle: Mutex::new(HashMap::new()),
             down_until: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// The end-to-end integrity trailer of cluster objects under this transport's token (the
+    /// UCX plane seals and checks with it too).
+    pub fn integrity(&self) -> &ObjectIntegrity {
+        &self.integrity
     }
 
     fn io_error(peer: &str, source: io::Error) -> TransportError {
@@ -747,8 +760,8 @@ trait Exchange<T>: Sync {
 
 struct PutExchange<'p> {
     peer: &'p str,
-    /// Append the end-to-end checksum trailer.
-    checksums: bool,
+    /// Append the end-to-end integrity trailer made with this key.
+    checksums: Option<&'p ObjectIntegrity>,
 }
 
 impl<'a> Exchange<&'a PutItem<'a>> for PutExchange<'_> {
@@ -776,8 +789,10 @@ impl<'a> Exchange<&'a PutItem<'a>> for PutExchange<'_> {
         }
         .encode_to_vec()
         .map_err(|e| TcpTransport::proto_error(peer, e))?;
-        let trailer = object_checksum(item.key, item.value).to_le_bytes();
-        let trailer: &[u8] = if self.checksums { &trailer } else { &[] };
+        let trailer = self
+            .checksums
+            .map(|seal| seal.trailer(item.key, item.value));
+        let trailer: &[u8] = trailer.as_ref().map_or(&[], |t| &t[..]);
         // The payload goes out from the caller's memory (vectored, no copy).
         write_request(stream, Opcode::PeerPut, id, &meta, item.value, trailer)
             .map_err(|e| TcpTransport::proto_error(peer, e))
@@ -798,8 +813,8 @@ impl<'a> Exchange<&'a PutItem<'a>> for PutExchange<'_> {
 
 struct GetExchange<'p> {
     peer: &'p str,
-    /// Expect and verify the end-to-end checksum trailer.
-    checksums: bool,
+    /// Expect the end-to-end integrity trailer and verify it with this key.
+    checksums: Option<&'p ObjectIntegrity>,
     /// Page bytes read into destinations.
     received: std::sync::atomic::AtomicU64,
 }
@@ -817,7 +832,11 @@ impl<'a, 'b> Exchange<&'a mut GetItem<'b>> for GetExchange<'_> {
         item: &&'a mut GetItem<'b>,
     ) -> Result<(), TransportError> {
         // A get request is small: queued, so the requests of a window go out in one write.
-        let trailer = if self.checksums { CHECKSUM_LEN } else { 0 };
+        let trailer = if self.checksums.is_some() {
+            CHECKSUM_LEN
+        } else {
+            0
+        };
         let request = PeerGet {
             key: item.key.to_vec(),
             expected_len: (item.dst.len() + trailer) as u64,
@@ -839,7 +858,11 @@ impl<'a, 'b> Exchange<&'a mut GetItem<'b>> for GetExchange<'_> {
         let peer = self.peer;
         let header = TcpTransport::reply_header(stream, peer, id)?;
         let dst = &mut *item.dst;
-        let trailer = if self.checksums { CHECKSUM_LEN } else { 0 };
+        let trailer = if self.checksums.is_some() {
+            CHECKSUM_LEN
+        } else {
+            0
+        };
         if header.body_len as usize != dst.len() + trailer {
             drain(stream, u64::from(header.body_len))
                 .map_err(|e| ItemFailure::Connection(TcpTransport::io_error(peer, e)))?;
@@ -849,7 +872,7 @@ impl<'a, 'b> Exchange<&'a mut GetItem<'b>> for GetExchange<'_> {
                     "{} bytes sent for a {}-byte buffer{}",
                     header.body_len,
                     dst.len(),
-                    if self.checksums {
+                    if self.checksums.is_some() {
                         " and its checksum"
                     } else {
                         ""
@@ -857,23 +880,40 @@ impl<'a, 'b> Exchange<&'a mut GetItem<'b>> for GetExchange<'_> {
                 ),
             }));
         }
-        // Straight into the destination.
-        stream
-            .read_exact(dst)
-            .map_err(|e| ItemFailure::Connection(TcpTransport::io_error(peer, e)))?;
-        if self.checksums {
-            let mut stored = [0u8; CHECKSUM_LEN];
+        let read = |stream: &mut TcpStream, into: &mut [u8]| {
             stream
-                .read_exact(&mut stored)
-                .map_err(|e| ItemFailure::Connection(TcpTransport::io_error(peer, e)))?;
-            let stored = u64::from_le_bytes(stored);
-            let computed = object_checksum(item.key, dst);
-            if stored != computed {
-                // The destination holds bytes that are not the object's: the caller treats the
-                // item as a miss and never uses them.
+                .read_exact(into)
+                .map_err(|e| ItemFailure::Connection(TcpTransport::io_error(peer, e)))
+        };
+        // Straight into the destination; with the trailer, each piece is hashed as it
+        // arrives, while it is still in cache.
+        let sealer = match self.checksums {
+            None => {
+                read(stream, dst)?;
+                None
+            }
+            Some(seal) => {
+                let mut sealer = seal.sealer(item.key);
+                for piece in dst.chunks_mut(HASH_PIECE) {
+                    read(stream, piece)?;
+                    sealer.update(piece);
+                }
+                Some(sealer)
+            }
+        };
+        if let Some(sealer) = sealer {
+            let mut stored = [0u8; CHECKSUM_LEN];
+            read(stream, &mut stored)?;
+            if !sealer.verify(&stored) {
+                // The destination holds bytes that are not the object's (or were not sealed by
+                // a holder of the cluster token): the caller treats the item as a miss and
+                // never uses them.
                 return Err(ItemFailure::Item(TransportError::Integrity {
                     peer: peer.to_string(),
-                    message: format!("stored {stored:016x}, computed {computed:016x}"),
+                    message: format!(
+                        "the {}-byte object's integrity trailer does not match",
+                        dst.len()
+                    ),
                 }));
             }
         }
@@ -893,7 +933,7 @@ impl Transport for TcpTransport {
             peer,
             &PutExchange {
                 peer,
-                checksums: self.config.end_to_end_checksums,
+                checksums: self.config.end_to_end_checksums.then_some(&self.integrity),
             },
             items.iter().collect(),
             bytes,
@@ -916,7 +956,7 @@ impl Transport for TcpTransport {
         let bytes = items.iter().map(|i| i.dst.len()).sum();
         let x = GetExchange {
             peer,
-            checksums: self.config.end_to_end_checksums,
+            checksums: self.config.end_to_end_checksums.then_some(&self.integrity),
             received: Default::default(),
         };
         let (results, _) = self.spread(peer, &x, items.iter_mut().collect(), bytes);

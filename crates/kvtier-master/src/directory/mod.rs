@@ -140,7 +140,8 @@ type Shard = HashMap<KeyHash, Replicas, BuildHasherDefault<IdentityHasher>>;
 
 /// Replication factor per namespace, as `kvtier master --replication NS=N` sets it: the
 /// factor of a put comes from its request's namespace, that of an entry a registration
-/// rebuilds from its key (`NS 0x1f rest`, the clients' namespacing; no 0x1f: namespace "").
+/// rebuilds from its key's cluster tag ([`kvtier_proto::namespace::cluster_tag`]: `NUL 'C' NS
+/// 0x1f rest`, the clients' namespacing; a key outside the cluster namespace: namespace "").
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ReplicationPolicy {
     pub default: usize,
@@ -156,9 +157,6 @@ impl Default for ReplicationPolicy {
     }
 }
 
-/// Separates the namespace from the rest of a key.
-const NAMESPACE_SEPARATOR: u8 = 0x1f;
-
 impl ReplicationPolicy {
     pub fn for_namespace(&self, namespace: &str) -> usize {
         self.namespaces
@@ -173,10 +171,9 @@ impl ReplicationPolicy {
         if self.namespaces.is_empty() {
             return self.default.clamp(1, MAX_REPLICAS);
         }
-        let namespace = match key.iter().position(|&b| b == NAMESPACE_SEPARATOR) {
-            Some(at) => std::str::from_utf8(&key[..at]).unwrap_or(""),
-            None => "",
-        };
+        let namespace = kvtier_proto::namespace::cluster_tag(key)
+            .and_then(|tag| std::str::from_utf8(tag).ok())
+            .unwrap_or("");
         self.for_namespace(namespace)
     }
 }
@@ -693,14 +690,22 @@ mod tests {
             default: 1,
             namespaces: [("prod".to_string(), 2)].into_iter().collect(),
         };
-        assert_eq!(policy.for_key(b"prod\x1fpage_k"), 2);
-        assert_eq!(policy.for_key(b"dev\x1fpage_k"), 1);
+        let key = |tag: &str| {
+            let mut k = kvtier_proto::namespace::cluster_prefix(tag);
+            k.extend_from_slice(b"page_k");
+            k
+        };
+        assert_eq!(policy.for_key(&key("prod")), 2);
+        assert_eq!(policy.for_key(&key("dev")), 1);
+        assert_eq!(policy.for_key(&key("")), 1);
         assert_eq!(policy.for_key(b"page_k"), 1);
+        // A local tenant's key (never registered by a node) names no cluster namespace.
+        assert_eq!(policy.for_key(b"prod\x1fpage_k"), 1);
         let d =
             Directory::with_replication(Duration::from_millis(200), Duration::from_secs(5), policy);
         let keys = vec![
-            b"prod\x1fk1".to_vec(),
-            b"dev\x1fk2".to_vec(),
+            [&key("prod")[..], b"1"].concat(),
+            [&key("dev")[..], b"2"].concat(),
             b"k3".to_vec(),
         ];
         d.register(spec("a", GIB, &[]), &keys).unwrap();
@@ -711,7 +716,7 @@ mod tests {
         let now = after_grace();
         assert_eq!(d.plan_repairs(now), 1);
         let batches = d.take_repair_tasks("a", 10, now);
-        assert_eq!(all_hashes(&batches), vec![key_hash(b"prod\x1fk1")]);
+        assert_eq!(all_hashes(&batches), vec![key_hash(&keys[0])]);
         // A reset (new leader term) starts a new grace and forgets the tasks.
         d.reset();
         assert_eq!(d.repair_stats().in_flight, 0);

@@ -626,10 +626,11 @@ impl<'a> Connection<'a> {
                         ),
                     ));
                 }
-                if open.tenant.contains(['\0', '\x1f']) {
+                // No NUL (the cluster namespace's marker) and no 0x1f (the separator).
+                if !kvtier_proto::namespace::is_valid_name(&open.tenant) {
                     return Err(Refusal::new(
                         error_code::MALFORMED,
-                        "tenant names may not contain NUL or 0x1f",
+                        "tenant names may not contain NUL or 0x1f or exceed 128 bytes",
                     ));
                 }
                 let store = Arc::clone(self.shared.tenants.for_tenant(&open.tenant));

@@ -11,7 +11,11 @@
 //! - A session ends when its last connection closes (a client killed with SIGKILL included):
 //!   its mappings leave the table then, and each is unmapped once the last request still
 //!   holding it (in a [`kvtier_client::store::CheckedBuffers`]) finishes.
-//! - Keys of a session live under its tenant's namespace (`tenant 0x1f`) inside its store.
+//! - Keys of a session live under its tenant's namespace (`tenant 0x1f`,
+//!   [`kvtier_proto::namespace::tenant_prefix`]) inside its store: never in the cluster
+//!   namespace a node's data port serves (those keys start with NUL, which no tenant name
+//!   holds), so a local session cannot reach a cluster object and a cluster member cannot
+//!   reach a session's.
 
 use std::collections::HashMap;
 use std::io;
@@ -76,8 +80,7 @@ impl Session {
         opener: Opener,
         store: Arc<TenantStore>,
     ) -> Result<Arc<Session>, Refusal> {
-        let mut namespace = opener.tenant.as_bytes().to_vec();
-        namespace.push(0x1f);
+        let namespace = kvtier_proto::namespace::tenant_prefix(&opener.tenant);
         let token = random_token().map_err(|e| {
             Refusal::new(
                 error_code::INTERNAL,

@@ -56,7 +56,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_proto::auth::{object_checksum, CHECKSUM_LEN};
+use kvtier_proto::auth::CHECKSUM_LEN;
 use kvtier_proto::peer::peer_error_code;
 use kvtier_proto::peer_ucx::{
     check_lease_extents, CommitItem, LeaseExtentError, LeaseItem, ReserveItem, UcxCommit,
@@ -741,14 +741,13 @@ impl UcxTransport {
         metrics::counter!(names::PEER_TRANSFER_BYTES, "peer" => peer.to_string(), "direction" => "in")
             .increment(bytes);
         for ((item, trailer), result) in items.iter().zip(&trailers).zip(results.iter_mut()) {
-            if matches!(result, Some(Ok(()))) {
-                let computed = object_checksum(item.key, item.dst);
-                if computed.to_le_bytes() != *trailer {
-                    *result = Some(Err(TransportError::Integrity {
-                        peer: peer.to_string(),
-                        message: "the bytes read over UCX do not match their checksum".into(),
-                    }));
-                }
+            if matches!(result, Some(Ok(())))
+                && !self.tcp.integrity().verify(item.key, item.dst, trailer)
+            {
+                *result = Some(Err(TransportError::Integrity {
+                    peer: peer.to_string(),
+                    message: "the bytes read over UCX do not match their checksum".into(),
+                }));
             }
         }
         Ok(results)
@@ -989,7 +988,7 @@ impl UcxTransport {
                             "reserve answered an extent at {addr:#x} that wraps"
                         ));
                     }
-                    trailers.push(object_checksum(item.key, item.value).to_le_bytes());
+                    trailers.push(self.tcp.integrity().trailer(item.key, item.value));
                     slots.push((i, id, addr));
                 }
                 // No room now, or not storable there: over frames.
