@@ -189,7 +189,9 @@ fn a_member_leasing_everything_cannot_block_puts() {
     let peer = port.local_addr().to_string();
     let member = transport();
     let value = vec![3u8; 256 << 10];
-    let keys: Vec<Vec<u8>> = (0..40).map(|i| format!("all{i:03}").into_bytes()).collect();
+    let keys: Vec<Vec<u8>> = (0..40)
+        .map(|i| [LEASED, format!("all{i:03}").as_bytes()].concat())
+        .collect();
     for key in &keys {
         let put = member.put(
             &peer,
@@ -241,7 +243,9 @@ fn a_member_leasing_everything_cannot_block_puts() {
     );
     // A put needing most of the arena still succeeds: the unpinned objects make room.
     let fresh = vec![9u8; 256 << 10];
-    let new_keys: Vec<Vec<u8>> = (0..40).map(|i| format!("new{i:03}").into_bytes()).collect();
+    let new_keys: Vec<Vec<u8>> = (0..40)
+        .map(|i| [LEASED, format!("new{i:03}").as_bytes()].concat())
+        .collect();
     for key in &new_keys {
         let put = member.put(
             &peer,
