@@ -453,7 +453,8 @@ mod tests {
         assert_eq!(backoff(1), Duration::from_millis(300));
         assert_eq!(backoff(2), Duration::from_millis(600));
         assert_eq!(backoff(5), Duration::from_millis(4800));
-        assert_eq!(backoff(6), RETRY_MAX);
+        assert_eq!(backoff(6), Duration::from_millis(9600));
+        assert_eq!(backoff(7), RETRY_MAX);
         assert_eq!(backoff(1000), RETRY_MAX);
     }
 
