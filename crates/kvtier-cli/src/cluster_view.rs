@@ -60,6 +60,8 @@ fn node_json(n: &NodeInfo) -> Value {
         "capacity_bytes": n.capacity_bytes,
         "free_bytes": n.free_bytes,
         "tags": n.tags,
+        "objects": n.objects,
+        "heard_ms_ago": n.heard_ms_ago,
     })
 }
 
@@ -90,7 +92,10 @@ fn gib(bytes: u64) -> f64 {
 pub fn stat(masters: &str, args: &StatArgs) -> i32 {
     let result = link(masters).and_then(|(runtime, link)| {
         let reply = runtime
-            .block_on(link.call(|mut c| async move { c.cluster(ClusterRequest {}).await }))
+            .block_on(link.call(|mut c| async move {
+                // Issue 27: per-node object counts too.
+                c.cluster(ClusterRequest { node_objects: true }).await
+            }))
             .map_err(|e| e.to_string())?;
         Ok(cluster_json(link.current_leader(), &reply))
     });
@@ -121,16 +126,18 @@ pub fn stat(masters: &str, args: &StatArgs) -> i32 {
         r["in_flight"], r["issued"], r["done"], r["failed"], r["dropped"], r["no_target"]
     );
     println!(
-        "{:<20} {:>5} {:<24} {:>6} {:>10} {:>10}  tags",
-        "node", "index", "data address", "alive", "cap GiB", "free GiB"
+        "{:<20} {:>5} {:<24} {:>6} {:>9} {:>10} {:>10} {:>10}  tags",
+        "node", "index", "data address", "alive", "heard", "objects", "cap GiB", "free GiB"
     );
     for n in &nodes {
         println!(
-            "{:<20} {:>5} {:<24} {:>6} {:>10.2} {:>10.2}  {}",
+            "{:<20} {:>5} {:<24} {:>6} {:>8.1}s {:>10} {:>10.2} {:>10.2}  {}",
             n["node_id"].as_str().unwrap_or("?"),
             n["index"],
             n["data_address"].as_str().unwrap_or("?"),
             if n["alive"] == true { "yes" } else { "no" },
+            n["heard_ms_ago"].as_u64().unwrap_or(0) as f64 / 1000.0,
+            n["objects"],
             gib(n["capacity_bytes"].as_u64().unwrap_or(0)),
             gib(n["free_bytes"].as_u64().unwrap_or(0)),
             n["tags"]

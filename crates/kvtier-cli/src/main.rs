@@ -21,6 +21,8 @@ mod bench_cluster;
 mod bench_ucx;
 mod cluster_view;
 mod config_check;
+/// Issue 27: the tracing subscriber every subcommand installs.
+mod logging;
 mod master;
 mod master_metrics;
 mod serve;
@@ -39,6 +41,10 @@ use clap::{Parser, Subcommand};
     about = "kvtier: tiered KV-cache page store tools"
 )]
 struct Cli {
+    /// Log format on stderr: text lines (timestamp, level, target, message) or one JSON object
+    /// per line (default: $KVTIER_LOG_FORMAT, else text). RUST_LOG filters (default: info).
+    #[arg(long, global = true, value_enum)]
+    log_format: Option<logging::LogFormat>,
     #[command(subcommand)]
     command: Command,
 }
@@ -120,6 +126,10 @@ enum BenchCommand {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Err(e) = logging::init(cli.log_format) {
+        eprintln!("kvtier: {e}");
+        return ExitCode::from(2);
+    }
     let result = match cli.command {
         Command::Fsck { dir, json } => fsck(&dir, json),
         Command::Bench { what } => match what {
@@ -149,6 +159,23 @@ fn main() -> ExitCode {
 
 fn fsck(dir: &std::path::Path, json: bool) -> Result<ExitCode, String> {
     let r = kvtier_engine::fsck(dir).map_err(|e| format!("fsck {}: {e}", dir.display()))?;
+    // Issue 27: nothing checked is not "clean": a wrong directory must not pass.
+    if r.segments.is_empty() {
+        let below = store_dirs_below(dir);
+        return Err(if below.is_empty() {
+            format!(
+                "fsck {}: no segment files (seg-NNNNNN.kvt) here: not an SSD tier directory, \
+                 or one never written to",
+                dir.display()
+            )
+        } else {
+            format!(
+                "fsck {}: no segment files here; these directories below it hold some: {}",
+                dir.display(),
+                below.join(", ")
+            )
+        });
+    }
     if json {
         println!(
             "{}",
@@ -195,6 +222,30 @@ fn fsck(dir: &std::path::Path, json: bool) -> Result<ExitCode, String> {
     } else {
         ExitCode::from(1)
     })
+}
+
+/// Sub-directories of `dir` (one level) holding segment files: the per-store directories
+/// under an `ssd_storage_dir`, which is what `fsck` wants.
+fn store_dirs_below(dir: &std::path::Path) -> Vec<String> {
+    let is_segment = |name: &str| name.starts_with("seg-") && name.ends_with(".kvt");
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut found: Vec<String> = entries
+        .flatten()
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+        .filter(|e| {
+            std::fs::read_dir(e.path()).is_ok_and(|inner| {
+                inner
+                    .flatten()
+                    .any(|f| f.file_name().to_str().is_some_and(is_segment))
+            })
+        })
+        .map(|e| e.path().display().to_string())
+        .collect();
+    found.sort();
+    found.truncate(16);
+    found
 }
 
 /// Whether progress bars may be drawn.

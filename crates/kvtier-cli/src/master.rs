@@ -78,7 +78,7 @@ pub fn master(args: MasterArgs) -> Result<ExitCode, String> {
         Some(addr) => {
             let m = crate::master_metrics::start(addr, args.listen, token.clone())
                 .map_err(|e| format!("metrics_addr {addr}: {e}"))?;
-            eprintln!("kvtier master: metrics at {}", m.endpoint.url());
+            tracing::info!("kvtier master: metrics at {}", m.endpoint.url());
             Some(m)
         }
         None => None,
@@ -88,19 +88,21 @@ pub fn master(args: MasterArgs) -> Result<ExitCode, String> {
         .enable_all()
         .build()
         .map_err(|e| format!("cannot start the runtime: {e}"))?;
-    runtime
-        .block_on(run(config, async {
-            let mut term =
-                match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                    Ok(t) => t,
-                    Err(_) => return std::future::pending().await,
-                };
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = tokio::signal::ctrl_c() => {}
-            }
-            eprintln!("kvtier master: signal; shutting down");
-        }))
-        .map_err(|e| e.to_string())?;
+    let result = runtime.block_on(run(config, async {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(t) => t,
+                Err(_) => return std::future::pending().await,
+            };
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+        tracing::info!("kvtier master: signal; resigning and shutting down");
+    }));
+    // Issue 27: tasks still running (a connection past the grace, a directory scan) do not
+    // hold the exit.
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    result.map_err(|e| e.to_string())?;
     Ok(ExitCode::SUCCESS)
 }

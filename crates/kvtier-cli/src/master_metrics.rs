@@ -13,7 +13,6 @@ use std::time::Duration;
 use kvtier_client::cluster::master::{connect, MasterCredential};
 use kvtier_client::metrics::{self, names, Collector, Endpoint, Samples};
 use kvtier_master::rpc::ClusterRequest;
-use parking_lot::Mutex;
 
 /// Bound of the scrape's own RPC: a master too busy to answer shows as `kvtier_master_up 0`.
 const SCRAPE_RPC_TIMEOUT: Duration = Duration::from_secs(2);
@@ -23,19 +22,28 @@ struct MasterCollector {
     address: String,
     /// The cluster token's proof (the scrape's RPC is authenticated like any other).
     credential: MasterCredential,
-    runtime: Mutex<tokio::runtime::Runtime>,
 }
 
 impl Collector for MasterCollector {
     fn collect(&self, out: &mut Samples) {
         let (address, credential) = (self.address.clone(), self.credential.clone());
-        let reply = self.runtime.lock().block_on(async move {
+        // Issue 27: a runtime per scrape, dropped with it: the RPC connection closes when the
+        // scrape ends. A kept runtime left the connection open but never polled, so a stopping
+        // master waited on it (graceful HTTP/2 close) until the next scrape.
+        let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        else {
+            out.gauge(names::MASTER_UP, &[], 0.0);
+            return;
+        };
+        let reply = runtime.block_on(async move {
             let fetch = async {
                 let mut client = connect(&address, credential, SCRAPE_RPC_TIMEOUT)
                     .await
                     .ok()?;
                 client
-                    .cluster(ClusterRequest {})
+                    .cluster(ClusterRequest::default())
                     .await
                     .ok()
                     .map(|r| r.into_inner())
@@ -117,14 +125,9 @@ pub fn start(
     if target.ip().is_unspecified() {
         target.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
     }
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| format!("metrics runtime: {e}"))?;
     let collector: Arc<dyn Collector> = Arc::new(MasterCollector {
         address: target.to_string(),
         credential: MasterCredential::new(token),
-        runtime: Mutex::new(runtime),
     });
     metrics::register_collector(Arc::downgrade(&collector));
     Ok(MasterMetrics {

@@ -141,7 +141,7 @@ where
 {
     rt.block_on(async {
         vec![
-            code(client.cluster(ClusterRequest {}).await),
+            code(client.cluster(ClusterRequest::default()).await),
             code(
                 client
                     .register_node(RegisterNodeRequest {
@@ -276,10 +276,13 @@ fn master_rpcs_need_a_fresh_proof_of_the_token_and_live_nodes_keep_their_identit
     });
     rt.block_on(async {
         assert!(
-            replayer.cluster(ClusterRequest {}).await.is_ok(),
+            replayer.cluster(ClusterRequest::default()).await.is_ok(),
             "the original"
         );
-        let again = replayer.cluster(ClusterRequest {}).await.unwrap_err();
+        let again = replayer
+            .cluster(ClusterRequest::default())
+            .await
+            .unwrap_err();
         assert_eq!(again.code(), Code::Unauthenticated);
         assert!(again.message().contains("replayed"), "{}", again.message());
         let moved = replayer

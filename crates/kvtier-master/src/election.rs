@@ -37,6 +37,9 @@ pub struct Leadership {
     /// Leads only until then (the etcd lease may lapse after it); `None`: no bound (single
     /// master).
     lead_until: RwLock<Option<Instant>>,
+    /// Issue 27: the etcd lease of the current campaign, revoked by [`resign`] at a graceful
+    /// stop so the election key goes at once instead of after the TTL.
+    lease: RwLock<Option<i64>>,
 }
 
 impl Leadership {
@@ -46,6 +49,7 @@ impl Leadership {
             is_leader: AtomicBool::new(true),
             leader_address: RwLock::new(address.to_string()),
             lead_until: RwLock::new(None),
+            lease: RwLock::new(None),
         }
     }
 
@@ -95,14 +99,14 @@ pub async fn campaign(
     loop {
         let result = campaign_once(&config, ttl_secs, poll, &leadership, &directory).await;
         if leadership.is_leader.load(Ordering::Acquire) {
-            eprintln!("kvtier master: lost leadership");
+            tracing::warn!("kvtier master: lost leadership");
             leadership.set(false, "");
             // A follower serves no directory; the next win starts from the nodes' reports.
             directory.reset();
         }
         leadership.set(false, "");
         if let Err(e) = result {
-            eprintln!("kvtier master: etcd campaign failed ({e}); retrying");
+            tracing::warn!("kvtier master: etcd campaign failed ({e}); retrying");
         }
         tokio::time::sleep(poll).await;
     }
@@ -120,6 +124,7 @@ async fn campaign_once(
         .with_timeout(Duration::from_secs(2));
     let mut client = Client::connect(&config.endpoints, Some(options)).await?;
     let lease = client.lease_grant(ttl_secs, None).await?.id();
+    *leadership.lease.write() = Some(lease);
     let (mut keeper, mut replies) = client.lease_keep_alive(lease).await?;
     let ttl = Duration::from_secs(u64::try_from(ttl_secs).unwrap_or(1));
     loop {
@@ -151,7 +156,7 @@ async fn campaign_once(
             if client.txn(txn).await?.succeeded() {
                 directory.reset();
                 leadership.set(true, &config.advertise);
-                eprintln!("kvtier master: elected leader ({})", config.advertise);
+                tracing::info!("kvtier master: elected leader ({})", config.advertise);
             } else {
                 let current = client.get(config.key.clone(), None).await?;
                 let kv = current.kvs().first();
@@ -159,7 +164,7 @@ async fn campaign_once(
                     // Ours already (a put whose reply was lost): lead, from an empty directory.
                     directory.reset();
                     leadership.set(true, &config.advertise);
-                    eprintln!("kvtier master: elected leader ({})", config.advertise);
+                    tracing::info!("kvtier master: elected leader ({})", config.advertise);
                 } else {
                     let leader = kv
                         .and_then(|kv| kv.value_str().ok())
@@ -177,5 +182,38 @@ async fn campaign_once(
             }
         }
         tokio::time::sleep(poll).await;
+    }
+}
+
+/// Issue 27: step down at a graceful stop (the campaign task already ended): stop answering
+/// as leader, and revoke the campaign's etcd lease, which deletes the election key, so a
+/// follower's next campaign poll (TTL / 4) wins instead of waiting out the TTL. Bounded by
+/// 2 s; if etcd cannot be reached the lease simply lapses after the TTL.
+pub async fn resign(endpoints: &[String], leadership: &Leadership) {
+    let was_leader = leadership.is_leader.load(Ordering::Acquire);
+    leadership.set(false, "");
+    let Some(lease) = leadership.lease.write().take() else {
+        return;
+    };
+    let revoke = async {
+        let options = ConnectOptions::new()
+            .with_connect_timeout(Duration::from_secs(1))
+            .with_timeout(Duration::from_secs(1));
+        let mut client = Client::connect(endpoints, Some(options)).await?;
+        client.lease_revoke(lease).await
+    };
+    match tokio::time::timeout(Duration::from_secs(2), revoke).await {
+        Ok(Ok(_)) if was_leader => {
+            tracing::info!("kvtier master: resigned leadership (etcd lease {lease:x} revoked)")
+        }
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => tracing::warn!(
+            "kvtier master: could not revoke the etcd lease {lease:x} ({e}); a follower leads \
+             once it lapses"
+        ),
+        Err(_) => tracing::warn!(
+            "kvtier master: etcd did not answer the lease revocation within 2 s; a follower \
+             leads once the lease lapses"
+        ),
     }
 }

@@ -193,6 +193,8 @@ pub fn node_infos(nodes: &[NodeState]) -> Vec<NodeInfo> {
             tags: n.spec.tags.clone(),
             alive: n.alive,
             index: u32::from(n.index),
+            heard_ms_ago: u64::try_from(n.heard_ago().as_millis()).unwrap_or(u64::MAX),
+            objects: 0,
         })
         .collect()
 }
@@ -259,9 +261,11 @@ impl Master for MasterService {
             .find(|n| n.alive && n.spec.node_id == r.node_id)
         {
             if live.spec.data_address != r.data_address {
-                eprintln!(
+                tracing::warn!(
                     "kvtier master: refused registering node {:?} at {} (live at {})",
-                    r.node_id, r.data_address, live.spec.data_address
+                    r.node_id,
+                    r.data_address,
+                    live.spec.data_address
                 );
                 return Err(Status::already_exists(format!(
                     "node {:?} is live at {}; a registration from {} is refused until it \
@@ -286,7 +290,7 @@ impl Master for MasterService {
             .register(spec, &r.keys)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         self.node_secrets.lock().insert(id.clone(), secret.clone());
-        eprintln!(
+        tracing::info!(
             "kvtier master: node {id:?} registered (index {index}, {} keys)",
             r.keys.len()
         );
@@ -527,23 +531,35 @@ impl Master for MasterService {
         }
         let known = self.directory.leave(&r.node_id);
         if known {
-            eprintln!("kvtier master: node {:?} left", r.node_id);
+            tracing::info!("kvtier master: node {:?} left", r.node_id);
         }
         Ok(Response::new(LeaveNodeReply { known }))
     }
 
     async fn cluster(
         &self,
-        _request: Request<ClusterRequest>,
+        request: Request<ClusterRequest>,
     ) -> Result<Response<ClusterReply>, Status> {
         let _timer = RpcTimer::start("cluster");
         let leader = self.leadership.is_leader();
+        let mut nodes = if leader {
+            node_infos(&self.directory.nodes())
+        } else {
+            Vec::new()
+        };
+        if leader && request.get_ref().node_objects {
+            // The scan can take milliseconds on a large directory: off the async workers.
+            let directory = Arc::clone(&self.directory);
+            let counts = tokio::task::spawn_blocking(move || directory.objects_per_node())
+                .await
+                .unwrap_or_default();
+            for n in &mut nodes {
+                let index = u16::try_from(n.index).unwrap_or(u16::MAX);
+                n.objects = counts.get(&index).copied().unwrap_or(0);
+            }
+        }
         Ok(Response::new(ClusterReply {
-            nodes: if leader {
-                node_infos(&self.directory.nodes())
-            } else {
-                Vec::new()
-            },
+            nodes,
             is_leader: leader,
             leader_address: self.leadership.leader_address(),
             objects: if leader {
@@ -630,7 +646,7 @@ pub async fn run(
             loop {
                 tokio::time::sleep(every).await;
                 for node in directory.expire_nodes(Instant::now()) {
-                    eprintln!("kvtier master: node {node:?} dropped (lease expired)");
+                    tracing::warn!("kvtier master: node {node:?} dropped (lease expired)");
                 }
                 if !leadership.is_leader() {
                     continue;
@@ -643,7 +659,7 @@ pub async fn run(
                         .unwrap_or(0);
                 let stats = directory.repair_stats();
                 if planned > 0 {
-                    eprintln!(
+                    tracing::info!(
                         "kvtier master: re-replication: {planned} copy tasks planned \
                          ({} in flight)",
                         stats.in_flight
@@ -652,7 +668,7 @@ pub async fn run(
                 if stats.no_target != reported_no_target {
                     reported_no_target = stats.no_target;
                     if stats.no_target > 0 {
-                        eprintln!(
+                        tracing::warn!(
                             "kvtier master: re-replication: {} under-replicated objects have \
                              no target node (live, not a holder, room, the holders' tags)",
                             stats.no_target
@@ -674,7 +690,7 @@ pub async fn run(
             Arc::clone(&directory),
         ))
     });
-    eprintln!(
+    tracing::info!(
         "kvtier master: serving on {} (advertised {advertise}; {})",
         config.listen,
         if config.etcd_endpoints.is_empty() {
@@ -683,6 +699,8 @@ pub async fn run(
             format!("etcd election on {:?}", config.etcd_endpoints)
         }
     );
+    let config_endpoints = config.etcd_endpoints.clone();
+    let resigning = Arc::clone(&leadership);
     let authenticator = Arc::new(RpcAuthenticator::new(config.token.clone()));
     let service = MasterService::new(config, directory, leadership);
     // Accepted sockets do not get the builder's TCP_NODELAY: without it a reply written in
@@ -697,17 +715,51 @@ pub async fn run(
             stream
         },
     );
-    let result = tonic::transport::Server::builder()
+    // Issue 27: the server's own shutdown starts only once leadership is resigned, and its
+    // graceful part (running RPCs finish, connections close) is bounded: an open connection
+    // (a metrics scraper's, a node's stream) must not keep a stopped master alive, nor keep
+    // its election key from a follower.
+    let (begin_stop, stop_begun) = tokio::sync::oneshot::channel::<()>();
+    let serve = tonic::transport::Server::builder()
         .concurrency_limit_per_connection(MAX_RPCS_PER_CONNECTION)
         .add_service(Authenticated::new(
             MasterServer::new(service).max_decoding_message_size(MAX_RPC_MESSAGE_BYTES),
             authenticator,
         ))
-        .serve_with_incoming_shutdown(incoming, shutdown)
-        .await;
+        .serve_with_incoming_shutdown(incoming, async {
+            let _ = stop_begun.await;
+        });
+    tokio::pin!(serve);
+    tokio::pin!(shutdown);
+    let mut election = election;
+    let result = tokio::select! {
+        r = &mut serve => r,
+        () = &mut shutdown => {
+            if let Some(task) = election.take() {
+                task.abort();
+                let _ = task.await;
+                crate::election::resign(&config_endpoints, &resigning).await;
+            }
+            let _ = begin_stop.send(());
+            match tokio::time::timeout(SHUTDOWN_GRACE, &mut serve).await {
+                Ok(r) => r,
+                Err(_) => {
+                    tracing::warn!(
+                        "kvtier master: connections still open {} s after the stop; closing them",
+                        SHUTDOWN_GRACE.as_secs()
+                    );
+                    Ok(())
+                }
+            }
+        }
+    };
     sweeper.abort();
     if let Some(e) = election {
         e.abort();
     }
+    tracing::info!("kvtier master: stopped");
     result.map_err(MasterError::from)
 }
+
+/// Issue 27: how long a stopping master lets running RPCs finish and connections close.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);

@@ -16,6 +16,8 @@ mod buffer_access;
 mod keys; // issue 16: the key scheme
           // Issue 18: SGLang's direct linker (LinkerCore).
 mod linker;
+// Issue 27: Rust records into Python's `logging` (loggers under `kvtier`).
+mod pylog;
 
 use std::sync::Arc;
 
@@ -136,6 +138,9 @@ impl Store {
     #[pyo3(signature = (extra_config_json = "{}", use_environment = true))]
     fn new(py: Python<'_>, extra_config_json: &str, use_environment: bool) -> PyResult<Store> {
         let config = load_config(extra_config_json, use_environment)?;
+        // Issue 27: open's warnings (corrupt SSD records, fallbacks) pass the gate the
+        // `kvtier` logger's level sets now, not the one of a second ago.
+        let _ = pylog::refresh_log_level(py);
         // Pre-faulting the arena takes a while for large capacities: do it without the GIL.
         let client = py.detach(|| Client::open(config)).map_err(map_error)?;
         Ok(Store {
@@ -624,5 +629,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<linker::LinkerCore>()?; // issue 18
     m.add_class::<batch_queue::BatchQueue>()?; // issue 19
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // Issue 27: Rust's records reach `logging` under `kvtier`.
+    pylog::install(m.py());
+    m.add_function(wrap_pyfunction!(pylog::refresh_log_level, m)?)?;
+    m.add_function(wrap_pyfunction!(pylog::flush_logs, m)?)?;
+    m.add_function(wrap_pyfunction!(pylog::log_records_dropped, m)?)?;
     Ok(())
 }

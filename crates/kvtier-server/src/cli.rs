@@ -199,7 +199,130 @@ pub fn serve_config(args: &ServeArgs) -> Result<ServerConfig, String> {
     .map_err(|e| e.to_string())
 }
 
-/// Run `kvtier serve`; returns the process exit code.
+/// Bytes as the operator reads them: `64 GiB`, `23.5 GiB`, `512 MiB`, `4096 bytes`.
+pub fn human_bytes(n: u64) -> String {
+    const UNITS: [(u64, &str); 4] = [
+        (1 << 40, "TiB"),
+        (1 << 30, "GiB"),
+        (1 << 20, "MiB"),
+        (1 << 10, "KiB"),
+    ];
+    for (size, unit) in UNITS {
+        if n >= size {
+            let v = n as f64 / size as f64;
+            return if n.is_multiple_of(size) {
+                format!("{} {unit}", n / size)
+            } else {
+                format!("{v:.1} {unit}")
+            };
+        }
+    }
+    format!("{n} bytes")
+}
+
+/// `MemTotal` of /proc/meminfo, when it can be read.
+fn mem_total() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib = text
+        .lines()
+        .find_map(|line| line.strip_prefix("MemTotal:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse::<u64>()
+        .ok()?;
+    Some(kib << 10)
+}
+
+/// Issue 27: everything `kvtier serve` can check without opening a store, checked before the
+/// DRAM arena is mapped and pre-faulted (which takes seconds per GiB): the cluster flags and
+/// the DRAM the stores would map against the host's memory. Returns the data address.
+pub fn check_serve_config(config: &ServerConfig) -> Result<Option<std::net::SocketAddr>, String> {
+    let settings = &config.engine;
+    let dram = settings.engine.dram_capacity_bytes;
+    let partitions: u64 = config.settings.tenant_dram_quota.values().sum();
+    if let Some(total) = mem_total() {
+        if dram.saturating_add(partitions) > total {
+            return Err(if partitions == 0 {
+                format!(
+                    "dram_capacity_bytes {} exceeds physical memory {}",
+                    human_bytes(dram),
+                    human_bytes(total)
+                )
+            } else {
+                format!(
+                    "dram_capacity_bytes {} plus tenant_dram_quota partitions {} exceed physical memory {}",
+                    human_bytes(dram),
+                    human_bytes(partitions),
+                    human_bytes(total)
+                )
+            });
+        }
+    }
+    check_cluster_settings(settings)
+}
+
+/// The cluster flags: none, or a master with a data address peers can reach.
+fn check_cluster_settings(
+    settings: &kvtier_client::KvtierConfig,
+) -> Result<Option<std::net::SocketAddr>, String> {
+    let masters = settings.master_addresses();
+    if masters.is_empty() {
+        return Ok(None);
+    }
+    let data = settings
+        .node_address
+        .as_deref()
+        .ok_or("cluster mode (--master) needs --data-addr HOST:PORT")?;
+    let addr: std::net::SocketAddr = data
+        .parse()
+        .map_err(|_| format!("--data-addr {data:?} is not IP:PORT"))?;
+    if addr.ip().is_unspecified() {
+        return Err(format!(
+            "--data-addr {data}: give the address peers reach this node on, not a wildcard"
+        ));
+    }
+    if settings.cluster_token.as_deref().is_none_or(str::is_empty) {
+        return Err("cluster mode (--master) needs the cluster token: KVTIER_CLUSTER_TOKEN or cluster_token in the --config file".into());
+    }
+    Ok(Some(addr))
+}
+
+/// Issue 27: the one startup line: mode, capacities, paths, transports, addresses.
+fn summary_line(server: &Server, config: &ServerConfig) -> String {
+    let e = &config.engine;
+    let ssd = if e.engine.ssd_enabled {
+        format!(
+            "SSD {} in {}",
+            human_bytes(e.engine.ssd_capacity_bytes),
+            e.engine.ssd_storage_dir.display()
+        )
+    } else {
+        "SSD off".to_string()
+    };
+    let mode = match e.master_addresses() {
+        m if m.is_empty() => "local".to_string(),
+        m => format!(
+            "cluster node (masters {}, data {}, transport {})",
+            m.join(","),
+            e.node_address.as_deref().unwrap_or("?"),
+            e.cluster_transport
+        ),
+    };
+    let metrics = server.metrics_addr().map_or(String::new(), |a| {
+        format!("; metrics on http://{a}/metrics")
+    });
+    format!(
+        "kvtier serve: listening on {} (pid {}, mode {mode}, DRAM {}, {ssd}, {} tenant partitions){metrics}",
+        server.socket().display(),
+        std::process::id(),
+        human_bytes(e.engine.dram_capacity_bytes),
+        config.settings.tenant_dram_quota.len(),
+    )
+}
+
+/// Run `kvtier serve`; returns the process exit code: 0 after a clean stop, 1 when the
+/// server failed (a flush error, a credential the master refused), 2 on a configuration error.
 pub fn serve_main(args: ServeArgs) -> i32 {
     let config = match serve_config(&args) {
         Ok(c) => c,
@@ -208,7 +331,12 @@ pub fn serve_main(args: ServeArgs) -> i32 {
             return 2;
         }
     };
-    let mut signals = match signal_hook::iterator::Signals::new([
+    // Issue 27: every check that needs no store runs before the arena is pre-faulted.
+    if let Err(e) = check_serve_config(&config) {
+        eprintln!("kvtier serve: {e}");
+        return 2;
+    }
+    let signals = match signal_hook::iterator::Signals::new([
         signal_hook::consts::SIGTERM,
         signal_hook::consts::SIGINT,
     ]) {
@@ -218,9 +346,8 @@ pub fn serve_main(args: ServeArgs) -> i32 {
             return 1;
         }
     };
-    let capacity = config.engine.engine.dram_capacity_bytes;
     let cluster_settings = config.engine.clone();
-    let partitions = config.settings.tenant_dram_quota.len();
+    let summary_config = config.clone();
     let server = match Server::bind(config) {
         Ok(s) => s,
         Err(e) => {
@@ -228,16 +355,7 @@ pub fn serve_main(args: ServeArgs) -> i32 {
             return 1;
         }
     };
-    let metrics = server.metrics_addr().map_or(String::new(), |a| {
-        format!("; metrics on http://{a}/metrics")
-    });
-    eprintln!(
-        "kvtier serve: listening on {} (pid {}, DRAM {} MiB, {} tenant partitions){metrics}",
-        server.socket().display(),
-        std::process::id(),
-        capacity >> 20,
-        partitions
-    );
+    tracing::info!("{}", summary_line(&server, &summary_config));
     let running = server.spawn();
     let cluster = match start_cluster_node(&cluster_settings, running.main_store()) {
         Ok(c) => c,
@@ -250,21 +368,43 @@ pub fn serve_main(args: ServeArgs) -> i32 {
     if let Some(node) = &cluster {
         running.set_data_plane(node.data_plane.clone()); // issue 17
     }
-    let signal = signals.forever().next();
+    let (signal, fatal) = wait_for_stop(signals, cluster.as_ref());
     drop(cluster);
-    eprintln!(
-        "kvtier serve: signal {}; shutting down (finishing running requests, flushing)",
-        signal.unwrap_or(0)
-    );
+    match &fatal {
+        Some(e) => eprintln!("kvtier serve: {e}; shutting down"),
+        None => tracing::info!(
+            "kvtier serve: signal {}; shutting down (finishing running requests, flushing)",
+            signal.unwrap_or(0)
+        ),
+    }
     let report = running.shutdown(Duration::from_secs(args.shutdown_timeout));
     let errors = report["shutdown"]["flush_errors"]
         .as_array()
         .map_or(0, Vec::len);
-    eprintln!(
+    tracing::info!(
         "kvtier serve: stopped ({} requests served, {} sessions, {} flush errors)",
-        report["server"]["requests"], report["server"]["sessions_total"], errors
+        report["server"]["requests"],
+        report["server"]["sessions_total"],
+        errors
     );
-    i32::from(errors > 0)
+    i32::from(errors > 0 || fatal.is_some())
+}
+
+/// Block until SIGTERM / SIGINT, or until the node agent gives up for good (the master
+/// refused the cluster token): `(signal, fatal error)`.
+fn wait_for_stop(
+    mut signals: signal_hook::iterator::Signals,
+    cluster: Option<&ClusterNode>,
+) -> (Option<i32>, Option<String>) {
+    loop {
+        if let Some(signal) = signals.pending().next() {
+            return (Some(signal), None);
+        }
+        if let Some(e) = cluster.and_then(|c| c.agent.fatal_error()) {
+            return (None, Some(e));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// Fetch the stats document of the server at `socket`.
@@ -472,6 +612,26 @@ fn data_plane_line(plane: &Value) -> String {
     }
 }
 
+/// Issue 27: the SSD line of a store in `kvtier stat`.
+fn ssd_line(st: &Value) -> String {
+    let n = |k: &str| st[k].as_u64().unwrap_or(0);
+    format!(
+        "SSD {} objects, {} / {} used, {} hits; at open recovered {} objects ({} torn, {} corrupt records dropped){}",
+        n("ssd_objects"),
+        human_bytes(n("ssd_bytes_allocated")),
+        human_bytes(n("ssd_capacity_bytes")),
+        n("ssd_hits"),
+        n("ssd_recovered_objects"),
+        n("ssd_recovery_torn"),
+        n("ssd_recovery_corrupt"),
+        if st["ssd_degraded"] == true {
+            "; DEGRADED (writes failed: see the server's log)"
+        } else {
+            ""
+        }
+    )
+}
+
 /// Run `kvtier stat`; returns the exit code.
 pub fn stat_main(args: StatArgs) -> i32 {
     let socket = match socket_or_default(&args.socket) {
@@ -515,7 +675,7 @@ pub fn stat_main(args: StatArgs) -> i32 {
     if let Some(stores) = doc["stores"].as_object() {
         for (name, st) in stores {
             println!(
-                "  store {name}: {} objects, {} / {} MiB used, hits {} misses {} evictions {}",
+                "  store {name}: DRAM {} objects, {} / {} MiB used, hits {} misses {} evictions {}",
                 st["objects"],
                 st["bytes_used"].as_u64().unwrap_or(0) >> 20,
                 st["capacity_bytes"].as_u64().unwrap_or(0) >> 20,
@@ -523,6 +683,10 @@ pub fn stat_main(args: StatArgs) -> i32 {
                 st["misses"],
                 st["evictions_capacity"]
             );
+            // Issue 27: the SSD tier (a warm restart's objects live there, not in DRAM).
+            if st["ssd_enabled"] == true {
+                println!("    {}", ssd_line(st));
+            }
         }
     }
     if let Some(list) = doc["sessions"].as_array() {
@@ -564,7 +728,7 @@ fn start_ucx_node(
     }
     match crate::ucx_node::UcxNode::start(store) {
         Ok(node) => {
-            eprintln!(
+            tracing::info!(
                 "kvtier serve: UCX data plane on (UCX_TLS {}, {} MiB registered)",
                 node.offer().transports,
                 node.describe()["registered_bytes"].as_u64().unwrap_or(0) >> 20
@@ -572,7 +736,7 @@ fn start_ucx_node(
             Ok(std::sync::Arc::new(node))
         }
         Err(why) => {
-            eprintln!("kvtier serve: no UCX data plane ({why}); peers read over TCP frames");
+            tracing::info!("kvtier serve: no UCX data plane ({why}); peers read over TCP frames");
             Err(why)
         }
     }
@@ -584,21 +748,10 @@ pub fn start_cluster_node(
     store: std::sync::Arc<crate::server::TenantStore>,
 ) -> Result<Option<ClusterNode>, String> {
     let masters = settings.master_addresses();
-    if masters.is_empty() {
+    let Some(addr) = check_cluster_settings(settings)? else {
         return Ok(None);
-    }
-    let data = settings
-        .node_address
-        .as_deref()
-        .ok_or("cluster mode (--master) needs --data-addr HOST:PORT")?;
-    let addr: std::net::SocketAddr = data
-        .parse()
-        .map_err(|_| format!("--data-addr {data:?} is not IP:PORT"))?;
-    if addr.ip().is_unspecified() {
-        return Err(format!(
-            "--data-addr {data}: give the address peers reach this node on, not a wildcard"
-        ));
-    }
+    };
+    let data = settings.node_address.as_deref().unwrap_or_default();
     let token = settings
         .cluster_token
         .clone()
@@ -621,7 +774,7 @@ pub fn start_cluster_node(
         .node_id
         .clone()
         .unwrap_or_else(|| format!("node-{data_address}"));
-    eprintln!(
+    tracing::info!(
         "kvtier serve: cluster node {node_id:?}, data port {data_address}, masters {masters:?}"
     );
     let agent = crate::node::NodeAgent::start(

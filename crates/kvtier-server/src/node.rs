@@ -22,6 +22,10 @@
 //!   heartbeat.
 //! - When the agent stops (SIGTERM / SIGINT of `kvtier serve`) the node leaves: the master
 //!   drops it at once, as on a lapsed lease, instead of listing its objects until then.
+//! - Issue 27: a credential the master refuses (Unauthenticated / PermissionDenied) is fatal:
+//!   the agent stops and [`NodeAgent::fatal_error`] says why (`kvtier serve` exits 1). Other
+//!   failures (name not resolved, connection refused, timeouts, no leader) are retried with
+//!   exponential back-off (300 ms doubling to 10 s), each logged with what failed.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -55,6 +59,8 @@ pub struct NodeAgentConfig {
 pub struct NodeAgent {
     stop: Arc<AtomicBool>,
     handle: Option<JoinHandle<()>>,
+    /// Issue 27: why the agent gave up for good (a refused credential).
+    fatal: Arc<parking_lot::Mutex<Option<String>>>,
 }
 
 impl NodeAgent {
@@ -65,6 +71,8 @@ impl NodeAgent {
     ) -> std::io::Result<NodeAgent> {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = Arc::clone(&stop);
+        let fatal = Arc::new(parking_lot::Mutex::new(None));
+        let fatal_out = Arc::clone(&fatal);
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
@@ -81,15 +89,46 @@ impl NodeAgent {
         let handle = std::thread::Builder::new()
             .name("kvtier-node-agent".into())
             .spawn(move || {
-                runtime.block_on(agent_loop(config, store, held, &copier, flag));
+                if let Err(why) = runtime.block_on(agent_loop(config, store, held, &copier, flag)) {
+                    *fatal_out.lock() = Some(why);
+                }
                 // The copy worker stops (and is joined) here, after the agent.
                 drop(copier);
             })?;
         Ok(NodeAgent {
             stop,
             handle: Some(handle),
+            fatal,
         })
     }
+
+    /// Issue 27: why the agent stopped for good, once it has (the master refused the
+    /// cluster token); `None` while it runs or retries.
+    pub fn fatal_error(&self) -> Option<String> {
+        self.fatal.lock().clone()
+    }
+}
+
+/// First and largest wait between failed registrations (doubling in between).
+const RETRY_FIRST: Duration = Duration::from_millis(300);
+const RETRY_MAX: Duration = Duration::from_secs(10);
+
+/// The wait after the `failures`-th failure in a row: 300 ms, 600 ms, ... capped at 10 s.
+fn backoff(failures: u32) -> Duration {
+    RETRY_FIRST
+        .saturating_mul(1u32 << failures.saturating_sub(1).min(10))
+        .min(RETRY_MAX)
+}
+
+/// The fatal error of a refused credential, or `None` for a failure worth retrying.
+fn refused(e: &kvtier_client::cluster::ClusterError, masters: &[String]) -> Option<String> {
+    e.is_credential_refused().then(|| {
+        format!(
+            "the master refused this node's cluster token ({e}); check KVTIER_CLUSTER_TOKEN / \
+             cluster_token against the masters' ({})",
+            masters.join(",")
+        )
+    })
 }
 
 impl Drop for NodeAgent {
@@ -124,8 +163,8 @@ async fn leave(link: &MasterLink, node_id: &str, node_secret: &[u8]) {
         })
         .await
     {
-        Ok(_) => eprintln!("kvtier serve: node {node_id:?} left the cluster"),
-        Err(e) => eprintln!(
+        Ok(_) => tracing::info!("kvtier serve: node {node_id:?} left the cluster"),
+        Err(e) => tracing::warn!(
             "kvtier serve: could not leave the cluster ({e}); the master drops this node when \
              its lease lapses"
         ),
@@ -258,7 +297,7 @@ async fn agent_loop(
     held: Arc<HeldKeys>,
     copier: &Rereplicator,
     stop: Arc<AtomicBool>,
-) {
+) -> Result<(), String> {
     // One attempt per call: the loop below does the retrying.
     let link = MasterLink::new(
         config.masters.clone(),
@@ -270,13 +309,14 @@ async fn agent_loop(
     // What the store held before any peer wrote to it: a warm restart's SSD contents.
     let mut recovered = keys_in_store(&store);
     if !recovered.is_empty() {
-        eprintln!(
+        tracing::info!(
             "kvtier serve: node {:?} holds {} objects from before its start",
             config.node_id,
             recovered.len()
         );
     }
     let mut rounds = 0usize;
+    let mut failures = 0u32;
     while !stop.load(Ordering::SeqCst) {
         let (capacity, free) = free_bytes(&store);
         let all_keys = held_now(&store, &held, &mut recovered);
@@ -300,13 +340,22 @@ async fn agent_loop(
         {
             Ok(r) => r,
             Err(e) => {
-                eprintln!("kvtier serve: cannot register with the master: {e}");
-                if !sleep_unless_stopped(Duration::from_millis(300), &stop).await {
-                    return;
+                if let Some(why) = refused(&e, &config.masters) {
+                    return Err(why);
+                }
+                failures += 1;
+                let wait = backoff(failures);
+                tracing::warn!(
+                    "kvtier serve: cannot register with the master (attempt {failures}; next in {:.1} s): {e}",
+                    wait.as_secs_f64()
+                );
+                if !sleep_unless_stopped(wait, &stop).await {
+                    return Ok(());
                 }
                 continue;
             }
         };
+        failures = 0;
         // The rest of the keys, in calls the master accepts; a failure means registering again.
         let mut complete = true;
         for chunk in calls {
@@ -322,18 +371,21 @@ async fn agent_loop(
                 })
                 .await
             {
-                eprintln!("kvtier serve: registering the held keys failed: {e}");
+                if let Some(why) = refused(&e, &config.masters) {
+                    return Err(why);
+                }
+                tracing::warn!("kvtier serve: registering the held keys failed: {e}");
                 complete = false;
                 break;
             }
         }
         if !complete {
-            if !sleep_unless_stopped(Duration::from_millis(300), &stop).await {
-                return;
+            if !sleep_unless_stopped(RETRY_FIRST, &stop).await {
+                return Ok(());
             }
             continue;
         }
-        eprintln!(
+        tracing::info!(
             "kvtier serve: {} node {:?} (index {}, data {}, {} keys) with master {}",
             if registered_once {
                 "re-registered"
@@ -360,7 +412,7 @@ async fn agent_loop(
         loop {
             if !sleep_unless_stopped(every, &stop).await {
                 leave(&link, &config.node_id, &reply.node_secret).await;
-                return;
+                return Ok(());
             }
             let (_, free) = free_bytes(&store);
             let heartbeat = HeartbeatRequest {
@@ -378,7 +430,10 @@ async fn agent_loop(
                 Ok(r) if r.known => copier.submit(r.copy_tasks),
                 Ok(_) => break, // register again
                 Err(e) => {
-                    eprintln!("kvtier serve: heartbeat failed: {e}");
+                    if let Some(why) = refused(&e, &config.masters) {
+                        return Err(why);
+                    }
+                    tracing::warn!("kvtier serve: heartbeat failed: {e}");
                     continue;
                 }
             }
@@ -397,17 +452,28 @@ async fn agent_loop(
                     })
                     .await
                 {
-                    eprintln!("kvtier serve: reporting dropped keys failed: {e}");
+                    tracing::warn!("kvtier serve: reporting dropped keys failed: {e}");
                     break;
                 }
             }
         }
     }
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn registration_backs_off_to_a_cap() {
+        assert_eq!(backoff(1), Duration::from_millis(300));
+        assert_eq!(backoff(2), Duration::from_millis(600));
+        assert_eq!(backoff(5), Duration::from_millis(4800));
+        assert_eq!(backoff(6), Duration::from_millis(9600));
+        assert_eq!(backoff(7), RETRY_MAX);
+        assert_eq!(backoff(1000), RETRY_MAX);
+    }
 
     #[test]
     fn keys_are_cut_into_calls_the_master_accepts() {

@@ -506,7 +506,7 @@ pub fn cluster_of(address: &str) -> Option<ClusterReply> {
                 .await
                 .ok()?;
             client
-                .cluster(ClusterRequest {})
+                .cluster(ClusterRequest::default())
                 .await
                 .ok()
                 .map(|r| r.into_inner())

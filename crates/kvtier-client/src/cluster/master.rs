@@ -92,7 +92,7 @@ pub async fn connect(
         .await
         .map_err(|e| ClusterError::Connect {
             address: address.to_string(),
-            reason: e.to_string(),
+            reason: error_chain(&e),
         })?;
     Ok(MasterClient::with_interceptor(channel, credential)
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
@@ -106,6 +106,27 @@ pub struct MasterLink {
     timeout: Duration,
     retry: Duration,
     leader: Mutex<Option<(String, MasterRpc)>>,
+}
+
+/// Issue 27: the master refused the caller's proof of the cluster token.
+pub fn credential_refused(code: Code) -> bool {
+    matches!(code, Code::Unauthenticated | Code::PermissionDenied)
+}
+
+/// An error and its sources, `a: b: c` (tonic's "transport error" alone does not say whether
+/// the name did not resolve or the connection was refused).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let part = s.to_string();
+        if !text.contains(&part) {
+            text.push_str(": ");
+            text.push_str(&part);
+        }
+        source = s.source();
+    }
+    text
 }
 
 fn retryable(status: &Status) -> bool {
@@ -152,7 +173,7 @@ impl MasterLink {
         let mut last = String::from("no master address configured");
         for address in &self.addresses {
             match self.connect(address).await {
-                Ok(mut client) => match client.cluster(ClusterRequest {}).await {
+                Ok(mut client) => match client.cluster(ClusterRequest::default()).await {
                     Ok(reply) if reply.get_ref().is_leader => {
                         return Ok((address.clone(), client));
                     }
@@ -161,6 +182,14 @@ impl MasterLink {
                             "{address} is a follower (leader: {:?})",
                             reply.get_ref().leader_address
                         );
+                    }
+                    // Issue 27: a refused credential is final, not a reason to try on.
+                    Err(status) if credential_refused(status.code()) => {
+                        return Err(ClusterError::Rpc {
+                            address: address.clone(),
+                            code: status.code(),
+                            message: status.message().to_string(),
+                        });
                     }
                     Err(status) => last = format!("{address}: {}", status.message()),
                 },
@@ -187,7 +216,7 @@ impl MasterLink {
                         found
                     }
                     Err(e) => {
-                        if Instant::now() >= deadline {
+                        if Instant::now() >= deadline || e.is_credential_refused() {
                             return Err(e);
                         }
                         tokio::time::sleep(Duration::from_millis(100)).await;

@@ -66,6 +66,14 @@ pub enum ClusterError {
     },
 }
 
+impl ClusterError {
+    /// Issue 27: the master refused the cluster token (Unauthenticated / PermissionDenied):
+    /// retrying cannot help.
+    pub fn is_credential_refused(&self) -> bool {
+        matches!(self, ClusterError::Rpc { code, .. } if master::credential_refused(*code))
+    }
+}
+
 /// The cluster-mode store of one client.
 #[derive(Debug)]
 pub struct ClusterStore {
@@ -155,10 +163,10 @@ impl ClusterStore {
 
     /// The leader's view: nodes, object count, leader address.
     pub fn cluster_info(&self) -> Result<kvtier_rpc::ClusterReply, ClusterError> {
-        let reply = self.runtime.block_on(
-            self.master
-                .call(|mut c| async move { c.cluster(kvtier_rpc::ClusterRequest {}).await }),
-        )?;
+        let reply =
+            self.runtime.block_on(self.master.call(|mut c| async move {
+                c.cluster(kvtier_rpc::ClusterRequest::default()).await
+            }))?;
         self.learn_nodes(&reply.nodes);
         Ok(reply)
     }

@@ -25,6 +25,9 @@ use super::allocator::Extent;
 
 /// Bytes between the pre-fault touches: the smallest page size of the platforms we run on.
 const PREFAULT_STRIDE: usize = 4096;
+/// Bytes between looks at the clock for the pre-fault's progress line (a multiple of the
+/// stride).
+const PREFAULT_PROGRESS_EVERY: usize = 64 << 20;
 
 /// One anonymous mapping divided into equal blocks.
 pub(crate) struct Arena {
@@ -57,13 +60,20 @@ impl Arena {
         let mut map = MmapMut::map_anon(len)?;
         let base = map.as_mut_ptr();
         if prefault {
+            // Issue 27: a large arena takes seconds per GiB; say how far it got.
+            let mut progress =
+                crate::progress::Progress::new("pre-faulting the DRAM arena", len as u64);
             for offset in (0..len).step_by(PREFAULT_STRIDE) {
+                if offset % PREFAULT_PROGRESS_EVERY == 0 {
+                    progress.at(offset as u64);
+                }
                 // SAFETY: `offset < len`, so the byte is inside the mapping we just created
                 // and own exclusively (no other reference to it exists yet). A volatile write
                 // keeps the compiler from eliding the store of a zero into zeroed memory; the
                 // write fault is what allocates the page.
                 unsafe { base.add(offset).write_volatile(0) };
             }
+            progress.done();
         }
         Ok(Arena {
             base,

@@ -55,7 +55,11 @@ pub fn fsck(dir: &Path) -> Result<FsckReport, EngineError> {
         ..FsckReport::default()
     };
     let mut buf = AlignedBuf::new();
-    for id in list_segments(dir).map_err(EngineError::SsdOpen)? {
+    let segments = list_segments(dir).map_err(EngineError::SsdOpen)?;
+    // Issue 27: a long check shows in the log.
+    let mut progress = crate::progress::Progress::new("fsck (segments)", segments.len() as u64);
+    for (done, id) in segments.into_iter().enumerate() {
+        progress.at(done as u64);
         let path = segment_path(dir, id);
         let file = SegFile::open_read_only(&path, direct)
             .or_else(|_| SegFile::open_read_only(&path, false))
@@ -87,6 +91,7 @@ pub fn fsck(dir: &Path) -> Result<FsckReport, EngineError> {
         report.counts.add(&seg.counts);
         report.segments.push(seg);
     }
+    progress.done();
     report.elapsed_s = t0.elapsed().as_secs_f64();
     Ok(report)
 }

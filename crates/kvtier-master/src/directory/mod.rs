@@ -251,6 +251,20 @@ impl Directory {
         self.shards.iter().map(|s| s.read().len()).sum()
     }
 
+    /// Issue 27: objects listed per node index (one pass over the directory, shard by shard
+    /// under its read lock; for `kvtier stat`, not for every scrape).
+    pub fn objects_per_node(&self) -> HashMap<u16, u64> {
+        let mut counts: HashMap<u16, u64> = HashMap::new();
+        for shard in &self.shards {
+            for replicas in shard.read().values() {
+                for node in replicas.nodes() {
+                    *counts.entry(node).or_default() += 1;
+                }
+            }
+        }
+        counts
+    }
+
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

@@ -28,6 +28,11 @@ pub struct NodeState {
 }
 
 impl NodeState {
+    /// Issue 27: time since the node was last heard from (registration or heartbeat).
+    pub fn heard_ago(&self) -> std::time::Duration {
+        self.last_heartbeat.elapsed()
+    }
+
     /// Free space as the master estimates it: the last report less what was placed since.
     pub fn estimated_free(&self) -> u64 {
         self.spec

@@ -70,6 +70,13 @@ pub enum ServerError {
     },
     #[error("socket {0} is in use by a running server")]
     InUse(PathBuf),
+    /// Issue 27: `--socket` names something that is not a socket; it is never deleted.
+    #[error("socket {path}: {what} ({bytes} bytes) is there; refusing to replace it (only a stale socket is replaced): choose another --socket or remove it yourself")]
+    NotASocket {
+        path: PathBuf,
+        what: &'static str,
+        bytes: u64,
+    },
     #[error("socket group {0:?} not found in /etc/group")]
     UnknownGroup(String),
     #[error(transparent)]
@@ -110,6 +117,9 @@ struct Shared {
     metrics: Option<Arc<Endpoint>>,
     /// Issue 17: the cluster node's data plane, set once the node starts (`stats` "data_plane").
     data_plane: Mutex<Option<DataPlane>>,
+    /// Issue 27: (device, inode) of the socket this process bound: the only file at the
+    /// path that shutdown removes.
+    socket_inode: Option<(u64, u64)>,
 }
 
 /// A bound, not yet running server.
@@ -122,6 +132,9 @@ pub struct Server {
 pub struct RunningServer {
     shared: Arc<Shared>,
     accept: Option<JoinHandle<Vec<JoinHandle<()>>>>,
+    /// Issue 27: the listening socket, to wake the accept loop at shutdown even when the
+    /// path no longer leads to it (removed or replaced by someone else).
+    waker: Option<UnixListener>,
 }
 
 fn resolve_group(name: &str) -> Result<u32, ServerError> {
@@ -158,12 +171,9 @@ impl Server {
                 crate::config::ensure_private_dir(dir).map_err(socket_err)?;
             }
         }
-        if path.exists() {
-            if UnixStream::connect(&path).is_ok() {
-                return Err(ServerError::InUse(path));
-            }
-            std::fs::remove_file(&path).map_err(socket_err)?;
-        }
+        // Issue 27: only a stale socket (nobody listening) is replaced; a file, a directory or
+        // a live server's socket at the path is an error naming it.
+        replace_stale_socket(&path)?;
         // Before the stores open, so that they record into the endpoint's registry.
         let metrics = match &config.settings.metrics_addr {
             Some(addr) => Some(kvmetrics::serve(addr)?),
@@ -183,6 +193,7 @@ impl Server {
         }
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(config.socket_mode))
             .map_err(socket_err)?;
+        let socket_inode = socket_identity(&path);
         Ok(Server {
             shared: Arc::new(Shared {
                 config,
@@ -200,6 +211,7 @@ impl Server {
                 connections_per_uid: Mutex::new(HashMap::new()),
                 metrics,
                 data_plane: Mutex::new(None),
+                socket_inode,
             }),
             listener,
         })
@@ -221,6 +233,7 @@ impl Server {
             kvmetrics::register_collector(weak);
         }
         let shared = Arc::clone(&self.shared);
+        let waker = self.listener.try_clone().ok();
         let listener = self.listener;
         let accept = std::thread::Builder::new()
             .name("kvtier-accept".into())
@@ -229,6 +242,7 @@ impl Server {
         RunningServer {
             shared: self.shared,
             accept,
+            waker,
         }
     }
 }
@@ -263,7 +277,11 @@ impl RunningServer {
     /// remove the socket. Returns once every connection thread has ended (or `timeout` passed).
     pub fn shutdown(mut self, timeout: Duration) -> Value {
         self.shared.shutting_down.store(true, Ordering::SeqCst);
-        // Wake the accept loop.
+        // Wake the accept loop: shutting the listening socket down fails its accept (Linux),
+        // whatever is at the path now; connecting is the fallback.
+        if let Some(listener) = &self.waker {
+            let _ = rustix::net::shutdown(listener, rustix::net::Shutdown::Both);
+        }
         let _ = UnixStream::connect(&self.shared.config.socket);
         let workers = self
             .accept
@@ -288,10 +306,75 @@ impl RunningServer {
                 flush_errors.push(format!("{}: {e}", store.name()));
             }
         }
-        let _ = std::fs::remove_file(&self.shared.config.socket);
+        // Issue 27: only our own socket (another server may have replaced it since).
+        let path = &self.shared.config.socket;
+        if self.shared.socket_inode.is_some() && socket_identity(path) == self.shared.socket_inode {
+            let _ = std::fs::remove_file(path);
+        }
         let mut report = stats_document(&self.shared, None);
         report["shutdown"] = json!({ "flush_errors": flush_errors });
         report
+    }
+}
+
+/// (device, inode) of the socket at `path`, if a socket is there.
+fn socket_identity(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let meta = std::fs::symlink_metadata(path).ok()?;
+    meta.file_type()
+        .is_socket()
+        .then(|| (meta.dev(), meta.ino()))
+}
+
+/// Make `path` free for `bind`: nothing there, or a stale socket (connecting is refused:
+/// its server is gone), which is removed. A live server's socket is [`ServerError::InUse`];
+/// anything else (a regular file, a directory, a symlink, a socket we cannot probe) is
+/// [`ServerError::NotASocket`] / [`ServerError::Socket`] and is left untouched.
+fn replace_stale_socket(path: &Path) -> Result<(), ServerError> {
+    use std::os::unix::fs::FileTypeExt;
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(source) => {
+            return Err(ServerError::Socket {
+                path: path.to_path_buf(),
+                source,
+            })
+        }
+    };
+    let kind = meta.file_type();
+    if !kind.is_socket() {
+        let what = if kind.is_dir() {
+            "a directory"
+        } else if kind.is_symlink() {
+            "a symbolic link"
+        } else if kind.is_file() {
+            "a regular file"
+        } else {
+            "not a socket"
+        };
+        return Err(ServerError::NotASocket {
+            path: path.to_path_buf(),
+            what,
+            bytes: meta.len(),
+        });
+    }
+    match UnixStream::connect(path) {
+        Ok(_) => Err(ServerError::InUse(path.to_path_buf())),
+        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+            tracing::info!(socket = %path.display(), "kvtier serve: replacing a stale socket (nobody listens on it)");
+            std::fs::remove_file(path).map_err(|source| ServerError::Socket {
+                path: path.to_path_buf(),
+                source,
+            })
+        }
+        Err(source) => Err(ServerError::Socket {
+            path: path.to_path_buf(),
+            source: io::Error::new(
+                source.kind(),
+                format!("a socket is there and probing it failed ({source}); not replacing it"),
+            ),
+        }),
     }
 }
 

@@ -301,7 +301,23 @@ impl SsdTier {
             })
             .collect();
 
-        let rec = recover(&dir, seg_size, &files, progress).map_err(EngineError::SsdOpen)?;
+        // Issue 27: a long scan shows in the log, besides the caller's own progress.
+        let mut logged: Option<crate::progress::Progress> = None;
+        let mut progress_and_log = |p: &RecoveryProgress| {
+            let line = logged.get_or_insert_with(|| {
+                crate::progress::Progress::new(
+                    "recovering the SSD index (segments)",
+                    p.segments_total,
+                )
+            });
+            line.at(p.segments_done);
+            progress(p);
+        };
+        let rec =
+            recover(&dir, seg_size, &files, &mut progress_and_log).map_err(EngineError::SsdOpen)?;
+        if let Some(line) = &logged {
+            line.done();
+        }
         let index = SsdIndex::new(config.index_shards.max(1));
         let sh_counters = Counters::default();
         let tick = AtomicU64::new(1);
