@@ -323,7 +323,11 @@ class Host(sm.Rank):
 @pytest.fixture(scope="module")
 def _host_pool():
     # Both processes start at once (each pays an SGLang import) and live for the module.
-    pool = [Host(), Host()]
+    # Their cluster clients read the token from the environment they start with (issue 26:
+    # never from extra_config).
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVTIER_CLUSTER_TOKEN", TOKEN)
+        pool = [Host(), Host()]
     for h in pool:  # both import SGLang at once
         h.conn.send(("warm", {}))
     for h in pool:

@@ -483,7 +483,8 @@ impl KvtierConfig {
             .map_err(|err| ConfigError::new("<config>", &Origin::Default, err.to_string()))?;
         config.read_token_file(&origins)?;
         // Issue 26: only a default SSD directory may be replaced by a private fallback.
-        config.engine.ssd_storage_dir_explicit = origins.contains_key("ssd_storage_dir");
+        config.engine.ssd_storage_dir_explicit =
+            kvtier_engine::config::Provenance(origins.contains_key("ssd_storage_dir"));
         config.validate(&origins).map_err(|mut err| {
             // Range errors name the key as the source spelled it (`events.buffer`).
             if let Some(name) = spelled.get(&err.key) {
@@ -553,9 +554,9 @@ impl KvtierConfig {
                     "in cluster mode (master_address) the store lives on the nodes: put it in \
                      the [engine] table of each node's `kvtier serve --master`",
                 ),
-                Role::Client if SERVER_MODE_KEYS.contains(&key) && !server_mode => Some(
-                    "it configures server mode: it applies only with server_socket",
-                ),
+                Role::Client if SERVER_MODE_KEYS.contains(&key) && !server_mode => {
+                    Some("it configures server mode: it applies only with server_socket")
+                }
                 Role::Client if CLUSTER_KEYS.contains(&key) && !cluster_mode => Some(
                     "it configures cluster mode: it applies only with master_address (a node's \
                      go in its `kvtier serve` file, [cluster] table)",
@@ -564,19 +565,11 @@ impl KvtierConfig {
                     "it configures a cluster node: put it in the [engine] or [cluster] table \
                      of the node's `kvtier serve --master`",
                 ),
-                Role::Server if key == "server_socket" || SERVER_MODE_KEYS.contains(&key) => {
-                    Some(
-                        "it tells a client how to reach `kvtier serve`; the server's own socket \
+                Role::Server if key == "server_socket" || SERVER_MODE_KEYS.contains(&key) => Some(
+                    "it tells a client how to reach `kvtier serve`; the server's own socket \
                          is the top-level `socket` key (or --socket), and client keys go in the \
                          client's configuration",
-                    )
-                }
-                Role::Server
-                    if !cluster_mode
-                        && (CLUSTER_KEYS.contains(&key) || NODE_KEYS.contains(&key)) =>
-                {
-                    Some("it configures a cluster node: it applies only with --master (master_address)")
-                }
+                ),
                 _ => None,
             };
             if let Some(belongs) = belongs {

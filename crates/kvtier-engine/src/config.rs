@@ -178,7 +178,19 @@ pub struct EngineConfig {
     /// given and an unsafe one is an error; when false and it is the default path,
     /// [`EngineConfig::resolve_default_ssd_dir`] may fall back to a private directory.
     #[serde(skip)]
-    pub ssd_storage_dir_explicit: bool,
+    pub ssd_storage_dir_explicit: Provenance,
+}
+
+/// A provenance flag of a configuration: it says where a value came from, not what the
+/// configuration is, so any two compare equal (a configuration printed and loaded back is the
+/// same configuration).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Provenance(pub bool);
+
+impl PartialEq for Provenance {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
 }
 
 impl Default for EngineConfig {
@@ -208,7 +220,7 @@ impl Default for EngineConfig {
             ssd_high_watermark: 0.9,
             ssd_low_watermark: 0.8,
             index_shards: 64,
-            ssd_storage_dir_explicit: false,
+            ssd_storage_dir_explicit: Provenance(false),
         }
     }
 }
@@ -308,12 +320,12 @@ impl EngineConfig {
     /// replaced: its problems are errors naming it, at open. Runs once per configuration.
     pub fn resolve_default_ssd_dir(&mut self) -> Result<Option<String>, EngineError> {
         if !self.ssd_enabled
-            || self.ssd_storage_dir_explicit
+            || self.ssd_storage_dir_explicit.0
             || self.ssd_storage_dir != default_ssd_storage_dir()
         {
             return Ok(None);
         }
-        self.ssd_storage_dir_explicit = true;
+        self.ssd_storage_dir_explicit = Provenance(true);
         let default = self.ssd_storage_dir.clone();
         let Err(problem) = crate::private_dir::ensure_private_dir(&default, 0o022) else {
             return Ok(None);

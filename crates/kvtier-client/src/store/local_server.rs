@@ -130,7 +130,7 @@ fn engine_flags(config: &KvtierConfig) -> Vec<String> {
     };
     let mut flags = Vec::new();
     for (key, value) in engine {
-        if key == "ssd_storage_dir" && !config.engine.ssd_storage_dir_explicit {
+        if key == "ssd_storage_dir" && !config.engine.ssd_storage_dir_explicit.0 {
             continue;
         }
         let text = match value {
