@@ -28,6 +28,7 @@ import logging
 import os
 import threading
 import time
+import tomllib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -93,6 +94,18 @@ def ssd_rank_subdir(storage_config: Optional[HiCacheStorageConfig]) -> str:
     if getattr(cfg, "attn_cp_size", 1) > 1:
         parts.append(f"cp{cfg.attn_cp_rank}")
     return "_".join(parts)
+
+
+def _effective_mode(own: dict) -> str:
+    """``embedded``, ``server`` or ``cluster``: the mode the store of ``own`` (kvtier's part of
+    extra_config, plus ``KVTIER_*`` and any config file) opens in, read natively so that every
+    source and spelling counts. Raises ValueError for a bad configuration, as ``Store`` would."""
+    effective = tomllib.loads(_native.Store.check_config(json.dumps(own)))
+    if "master_address" in effective:
+        return "cluster"
+    if "server_socket" in effective:
+        return "server"
+    return "embedded"
 
 
 def _uses_interface_v1(extra_config: Optional[dict]) -> bool:
@@ -367,7 +380,14 @@ class KvtierStore(HiCacheStorage):
         # as well would be refused as given twice.
         engine_section = own.get("engine")
         in_section = isinstance(engine_section, dict) and "ssd_storage_subdir" in engine_section
-        if "KVTIER_SSD_STORAGE_SUBDIR" not in os.environ and not in_section:
+        # Only an embedded store has a segment log here: in server or cluster mode the engine
+        # keys belong to the server's / nodes' configuration, and kvtier refuses them in a
+        # client's (issue 27).
+        if (
+            "KVTIER_SSD_STORAGE_SUBDIR" not in os.environ
+            and not in_section
+            and _effective_mode(own) == "embedded"
+        ):
             own.setdefault("ssd_storage_subdir", ssd_rank_subdir(storage_config))
         # Raises ValueError naming the key for an unknown key or a bad value.
         self._store = _native.Store(json.dumps(own))

@@ -5,7 +5,7 @@ node-a on 127.0.0.2 and node-b on 127.0.0.3 stand in for two hosts; the partitio
 third node in its own network namespace behind a veth pair the test creates (root only; it
 skips, naming itself, where ``ip netns add`` is refused). The SGLang side runs in two separate
 processes (_cluster_worker: _server_worker's process, with the store in cluster mode through
-``master_address`` / ``node_id`` / ``cluster_token`` in extra_config).
+``master_address`` / ``node_id`` in extra_config, the token in ``KVTIER_CLUSTER_TOKEN``).
 
 * prefill -> decode: the prefill host writes a DeepSeek-V4-style HostPoolGroup (logical KV
   anchor plus side pools) with the real controller backup flow (batch_set_v2) through node-a,
@@ -226,7 +226,6 @@ class Cluster:
         cfg = dict(
             master_address=self.master.address,
             node_id=node_id,
-            cluster_token=TOKEN,
             cluster_request_timeout_ms=REQUEST_TIMEOUT_MS,
             cluster_master_retry_ms=2000,
         )
@@ -338,7 +337,11 @@ class Host(sm.Rank):
 @pytest.fixture(scope="module")
 def _host_pool():
     # Both processes start at once (each pays an SGLang import) and live for the module.
-    pool = [Host(), Host()]
+    # Their cluster clients read the token from the environment they start with (issue 26:
+    # never from extra_config).
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVTIER_CLUSTER_TOKEN", TOKEN)
+        pool = [Host(), Host()]
     for h in pool:  # both import SGLang at once
         h.conn.send(("warm", {}))
     for h in pool:

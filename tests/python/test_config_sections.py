@@ -30,7 +30,6 @@ def test_sections_and_flat_keys_give_the_same_config():
         {
             "engine": {"dram_capacity_bytes": "32MiB", "eviction_policy": "lru"},
             "events": {"buffer": 77, "topic": "t"},
-            "cluster": {"request_timeout_ms": 1500},
         }
     )
     flat = check(
@@ -39,7 +38,6 @@ def test_sections_and_flat_keys_give_the_same_config():
             "eviction_policy": "lru",
             "kv_events_buffer": 77,
             "kv_events_topic": "t",
-            "cluster_request_timeout_ms": 1500,
         }
     )
     assert sectioned == flat

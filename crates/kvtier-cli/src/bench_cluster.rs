@@ -221,11 +221,11 @@ impl LocalCluster {
     fn client(&mut self, connections: u64) -> Result<Client, String> {
         let mut extra = Map::new();
         extra.insert("master_address".into(), json!(self.master_addr));
-        extra.insert("cluster_token".into(), json!(self.token));
         extra.insert("cluster_connections_per_peer".into(), json!(connections));
         extra.insert("cluster_request_timeout_ms".into(), json!(10_000));
+        // The token as a process would get it (issue 26: never in extra_config).
         let config = KvtierConfig::load(ConfigSources {
-            env: Vec::new(),
+            env: vec![("KVTIER_CLUSTER_TOKEN".into(), self.token.clone())],
             extra,
         })
         .map_err(|e| e.to_string())?;

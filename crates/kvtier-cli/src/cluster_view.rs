@@ -17,15 +17,21 @@ const RPC_TIMEOUT: Duration = Duration::from_secs(3);
 /// The cluster token, read the ways a node reads it (`KVTIER_CLUSTER_TOKEN`, or
 /// `cluster_token` in `KVTIER_CONFIG_FILE`); every master RPC must prove it.
 pub fn cluster_token() -> Result<Vec<u8>, String> {
-    let config = kvtier_client::KvtierConfig::load(
-        kvtier_client::config::ConfigSources::from_process(serde_json::Map::new()),
+    // `load_layered`: the token's reader is not a store, so keys meant for a store or a node
+    // in the same file are not this command's to judge.
+    let sources = kvtier_client::config::ConfigSources::from_process(serde_json::Map::new())
+        .map_err(|e| format!("reading the cluster token: {e}"))?;
+    let (config, _) = kvtier_client::KvtierConfig::load_layered(
+        serde_json::Map::new(),
+        kvtier_client::config::Origin::Default,
+        sources,
     )
     .map_err(|e| format!("reading the cluster token: {e}"))?;
     match config.cluster_token {
         Some(token) if !token.is_empty() => Ok(token.into_bytes()),
         _ => Err(
-            "no cluster token: set KVTIER_CLUSTER_TOKEN (or cluster_token in \
-             KVTIER_CONFIG_FILE), the token of the cluster's nodes"
+            "no cluster token: set KVTIER_CLUSTER_TOKEN, or KVTIER_CLUSTER_TOKEN_FILE (a file \
+             of mode 0600), the token of the cluster's nodes"
                 .into(),
         ),
     }

@@ -1,10 +1,14 @@
 //! `kvtier config check FILE`: validate a TOML configuration with kvtier's strict schema and
 //! print the effective configuration (defaults filled in).
 //!
-//! A file with an `[engine]` table (or `--server`) is a `kvtier serve` configuration: server
-//! keys at top level, engine keys in `[engine]`. Any other file is the embedded / SGLang
-//! schema (`config_file`). Only the file and the defaults are read unless `--env` adds the
-//! process's `KVTIER_*` variables, as a real start would.
+//! Two kinds of file (issue 27): a client's (`config_file` / `KVTIER_CONFIG_FILE` of a store:
+//! embedded, server mode or cluster mode) and `kvtier serve`'s (`--config`: server keys at top
+//! level or in `[server]`, engine keys in `[engine]`). `--kind client|server` says which;
+//! without it the kind is read from the keys (a `kvtier serve` key such as `socket_mode`, or a
+//! client key such as `extra_backend_tag` / `[server] auto_start`), and a file that has both
+//! is refused naming one of each. A key that does nothing in the file's kind and mode (an
+//! engine key in a server-mode client, ...) is an error saying where it belongs. Only the file
+//! and the defaults are read unless `--env` adds the process's `KVTIER_*` variables.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -28,8 +32,12 @@ pub enum ConfigCommand {
 pub struct CheckArgs {
     /// The TOML file.
     file: PathBuf,
-    /// Check it as a `kvtier serve` file (the default when it has an [engine] table).
-    #[arg(long)]
+    /// Which configuration FILE is: a store's (`client`: config_file / KVTIER_CONFIG_FILE)
+    /// or `kvtier serve`'s (`server`: --config). Default: read from its keys.
+    #[arg(long, value_enum)]
+    kind: Option<Kind>,
+    /// Same as --kind server.
+    #[arg(long, conflicts_with = "kind")]
     server: bool,
     /// Also apply the KVTIER_* (and KVTIER_SERVE_*) environment variables of this shell.
     #[arg(long)]
@@ -44,6 +52,62 @@ pub struct CheckArgs {
 enum Schema {
     Client,
     Server,
+}
+
+/// `--kind`.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Kind {
+    Client,
+    Server,
+}
+
+/// Keys of a client's `[server]` section that `kvtier serve`'s own `[server]` table lacks.
+const CLIENT_SERVER_SECTION_ONLY: &[&str] = &[
+    "auto_start",
+    "bin",
+    "uid",
+    "startup_timeout_ms",
+    "staging_bytes",
+    "log_file",
+];
+
+/// The kind of `table` read from its keys: `Ok(None)` when nothing tells (engine keys only),
+/// an error naming a client key and a server key when it has both.
+fn infer_kind(table: &Map<String, Value>) -> Result<Option<Schema>, String> {
+    let server_keys = kvtier_server::config::known_server_keys();
+    let client_keys = KvtierConfig::known_keys();
+    let mut server_evidence: Option<String> = None;
+    let mut client_evidence: Option<String> = None;
+    for (key, value) in table {
+        if key == "metrics_addr" || key == ENGINE_TABLE {
+            continue; // both kinds have them
+        }
+        if key == "server" {
+            if let Value::Object(section) = value {
+                for name in section.keys() {
+                    if CLIENT_SERVER_SECTION_ONLY.contains(&name.as_str()) {
+                        client_evidence.get_or_insert(format!("[server] {name}"));
+                    } else if name != "socket" && server_keys.iter().any(|k| k == name) {
+                        server_evidence.get_or_insert(format!("[server] {name}"));
+                    }
+                }
+            }
+        } else if server_keys.iter().any(|k| k == key) {
+            server_evidence.get_or_insert(key.clone());
+        } else if client_keys.iter().any(|k| k == key) {
+            client_evidence.get_or_insert(key.clone());
+        }
+    }
+    match (client_evidence, server_evidence) {
+        (Some(c), Some(s)) => Err(format!(
+            "it has a client key (`{c}`) and a `kvtier serve` key (`{s}`): a store's \
+             configuration and the server's are separate files; pass --kind client or --kind \
+             server to check it as one"
+        )),
+        (Some(_), None) => Ok(Some(Schema::Client)),
+        (None, Some(_)) => Ok(Some(Schema::Server)),
+        (None, None) => Ok(None),
+    }
 }
 
 impl Schema {
@@ -63,15 +127,38 @@ pub fn run(command: ConfigCommand) -> Result<ExitCode, String> {
 
 fn check(args: &CheckArgs) -> Result<ExitCode, String> {
     // An unreadable file is reported by the loader below, against `config_file`.
-    let has_engine_table = read_toml(&args.file, &Origin::File(args.file.clone()))
-        .is_ok_and(|t| t.contains_key(ENGINE_TABLE));
-    let schema = if args.server || has_engine_table {
-        Schema::Server
-    } else {
-        Schema::Client
+    let table = read_toml(&args.file, &Origin::File(args.file.clone())).unwrap_or_default();
+    let told = match (args.kind, args.server) {
+        (Some(Kind::Server), _) | (None, true) => Some(Schema::Server),
+        (Some(Kind::Client), _) => Some(Schema::Client),
+        (None, false) => None,
+    };
+    let schema = match told {
+        Some(schema) => schema,
+        None => match infer_kind(&table) {
+            Ok(Some(schema)) => schema,
+            // Only engine keys (or nothing): `kvtier serve`'s layout when in [engine].
+            Ok(None) if table.contains_key(ENGINE_TABLE) => Schema::Server,
+            Ok(None) => Schema::Client,
+            Err(reason) => {
+                if args.json {
+                    print_json(
+                        &json!({"ok": false, "key": "", "origin": args.file.display().to_string(), "reason": reason}),
+                    )?;
+                }
+                eprintln!("kvtier config check: {}: {reason}", args.file.display());
+                return Ok(ExitCode::from(1));
+            }
+        },
     };
     let env: Vec<(String, String)> = if args.env {
-        std::env::vars().collect()
+        match kvtier_client::config::process_env() {
+            Ok(env) => env,
+            Err(e) => {
+                eprintln!("kvtier config check: {e}");
+                return Ok(ExitCode::from(1));
+            }
+        }
     } else {
         Vec::new()
     };

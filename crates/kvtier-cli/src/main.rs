@@ -2,7 +2,7 @@
 //!
 //! - `kvtier serve`, `kvtier stat [--json]`, `kvtier inspect KEY...|--prefix P [--json]`: the
 //!   local server (see `serve.rs`; implemented in kvtier-server's `cli`).
-//! - `kvtier config check FILE [--json]`: validate a config file, print the effective one
+//! - `kvtier config check FILE [--kind client|server] [--json]`: validate a config file, print the effective one
 //!   (`config_check.rs`).
 //! - `kvtier bench workload ARGS...`: the Python workload benchmark (`workload.rs`).
 //! - `kvtier fsck DIR [--json]` — verify every segment of an SSD directory (read-only); exit

@@ -42,6 +42,77 @@ pub const SERVER_ENV_INFIX: &str = "SERVE_";
 pub const DEFAULT_PUT_LANDING_MIB: u64 = 64;
 /// Largest `put_landing_mib` (16 GiB).
 pub const MAX_PUT_LANDING_MIB: u64 = 16 << 10;
+/// Range of `kv_events_buffer`, in events (issue 26: every count is bounded).
+pub const KV_EVENTS_BUFFER_RANGE: (u64, u64) = (1, 1 << 24);
+/// Range of `server_startup_timeout_ms` (10 minutes at most).
+pub const SERVER_STARTUP_TIMEOUT_RANGE: (u64, u64) = (1, 600_000);
+/// Range of `server_staging_bytes` (1 MiB to 1 GiB per connection).
+pub const SERVER_STAGING_RANGE: (u64, u64) = (1 << 20, 1 << 30);
+
+/// Issue 27: kvtier's own environment variables that are **not** configuration keys, declared
+/// once. Every loader skips them (so exporting `KVTIER_PYTHON`, as `kvtier bench workload`
+/// tells users to, does not make every store refuse to start), and a test checks that every
+/// `KVTIER_*` name the repository reads is either a key's variable or listed here.
+/// - `KVTIER_PYTHON`: the interpreter of `kvtier bench workload`.
+/// - `KVTIER_VENV`: the virtualenv of `scripts/setup.sh`, `test.sh`, `demo.sh`.
+/// - `KVTIER_LOG`, `KVTIER_LOG_FORMAT`: log filter and format of the binaries.
+/// - `KVTIER_CRASH_DIR`, `KVTIER_CRASH_ROUND`, `KVTIER_REQUIRE_IO_URING`: engine test hooks.
+pub const NON_CONFIG_ENV: &[&str] = &[
+    "KVTIER_PYTHON",
+    "KVTIER_VENV",
+    "KVTIER_LOG",
+    "KVTIER_LOG_FORMAT",
+    "KVTIER_CRASH_DIR",
+    "KVTIER_CRASH_ROUND",
+    "KVTIER_REQUIRE_IO_URING",
+];
+/// Prefixes of non-configuration variables: `KVTIER_TEST_*` are test hooks (a test binary
+/// re-run as another uid, a rogue listener, ...).
+pub const NON_CONFIG_ENV_PREFIXES: &[&str] = &["KVTIER_TEST_"];
+
+/// Whether `name` is one of kvtier's non-configuration variables ([`NON_CONFIG_ENV`]).
+pub fn is_non_config_env(name: &str) -> bool {
+    NON_CONFIG_ENV.contains(&name) || NON_CONFIG_ENV_PREFIXES.iter().any(|p| name.starts_with(p))
+}
+
+/// The process environment's `KVTIER_*` variables, read with `vars_os` (issue 26:
+/// `std::env::vars` panics on the first non-UTF-8 variable, which took down `kvtier serve`
+/// and every adapter's `Store()`). Variables of other programs are skipped whatever their
+/// bytes; a `KVTIER_*` configuration variable whose name or value is not UTF-8 is an error
+/// naming it; [`NON_CONFIG_ENV`] variables are left out.
+pub fn process_env() -> Result<Vec<(String, String)>, ConfigError> {
+    use std::os::unix::ffi::OsStrExt;
+    let mut out = Vec::new();
+    for (name, value) in std::env::vars_os() {
+        let Some(name) = name.to_str().map(str::to_owned) else {
+            if name.as_bytes().starts_with(ENV_PREFIX.as_bytes()) {
+                let lossy = name.to_string_lossy().into_owned();
+                return Err(ConfigError::new(
+                    lossy.clone(),
+                    &Origin::Env(lossy),
+                    "the name of this kvtier variable is not valid UTF-8",
+                ));
+            }
+            continue;
+        };
+        if !name.starts_with(ENV_PREFIX) || is_non_config_env(&name) {
+            continue;
+        }
+        let Some(value) = value.to_str() else {
+            let key = name[ENV_PREFIX.len()..].to_ascii_lowercase();
+            return Err(ConfigError::new(
+                key,
+                &Origin::Env(name.clone()),
+                format!(
+                    "the value of {name} is not valid UTF-8 ({} bytes); kvtier keys take UTF-8 text",
+                    value.len()
+                ),
+            ));
+        };
+        out.push((name, value.to_owned()));
+    }
+    Ok(out)
+}
 
 /// Every setting kvtier accepts. Field names are the keys in all three sources; the engine's
 /// keys are the fields of [`EngineConfig`], flattened in (declared there once, see the
@@ -107,6 +178,10 @@ pub struct KvtierConfig {
     /// which pages of unregistered (plain anonymous) memory are copied.
     #[serde(deserialize_with = "strict::size")]
     pub server_staging_bytes: u64,
+    /// Server mode (issue 27): where `server_auto_start` appends the started server's stdout
+    /// and stderr (created 0600). Default: `<server_socket>.log`.
+    #[serde(deserialize_with = "strict::optional_string")]
+    pub server_log_file: Option<String>,
     /// Cluster mode: the `kvtier master` RPC address(es), `host:port`, comma-separated when
     /// several masters share an etcd election (the client follows the leader). Set: cluster
     /// mode (objects live on the cluster's nodes, found through the master's directory).
@@ -124,9 +199,16 @@ pub struct KvtierConfig {
     /// of them; a node registers with them.
     #[serde(deserialize_with = "strict::optional_string")]
     pub node_tags: Option<String>,
-    /// Cluster mode: the shared secret every peer connection presents (required).
+    /// Cluster mode: the shared secret every peer connection presents (required). Issue 26:
+    /// never on a command line: from `KVTIER_CLUSTER_TOKEN`, a private config file, or
+    /// `cluster_token_file`; given in extra_config or `--engine` it is refused.
     #[serde(deserialize_with = "strict::optional_string")]
     pub cluster_token: Option<String>,
+    /// Cluster mode: a file holding the cluster token (issue 26): a regular file of mode 0600
+    /// or stricter owned by this user or root; its content (trailing newline dropped) is the
+    /// token. Excludes `cluster_token`.
+    #[serde(deserialize_with = "strict::optional_string")]
+    pub cluster_token_file: Option<String>,
     /// Cluster mode: copy an object fetched from another node into the local node too.
     #[serde(deserialize_with = "strict::boolean")]
     pub cache_remote_fetches: bool,
@@ -178,11 +260,13 @@ impl Default for KvtierConfig {
             server_uid: None,
             server_startup_timeout_ms: 10_000,
             server_staging_bytes: 32 << 20,
+            server_log_file: None,
             master_address: None,
             node_id: None,
             node_address: None,
             node_tags: None,
             cluster_token: None,
+            cluster_token_file: None,
             cache_remote_fetches: false,
             cluster_request_timeout_ms: 2_000,
             cluster_master_retry_ms: 5_000,
@@ -257,12 +341,13 @@ pub struct ConfigSources {
 }
 
 impl ConfigSources {
-    /// The current process environment plus `extra`.
-    pub fn from_process(extra: Map<String, Value>) -> Self {
-        ConfigSources {
-            env: std::env::vars().collect(),
+    /// The current process environment ([`process_env`]) plus `extra`; an error names a
+    /// `KVTIER_*` variable that is not UTF-8.
+    pub fn from_process(extra: Map<String, Value>) -> Result<Self, ConfigError> {
+        Ok(ConfigSources {
+            env: process_env()?,
             extra,
-        }
+        })
     }
 }
 
@@ -284,7 +369,9 @@ impl KvtierConfig {
     pub fn load_with_origins(
         sources: ConfigSources,
     ) -> Result<(Self, BTreeMap<String, Origin>), ConfigError> {
-        Self::load_layered(Map::new(), Origin::Default, sources)
+        let (config, origins) = Self::load_layered(Map::new(), Origin::Default, sources)?;
+        config.check_applicable(&origins, Role::Client)?;
+        Ok((config, origins))
     }
 
     /// As [`load_with_origins`](Self::load_with_origins) with one more layer below the file:
@@ -312,6 +399,10 @@ impl KvtierConfig {
             let Some(rest) = name.strip_prefix(ENV_PREFIX) else {
                 continue;
             };
+            // Issue 27: kvtier's own non-configuration variables (KVTIER_PYTHON, test hooks).
+            if is_non_config_env(name) {
+                continue;
+            }
             // `KVTIER_SERVE_*` belongs to the server's own schema (kvtier-server).
             if rest.starts_with(SERVER_ENV_INFIX) {
                 continue;
@@ -387,8 +478,13 @@ impl KvtierConfig {
                 return Err(ConfigError::new(name.clone(), &origin, err.to_string()));
             }
         }
-        let config: KvtierConfig = serde_json::from_value(Value::Object(merged))
+        check_secret_origin(&origins, &spelled)?;
+        let mut config: KvtierConfig = serde_json::from_value(Value::Object(merged))
             .map_err(|err| ConfigError::new("<config>", &Origin::Default, err.to_string()))?;
+        config.read_token_file(&origins)?;
+        // Issue 26: only a default SSD directory may be replaced by a private fallback.
+        config.engine.ssd_storage_dir_explicit =
+            kvtier_engine::config::Provenance(origins.contains_key("ssd_storage_dir"));
         config.validate(&origins).map_err(|mut err| {
             // Range errors name the key as the source spelled it (`events.buffer`).
             if let Some(name) = spelled.get(&err.key) {
@@ -399,6 +495,96 @@ impl KvtierConfig {
         Ok((config, origins))
     }
 
+    /// Issue 26: `cluster_token_file` read into `cluster_token` (the file checked private:
+    /// [`read_secret_file`]); giving both is an error.
+    fn read_token_file(&mut self, origins: &BTreeMap<String, Origin>) -> Result<(), ConfigError> {
+        let Some(path) = self.cluster_token_file.clone() else {
+            return Ok(());
+        };
+        let origin = origins
+            .get("cluster_token_file")
+            .cloned()
+            .unwrap_or(Origin::Default);
+        if self.cluster_token.is_some() {
+            let other = origins
+                .get("cluster_token")
+                .map_or_else(|| "default".to_string(), Origin::to_string);
+            return Err(ConfigError::new(
+                "cluster_token_file",
+                &origin,
+                format!("cluster_token is also given (from {other}); give the token one way"),
+            ));
+        }
+        let token = read_secret_file(Path::new(&path))
+            .map_err(|reason| ConfigError::new("cluster_token_file", &origin, reason))?;
+        self.cluster_token = Some(token);
+        Ok(())
+    }
+
+    /// Issue 27: a key given explicitly (a file, extra_config, a flag; not the environment,
+    /// which is shared by every process of a shell) that does nothing in this process is an
+    /// error saying where it belongs. `role` is what the configuration is for: a client
+    /// (embedded, server mode or cluster mode, by `server_socket` / `master_address`), or
+    /// `kvtier serve`'s engine schema.
+    pub fn check_applicable(
+        &self,
+        origins: &BTreeMap<String, Origin>,
+        role: Role,
+    ) -> Result<(), ConfigError> {
+        let engine_keys: Vec<&str> = SECTIONS
+            .iter()
+            .find(|(s, _)| *s == "engine")
+            .map(|(_, keys)| keys.iter().map(|(_, flat)| *flat).collect())
+            .unwrap_or_default();
+        let server_mode = self.server_socket.is_some();
+        let cluster_mode = self.master_address.is_some();
+        for (key, origin) in origins {
+            if matches!(origin, Origin::Env(_) | Origin::Default) {
+                continue;
+            }
+            let key = key.as_str();
+            let engine = engine_keys.contains(&key);
+            let belongs = match role {
+                Role::Client if engine && server_mode && !self.server_auto_start => Some(
+                    "in server mode (server_socket) the store lives in `kvtier serve`: put it in \
+                     that server's [engine] table (or set server_auto_start, which passes the \
+                     engine keys to the server it starts)",
+                ),
+                Role::Client if engine && cluster_mode => Some(
+                    "in cluster mode (master_address) the store lives on the nodes: put it in \
+                     the [engine] table of each node's `kvtier serve --master`",
+                ),
+                Role::Client if SERVER_MODE_KEYS.contains(&key) && !server_mode => {
+                    Some("it configures server mode: it applies only with server_socket")
+                }
+                Role::Client if CLUSTER_KEYS.contains(&key) && !cluster_mode => Some(
+                    "it configures cluster mode: it applies only with master_address (a node's \
+                     go in its `kvtier serve` file, [cluster] table)",
+                ),
+                Role::Client if NODE_KEYS.contains(&key) => Some(
+                    "it configures a cluster node: put it in the [engine] or [cluster] table \
+                     of the node's `kvtier serve --master`",
+                ),
+                Role::Server if key == "server_socket" || SERVER_MODE_KEYS.contains(&key) => Some(
+                    "it tells a client how to reach `kvtier serve`; the server's own socket \
+                         is the top-level `socket` key (or --socket), and client keys go in the \
+                         client's configuration",
+                ),
+                _ => None,
+            };
+            if let Some(belongs) = belongs {
+                let name = sectioned_name(key)
+                    .map_or_else(|| key.to_string(), |s| format!("{key}` / `{s}"));
+                return Err(ConfigError::new(
+                    key,
+                    origin,
+                    format!("`{name}` does nothing here: {belongs}"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Range checks that need more than the type.
     fn validate(&self, origins: &BTreeMap<String, Origin>) -> Result<(), ConfigError> {
         let origin = |key: &str| origins.get(key).cloned().unwrap_or(Origin::Default);
@@ -406,12 +592,31 @@ impl KvtierConfig {
         if let Err(EngineError::InvalidConfig { key, reason }) = self.engine.validate() {
             return Err(ConfigError::new(key, &origin(key), reason));
         }
-        if self.kv_events_buffer == 0 {
-            return Err(ConfigError::new(
+        // Issue 26: every count and size is bounded (an unbounded one aborted the server).
+        for (key, value, (lo, hi)) in [
+            (
                 "kv_events_buffer",
-                &origin("kv_events_buffer"),
-                "must be at least 1",
-            ));
+                self.kv_events_buffer,
+                KV_EVENTS_BUFFER_RANGE,
+            ),
+            (
+                "server_startup_timeout_ms",
+                self.server_startup_timeout_ms,
+                SERVER_STARTUP_TIMEOUT_RANGE,
+            ),
+            (
+                "server_staging_bytes",
+                self.server_staging_bytes,
+                SERVER_STAGING_RANGE,
+            ),
+        ] {
+            if !(lo..=hi).contains(&value) {
+                return Err(ConfigError::new(
+                    key,
+                    &origin(key),
+                    format!("{value} is outside the range {lo}..={hi}"),
+                ));
+            }
         }
         for (key, value) in [
             ("kv_events_endpoint", Some(&self.kv_events_endpoint)),
@@ -457,13 +662,6 @@ impl KvtierConfig {
                     "must be a socket path of 1 to 107 bytes without NUL",
                 ));
             }
-        }
-        if self.server_staging_bytes < 1 << 20 {
-            return Err(ConfigError::new(
-                "server_staging_bytes",
-                &origin("server_staging_bytes"),
-                format!("{} is below the minimum of 1MiB", self.server_staging_bytes),
-            ));
         }
         self.validate_cluster(&origin)?;
         if let Some(tag) = &self.extra_backend_tag {
@@ -544,7 +742,9 @@ impl KvtierConfig {
             Some(token) if !token.is_empty() && token.len() <= 1024 => Ok(()),
             _ => Err(bad(
                 "cluster_token",
-                "cluster mode (master_address) needs a cluster_token of 1 to 1024 bytes".into(),
+                "cluster mode (master_address) needs a cluster token of 1 to 1024 bytes: set \
+                 KVTIER_CLUSTER_TOKEN in the environment or cluster_token_file (a 0600 file)"
+                    .into(),
             )),
         }
     }
@@ -576,15 +776,24 @@ impl KvtierConfig {
     }
 
     /// The effective configuration as TOML (for `config check`), flat keys: every reader of
-    /// kvtier config accepts them, and Python's `config_toml()` consumers read them.
+    /// kvtier config accepts them, and Python's `config_toml()` consumers read them. The
+    /// cluster token is left out (issue 26: printed configurations end up in logs).
     pub fn to_toml(&self) -> String {
-        toml::to_string_pretty(self).unwrap_or_default()
+        toml::to_string_pretty(&self.without_secret()).unwrap_or_default()
+    }
+
+    /// A copy without the cluster token, for printing.
+    fn without_secret(&self) -> KvtierConfig {
+        KvtierConfig {
+            cluster_token: None,
+            ..self.clone()
+        }
     }
 
     /// The effective configuration as TOML in sections (`[engine]`, `[server]`, `[cluster]`,
     /// `[events]`; the process-wide keys at top level). Loads back to the same configuration.
     pub fn to_sectioned_toml(&self) -> String {
-        let Ok(Value::Object(flat)) = serde_json::to_value(self) else {
+        let Ok(Value::Object(flat)) = serde_json::to_value(self.without_secret()) else {
             return String::new();
         };
         let mut out = Map::new();
@@ -609,6 +818,129 @@ impl KvtierConfig {
         }
         toml::to_string_pretty(&Value::Object(out)).unwrap_or_default()
     }
+}
+
+/// What a configuration is for (issue 27: a key that does nothing there is an error).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// A store: embedded, server mode (`server_socket`) or cluster mode (`master_address`).
+    Client,
+    /// `kvtier serve`'s engine keys (its `[engine]` table, `--engine`, flags).
+    Server,
+}
+
+/// Keys of a server-mode client besides `server_socket`.
+const SERVER_MODE_KEYS: &[&str] = &[
+    "server_auto_start",
+    "server_bin",
+    "server_uid",
+    "server_startup_timeout_ms",
+    "server_staging_bytes",
+    "server_log_file",
+];
+/// Keys of cluster mode (a cluster client's or a node's) besides `master_address`.
+const CLUSTER_KEYS: &[&str] = &[
+    "node_id",
+    "node_address",
+    "node_tags",
+    "cluster_token",
+    "cluster_token_file",
+    "cache_remote_fetches",
+    "cluster_request_timeout_ms",
+    "cluster_master_retry_ms",
+    "cluster_connections_per_peer",
+    "cluster_transport",
+];
+/// Keys only a cluster node (`kvtier serve --master`) reads.
+const NODE_KEYS: &[&str] = &["put_landing_mib"];
+
+/// Issue 26: the cluster token never comes from a command line (SGLang's extra_config is one,
+/// as are `--engine` flags: any local user reads `/proc/PID/cmdline`), and a file that holds
+/// it must be private like `cluster_token_file`.
+fn check_secret_origin(
+    origins: &BTreeMap<String, Origin>,
+    spelled: &BTreeMap<String, String>,
+) -> Result<(), ConfigError> {
+    let Some(origin) = origins.get("cluster_token") else {
+        return Ok(());
+    };
+    let name = spelled
+        .get("cluster_token")
+        .cloned()
+        .unwrap_or_else(|| "cluster_token".into());
+    match origin {
+        Origin::ExtraConfig | Origin::CommandLine => Err(ConfigError::new(
+            name,
+            origin,
+            "the cluster token must not be given in extra_config or a command-line flag (it \
+             ends up on a command line, which every local user can read in /proc/PID/cmdline): \
+             set KVTIER_CLUSTER_TOKEN in the environment, or cluster_token_file to a file of \
+             mode 0600",
+        )),
+        Origin::File(path) => match check_private_file(path) {
+            Ok(_) => Ok(()),
+            Err(reason) => Err(ConfigError::new(
+                name,
+                origin,
+                format!(
+                    "a config file holding the cluster token must be private: {reason} (or use \
+                     KVTIER_CLUSTER_TOKEN / cluster_token_file)"
+                ),
+            )),
+        },
+        Origin::Env(_) | Origin::Default => Ok(()),
+    }
+}
+
+/// Open `path` and check the opened file (no race with a swap) is a regular file of mode
+/// 0600 or stricter owned by this user or root; the error names the path, mode and owner.
+fn check_private_file(path: &Path) -> Result<std::fs::File, String> {
+    use std::os::unix::fs::MetadataExt;
+    let file =
+        std::fs::File::open(path).map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+    let meta = file
+        .metadata()
+        .map_err(|e| format!("cannot stat {}: {e}", path.display()))?;
+    let uid = rustix::process::geteuid().as_raw();
+    if !meta.is_file() {
+        return Err(format!("{} is not a regular file", path.display()));
+    }
+    if meta.mode() & 0o077 != 0 {
+        return Err(format!(
+            "{} has mode {:04o}; it must be 0600 or stricter (chmod 600 {})",
+            path.display(),
+            meta.mode() & 0o7777,
+            path.display()
+        ));
+    }
+    if meta.uid() != uid && meta.uid() != 0 {
+        return Err(format!(
+            "{} is owned by uid {}, not by this user (uid {uid}) or root",
+            path.display(),
+            meta.uid()
+        ));
+    }
+    Ok(file)
+}
+
+/// Issue 26: a secret from a private file ([`check_private_file`]), without its trailing
+/// newline; at most 1024 bytes of UTF-8, not empty.
+pub fn read_secret_file(path: &Path) -> Result<String, String> {
+    use std::io::Read;
+    let file = check_private_file(path)?;
+    let mut text = String::new();
+    file.take(4096)
+        .read_to_string(&mut text)
+        .map_err(|e| format!("cannot read {} as UTF-8 text: {e}", path.display()))?;
+    let token = text.trim_end_matches(['\n', '\r']);
+    if token.is_empty() || token.len() > 1024 {
+        return Err(format!(
+            "{} holds {} bytes; the token must be 1 to 1024 bytes",
+            path.display(),
+            token.len()
+        ));
+    }
+    Ok(token.to_string())
 }
 
 /// The sections of a configuration by audience (issue 16) and, for each, its keys as
@@ -653,6 +985,7 @@ pub const SECTIONS: &[(&str, &[(&str, &str)])] = &[
             ("uid", "server_uid"),
             ("startup_timeout_ms", "server_startup_timeout_ms"),
             ("staging_bytes", "server_staging_bytes"),
+            ("log_file", "server_log_file"),
         ],
     ),
     (
@@ -663,6 +996,7 @@ pub const SECTIONS: &[(&str, &[(&str, &str)])] = &[
             ("node_address", "node_address"),
             ("node_tags", "node_tags"),
             ("token", "cluster_token"),
+            ("token_file", "cluster_token_file"),
             ("cache_remote_fetches", "cache_remote_fetches"),
             ("request_timeout_ms", "cluster_request_timeout_ms"),
             ("master_retry_ms", "cluster_master_retry_ms"),
@@ -1068,6 +1402,136 @@ mod tests {
         // A size too large for the engine's field type is an error on that key.
         let e = load(&[], json!({"dram_block_size": "8GiB"})).unwrap_err();
         assert_eq!(e.key, "dram_block_size");
+    }
+
+    /// Issue 26: the token from a private file only; never from extra_config; not printed.
+    #[test]
+    fn cluster_token_sources() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let e = load(&[], json!({"master_address": "h:1", "cluster_token": "x"})).unwrap_err();
+        assert_eq!(e.key, "cluster_token");
+        assert!(e.reason.contains("KVTIER_CLUSTER_TOKEN"), "{e}");
+        let token = dir.path().join("token");
+        std::fs::write(&token, "tok\n").unwrap();
+        let t = token.to_str().unwrap();
+        std::fs::set_permissions(&token, PermissionsExt::from_mode(0o640)).unwrap();
+        let e = load(
+            &[("KVTIER_CLUSTER_TOKEN_FILE", t)],
+            json!({"master_address": "h:1"}),
+        )
+        .unwrap_err();
+        assert_eq!(e.key, "cluster_token_file");
+        assert!(e.reason.contains(t) && e.reason.contains("0640"), "{e}");
+        std::fs::set_permissions(&token, PermissionsExt::from_mode(0o400)).unwrap();
+        let c = load(
+            &[("KVTIER_CLUSTER_TOKEN_FILE", t)],
+            json!({"master_address": "h:1"}),
+        )
+        .unwrap();
+        assert_eq!(c.cluster_token.as_deref(), Some("tok"));
+        assert!(!c.to_toml().contains("\"tok\"") && !c.to_sectioned_toml().contains("\"tok\""));
+        let e = load(
+            &[
+                ("KVTIER_CLUSTER_TOKEN_FILE", t),
+                ("KVTIER_CLUSTER_TOKEN", "y"),
+            ],
+            json!({"master_address": "h:1"}),
+        )
+        .unwrap_err();
+        assert_eq!(e.key, "cluster_token_file");
+        // A config file holding the token must be private too.
+        let file = dir.path().join("k.toml");
+        std::fs::write(
+            &file,
+            "[cluster]\nmaster_address = \"h:1\"\ntoken = \"z\"\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&file, PermissionsExt::from_mode(0o644)).unwrap();
+        let f = file.to_str().unwrap();
+        let e = load(&[("KVTIER_CONFIG_FILE", f)], json!({})).unwrap_err();
+        assert_eq!(e.key, "cluster.token");
+        std::fs::set_permissions(&file, PermissionsExt::from_mode(0o600)).unwrap();
+        assert_eq!(
+            load(&[("KVTIER_CONFIG_FILE", f)], json!({}))
+                .unwrap()
+                .cluster_token
+                .as_deref(),
+            Some("z")
+        );
+    }
+
+    /// Issue 26/27: bounded counts; kvtier's non-config variables are skipped.
+    #[test]
+    fn bounds_and_non_config_variables() {
+        for (key, value, range) in [
+            ("kv_events_buffer", json!((1u64 << 24) + 1), "1..=16777216"),
+            ("server_startup_timeout_ms", json!(600_001), "1..=600000"),
+            (
+                "server_staging_bytes",
+                json!("2GiB"),
+                "1048576..=1073741824",
+            ),
+            ("eviction_candidate_window", json!(1u64 << 31), "1..=65536"),
+        ] {
+            let e = load(&[], json!({ key: value })).unwrap_err();
+            assert_eq!(e.key, key);
+            assert!(e.reason.contains(range), "{e}");
+        }
+        let c = load(
+            &[
+                ("KVTIER_PYTHON", "/usr/bin/python3"),
+                ("KVTIER_TEST_ANYTHING", "1"),
+                ("KVTIER_LOG_FORMAT", "json"),
+            ],
+            json!({}),
+        )
+        .unwrap();
+        assert_eq!(c, KvtierConfig::default());
+        assert!(
+            is_non_config_env("KVTIER_TEST_X") && !is_non_config_env("KVTIER_DRAM_CAPACITY_BYTES")
+        );
+    }
+
+    /// Issue 27: a key that does nothing in the mode is an error saying where it belongs;
+    /// the environment is not judged.
+    #[test]
+    fn keys_that_do_nothing_in_the_mode() {
+        let e = load(
+            &[],
+            json!({"server_socket": "/s", "dram_capacity_bytes": "1GiB"}),
+        )
+        .unwrap_err();
+        assert_eq!(e.key, "dram_capacity_bytes");
+        assert!(
+            e.reason.contains("[engine]") && e.reason.contains("server_auto_start"),
+            "{e}"
+        );
+        load(
+            &[],
+            json!({"server_socket": "/s", "server_auto_start": true, "dram_capacity_bytes": "1GiB"}),
+        )
+        .unwrap();
+        load(
+            &[("KVTIER_DRAM_CAPACITY_BYTES", "1GiB")],
+            json!({"server_socket": "/s"}),
+        )
+        .unwrap();
+        let e = load(
+            &[("KVTIER_CLUSTER_TOKEN", "t")],
+            json!({"master_address": "h:1", "copy_threads": 1}),
+        )
+        .unwrap_err();
+        assert_eq!(e.key, "copy_threads");
+        for (x, key) in [
+            (json!({"server_uid": "5"}), "server_uid"),
+            (json!({"cluster": {"node_tags": "a"}}), "node_tags"),
+            (json!({"put_landing_mib": 8}), "put_landing_mib"),
+        ] {
+            let e = load(&[], x).unwrap_err();
+            assert_eq!(e.key, key);
+            assert!(e.reason.contains("does nothing here"), "{e}");
+        }
     }
 
     #[test]

@@ -18,6 +18,27 @@ pub const MIN_BLOCK_SIZE: u32 = 4 << 10;
 pub const MAX_BLOCK_SIZE: u32 = 16 << 20;
 /// Upper bound on index shards; the shard is taken from 16 hash bits (see `index.rs`).
 pub const MAX_INDEX_SHARDS: usize = 1 << 16;
+/// Range of `eviction_candidate_window` (issue 26: 2^31 aborted the server at its first put,
+/// the window is scanned on every eviction).
+pub const EVICTION_WINDOW_RANGE: (usize, usize) = (1, 1 << 16);
+/// Range of `ssd_copy_queue_depth`, in objects.
+pub const SSD_COPY_QUEUE_RANGE: (usize, usize) = (1, 1 << 20);
+/// Range of `ssd_copy_batch_max_ops`, in records per write.
+pub const SSD_COPY_BATCH_RANGE: (usize, usize) = (1, 1 << 12);
+/// Range of `ssd_copy_worker_threads`.
+pub const SSD_COPY_WORKERS_RANGE: (usize, usize) = (1, 64);
+
+/// `value` in `lo..=hi`, else an error naming the key, the value and the range.
+fn in_range(key: &'static str, value: usize, (lo, hi): (usize, usize)) -> Result<(), EngineError> {
+    if (lo..=hi).contains(&value) {
+        Ok(())
+    } else {
+        Err(invalid(
+            key,
+            format!("{value} is outside the range {lo}..={hi}"),
+        ))
+    }
+}
 
 /// Which eviction policy orders the DRAM tier.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
@@ -153,6 +174,23 @@ pub struct EngineConfig {
     /// Number of index shards; a power of two. Tests and benchmarks set it; users do not.
     #[serde(skip)]
     pub index_shards: usize,
+    /// Issue 26: `ssd_storage_dir` was configured (or already resolved), so it is used as
+    /// given and an unsafe one is an error; when false and it is the default path,
+    /// [`EngineConfig::resolve_default_ssd_dir`] may fall back to a private directory.
+    #[serde(skip)]
+    pub ssd_storage_dir_explicit: Provenance,
+}
+
+/// A provenance flag of a configuration: it says where a value came from, not what the
+/// configuration is, so any two compare equal (a configuration printed and loaded back is the
+/// same configuration).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Provenance(pub bool);
+
+impl PartialEq for Provenance {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
 }
 
 impl Default for EngineConfig {
@@ -167,10 +205,7 @@ impl Default for EngineConfig {
             eviction_candidate_window: 64,
             ssd_enabled: false,
             // Per user, created 0700 and checked at open (never a shared world-writable path).
-            ssd_storage_dir: PathBuf::from(format!(
-                "/var/tmp/kvtier-ssd-{}",
-                rustix::process::geteuid().as_raw()
-            )),
+            ssd_storage_dir: default_ssd_storage_dir(),
             ssd_storage_subdir: None,
             ssd_capacity_bytes: 16 << 30,
             ssd_segment_size_bytes: 256 << 20,
@@ -185,8 +220,19 @@ impl Default for EngineConfig {
             ssd_high_watermark: 0.9,
             ssd_low_watermark: 0.8,
             index_shards: 64,
+            ssd_storage_dir_explicit: Provenance(false),
         }
     }
+}
+
+/// The default `ssd_storage_dir`: `/var/tmp/kvtier-ssd-<uid>` (per user, created 0700 and
+/// checked at open; [`EngineConfig::resolve_default_ssd_dir`] falls back when another user
+/// took it).
+pub fn default_ssd_storage_dir() -> PathBuf {
+    PathBuf::from(format!(
+        "/var/tmp/kvtier-ssd-{}",
+        rustix::process::geteuid().as_raw()
+    ))
 }
 
 impl EngineConfig {
@@ -224,12 +270,11 @@ impl EngineConfig {
                 ),
             ));
         }
-        if self.eviction_candidate_window == 0 {
-            return Err(invalid(
-                "eviction_candidate_window",
-                "must be at least 1".to_string(),
-            ));
-        }
+        in_range(
+            "eviction_candidate_window",
+            self.eviction_candidate_window,
+            EVICTION_WINDOW_RANGE,
+        )?;
         let shards = self.index_shards;
         if !shards.is_power_of_two() || shards > MAX_INDEX_SHARDS {
             return Err(invalid(
@@ -266,6 +311,46 @@ impl EngineConfig {
         }
     }
 
+    /// Issue 26: with the SSD tier on and `ssd_storage_dir` left at its default, make sure
+    /// the default directory is this user's private directory; when it cannot be (another user
+    /// created `/var/tmp/kvtier-ssd-<uid>` first, a file is in the way, ...), switch to the
+    /// user's state directory (`$XDG_STATE_HOME/kvtier/ssd` or `~/.local/state/kvtier/ssd`),
+    /// else to a fresh `/var/tmp/kvtier-ssd-<uid>-XXXXXXXX` (0700). Returns the notice saying
+    /// which (also logged), or `None` when nothing changed. A configured directory is never
+    /// replaced: its problems are errors naming it, at open. Runs once per configuration.
+    pub fn resolve_default_ssd_dir(&mut self) -> Result<Option<String>, EngineError> {
+        if !self.ssd_enabled
+            || self.ssd_storage_dir_explicit.0
+            || self.ssd_storage_dir != default_ssd_storage_dir()
+        {
+            return Ok(None);
+        }
+        self.ssd_storage_dir_explicit = Provenance(true);
+        let default = self.ssd_storage_dir.clone();
+        let Err(problem) = crate::private_dir::ensure_private_dir(&default, 0o022) else {
+            return Ok(None);
+        };
+        let state = crate::private_dir::user_state_dir("ssd")
+            .filter(|dir| crate::private_dir::ensure_private_dir(dir, 0o022).is_ok());
+        let fallback = match state {
+            Some(dir) => dir,
+            None => {
+                let uid = rustix::process::geteuid().as_raw();
+                let parent = default.parent().unwrap_or(Path::new("/var/tmp"));
+                crate::private_dir::create_fresh_private_dir(parent, &format!("kvtier-ssd-{uid}"))
+                    .map_err(EngineError::SsdOpen)?
+            }
+        };
+        let notice = format!(
+            "the default SSD directory cannot be used ({problem}); using {} instead (set \
+             ssd_storage_dir to choose one)",
+            fallback.display()
+        );
+        tracing::warn!("kvtier: {notice}");
+        self.ssd_storage_dir = fallback;
+        Ok(Some(notice))
+    }
+
     /// Number of segment files the SSD tier may hold.
     pub fn ssd_segments(&self) -> u64 {
         self.ssd_capacity_bytes / self.ssd_segment_size_bytes.max(1)
@@ -292,21 +377,21 @@ impl EngineConfig {
                 ),
             ));
         }
-        if self.ssd_copy_queue_depth == 0 {
-            return Err(invalid("ssd_copy_queue_depth", "must be at least 1".into()));
-        }
-        if !(1..=64).contains(&self.ssd_copy_worker_threads) {
-            return Err(invalid(
-                "ssd_copy_worker_threads",
-                "must be in 1..=64".into(),
-            ));
-        }
-        if self.ssd_copy_batch_max_ops == 0 {
-            return Err(invalid(
-                "ssd_copy_batch_max_ops",
-                "must be at least 1".into(),
-            ));
-        }
+        in_range(
+            "ssd_copy_queue_depth",
+            self.ssd_copy_queue_depth,
+            SSD_COPY_QUEUE_RANGE,
+        )?;
+        in_range(
+            "ssd_copy_worker_threads",
+            self.ssd_copy_worker_threads,
+            SSD_COPY_WORKERS_RANGE,
+        )?;
+        in_range(
+            "ssd_copy_batch_max_ops",
+            self.ssd_copy_batch_max_ops,
+            SSD_COPY_BATCH_RANGE,
+        )?;
         let (lo, hi) = (self.ssd_low_watermark, self.ssd_high_watermark);
         if !(hi > 0.0 && hi <= 1.0) {
             return Err(invalid(
@@ -558,11 +643,13 @@ mod tests {
             ..d()
         };
         assert_eq!(key_of(c), "dram_capacity_bytes");
-        let c = EngineConfig {
-            eviction_candidate_window: 0,
-            ..d()
-        };
-        assert_eq!(key_of(c), "eviction_candidate_window");
+        for window in [0, (1 << 16) + 1, 1 << 31] {
+            let c = EngineConfig {
+                eviction_candidate_window: window,
+                ..d()
+            };
+            assert_eq!(key_of(c), "eviction_candidate_window", "{window}");
+        }
         for shards in [0, 3, 1 << 17] {
             let c = EngineConfig {
                 index_shards: shards,

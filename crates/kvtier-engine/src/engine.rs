@@ -96,10 +96,12 @@ impl Engine {
     /// [`Engine::open`], calling `progress` while the SSD index is being recovered (about
     /// every 100 ms and once at the end; never when the SSD tier is off).
     pub fn open_with_progress(
-        config: EngineConfig,
+        mut config: EngineConfig,
         progress: &mut dyn FnMut(&RecoveryProgress),
     ) -> Result<Engine, EngineError> {
         config.validate()?;
+        // Issue 26: a default SSD directory another user took falls back to a private one.
+        config.resolve_default_ssd_dir()?;
         // validate() bounds total_blocks by u32::MAX.
         let blocks =
             u32::try_from(config.total_blocks()).map_err(|_| EngineError::InvalidConfig {

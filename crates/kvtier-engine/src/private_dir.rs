@@ -52,6 +52,57 @@ pub fn ensure_private_dir(dir: &Path, forbidden_mode_bits: u32) -> io::Result<()
     }
 }
 
+/// Issue 26: create a fresh directory `<parent>/<prefix>-XXXXXXXX` with mode 0700 (the
+/// `mkdtemp` pattern). `mkdir` is atomic and never reuses an existing entry, so a name someone
+/// else created first is skipped, never adopted; the name need not be unpredictable. Gives up
+/// after 64 taken names.
+pub fn create_fresh_private_dir(parent: &Path, prefix: &str) -> io::Result<std::path::PathBuf> {
+    use std::os::unix::fs::DirBuilderExt;
+    use std::time::{SystemTime, UNIX_EPOCH};
+    let seed = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+        ^ (u64::from(std::process::id()) << 32);
+    let mut last = None;
+    for attempt in 0..64u64 {
+        // splitmix64 of the seed: distinct names per attempt, no crate needed.
+        let mut x = seed.wrapping_add(attempt.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        x ^= x >> 31;
+        let dir = parent.join(format!("{prefix}-{:08x}", x as u32));
+        match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+            Ok(()) => {
+                // The umask may have cleared bits only; check as for any private directory.
+                ensure_private_dir(&dir, 0o077)?;
+                return Ok(dir);
+            }
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => last = Some(e),
+            Err(e) => {
+                return Err(io::Error::new(
+                    e.kind(),
+                    format!("cannot create a directory in {}: {e}", parent.display()),
+                ))
+            }
+        }
+    }
+    Err(last.unwrap_or_else(|| io::Error::other("no free name")))
+}
+
+/// Issue 26: the user's own persistent state directory for `name`:
+/// `$XDG_STATE_HOME/kvtier/<name>`, else `$HOME/.local/state/kvtier/<name>` (absolute
+/// variables only), or `None` when neither is set. Not created here.
+pub fn user_state_dir(name: &str) -> Option<std::path::PathBuf> {
+    let absolute = |var: &str| {
+        std::env::var_os(var)
+            .map(std::path::PathBuf::from)
+            .filter(|p| p.is_absolute())
+    };
+    absolute("XDG_STATE_HOME")
+        .or_else(|| absolute("HOME").map(|h| h.join(".local/state")))
+        .map(|base| base.join("kvtier").join(name))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -82,5 +133,22 @@ mod tests {
         let link = tmp.path().join("link");
         std::os::unix::fs::symlink(&fresh, &link).unwrap();
         assert!(ensure_private_dir(&link, 0o022).is_err());
+    }
+
+    #[test]
+    fn fresh_private_dirs_are_new_and_0700() {
+        let tmp = tempfile::tempdir().unwrap();
+        let a = create_fresh_private_dir(tmp.path(), "kvtier-x").unwrap();
+        let b = create_fresh_private_dir(tmp.path(), "kvtier-x").unwrap();
+        assert_ne!(a, b);
+        for d in [&a, &b] {
+            assert_eq!(std::fs::metadata(d).unwrap().mode() & 0o777, 0o700);
+            assert!(d
+                .file_name()
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .starts_with("kvtier-x-"));
+        }
     }
 }

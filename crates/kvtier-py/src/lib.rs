@@ -68,7 +68,7 @@ fn parse_extra(extra_config_json: &str) -> PyResult<serde_json::Map<String, serd
 fn load_config(extra_config_json: &str, use_environment: bool) -> PyResult<KvtierConfig> {
     let extra = parse_extra(extra_config_json)?;
     let sources = if use_environment {
-        ConfigSources::from_process(extra)
+        ConfigSources::from_process(extra).map_err(|e| PyValueError::new_err(e.to_string()))?
     } else {
         ConfigSources {
             env: Vec::new(),

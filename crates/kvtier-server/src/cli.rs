@@ -21,8 +21,10 @@ Server keys (--config file top level, or KVTIER_SERVE_<KEY>), with defaults:
                                (that directory created 0700 and refused if foreign)
   socket_mode                  \"0600\"     socket_group               none
   max_connections              1024       max_connections_per_uid    256 (by SO_PEERCRED uid)
-  handshake_timeout_ms         10000 (a connection without a session by then is closed)
-  max_regions_per_client       4096
+                               (both 1..=1048576)
+  handshake_timeout_ms         10000 (1..=3600000; a connection without a session by then is
+                               closed)
+  max_regions_per_client       4096 (1..=1048576)
   max_mapped_bytes_per_client  half of physical memory (reserved before mapping)
   max_mapped_bytes_total       physical memory (all sessions together)
   prefault_regions             true (sparse memfds are never pre-faulted)
@@ -190,9 +192,11 @@ pub fn serve_config(args: &ServeArgs) -> Result<ServerConfig, String> {
             engine_flags.insert(key.into(), Value::String(v.clone()));
         }
     }
+    // Issue 26: `vars_os`, so a non-UTF-8 variable of another program cannot panic the server.
+    let env = kvtier_client::config::process_env().map_err(|e| e.to_string())?;
     ServerConfig::load(ServerSources {
         file: args.config.clone(),
-        env: std::env::vars().collect(),
+        env,
         flags,
         engine_flags,
     })

@@ -40,6 +40,10 @@ pub const ENGINE_TABLE: &str = "engine";
 pub const SERVER_TABLE: &str = "server";
 /// Top-level file tables handed to the engine schema as its sections.
 pub const ENGINE_SIDE_TABLES: &[&str] = &["cluster", "events"];
+/// Upper bound of the server's connection and region counts (issue 26).
+pub const MAX_COUNT: u64 = 1 << 20;
+/// Upper bound of `handshake_timeout_ms` (one hour).
+pub const MAX_HANDSHAKE_TIMEOUT_MS: u64 = 3_600_000;
 
 /// Settings of `kvtier serve` other than the engine's.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -281,7 +285,8 @@ pub struct ServerSources {
     pub engine_flags: Map<String, Value>,
 }
 
-fn known_server_keys() -> Vec<String> {
+/// The keys of [`ServerSettings`] (top level or `[server]` of `kvtier serve`'s file).
+pub fn known_server_keys() -> Vec<String> {
     match serde_json::to_value(ServerSettings::default()) {
         Ok(Value::Object(map)) => map.keys().cloned().collect(),
         _ => Vec::new(),
@@ -305,6 +310,52 @@ pub fn private_runtime_dir() -> PathBuf {
         "/tmp/kvtier-{}",
         rustix::process::geteuid().as_raw()
     ))
+}
+
+/// Issue 26: settle the default socket of `config` (no `socket` configured) before binding:
+/// its directory [`private_runtime_dir`] is created 0700 and checked; when that fails (another
+/// user created `/tmp/kvtier-<uid>` first, or a file or symlink is in the way) the socket
+/// moves to `/run/user/<uid>` if that is this user's private directory, else to a fresh
+/// `$TMPDIR/kvtier-<uid>-XXXXXXXX` (0700). Returns the notice saying where (for stderr), or
+/// `None` when the default stands. A configured socket is left alone.
+pub fn resolve_default_socket(
+    config: &mut ServerConfig,
+) -> Result<Option<String>, crate::server::ServerError> {
+    if config.settings.socket.is_some() {
+        return Ok(None);
+    }
+    let Some(dir) = config
+        .socket
+        .parent()
+        .filter(|d| *d == private_runtime_dir())
+        .map(Path::to_path_buf)
+    else {
+        return Ok(None);
+    };
+    let Err(problem) = ensure_private_dir(&dir) else {
+        return Ok(None);
+    };
+    let uid = rustix::process::geteuid().as_raw();
+    let run_user = PathBuf::from(format!("/run/user/{uid}"));
+    let fallback = if run_user.is_dir() && ensure_private_dir(&run_user).is_ok() {
+        run_user
+    } else {
+        kvtier_engine::private_dir::create_fresh_private_dir(
+            &std::env::temp_dir(),
+            &format!("kvtier-{uid}"),
+        )
+        .map_err(|source| crate::server::ServerError::Socket {
+            path: config.socket.clone(),
+            source,
+        })?
+    };
+    config.socket = fallback.join("kvtier.sock");
+    Ok(Some(format!(
+        "the default socket directory cannot be used ({problem}); the socket is {} instead \
+         (clients: server_socket = \"{}\"; set socket / --socket to choose one)",
+        config.socket.display(),
+        config.socket.display()
+    )))
 }
 
 /// Create `dir` with mode 0700 if it is missing, then check it is a real directory (not a
@@ -406,14 +457,23 @@ impl ServerConfig {
         let origin_of = |key: &str| origins.get(key).cloned().unwrap_or(Origin::Default);
         for key in merged.keys() {
             if !known.iter().any(|k| k == key) {
-                return Err(ConfigError::new(
-                    key.clone(),
-                    &origin_of(key),
+                // Issue 27: a key of the client schema is not unknown, it is misplaced.
+                let engine_key = kvtier_client::config::SECTIONS.iter().any(|(s, keys)| {
+                    *s == ENGINE_TABLE && keys.iter().any(|(_, f)| *f == key.as_str())
+                });
+                let reason = if engine_key {
+                    format!("an engine key: in kvtier serve's file it goes in the [{ENGINE_TABLE}] table")
+                } else if KvtierConfig::known_keys().iter().any(|k| k == key) {
+                    "a client key: it belongs in a store's configuration (extra_config, \
+                     config_file), not in kvtier serve's file"
+                        .to_string()
+                } else {
                     format!(
                         "unknown server key; known keys are: {} (engine keys go in [{ENGINE_TABLE}])",
                         known.join(", ")
-                    ),
-                ));
+                    )
+                };
+                return Err(ConfigError::new(key.clone(), &origin_of(key), reason));
             }
         }
         for (key, value) in &merged {
@@ -489,6 +549,33 @@ impl ServerConfig {
                 ));
             }
         }
+        // Issue 26: counts have an upper bound too (documented in `kvtier serve --help`).
+        for (key, value, hi) in [
+            ("max_connections", settings.max_connections, MAX_COUNT),
+            (
+                "max_connections_per_uid",
+                settings.max_connections_per_uid,
+                MAX_COUNT,
+            ),
+            (
+                "max_regions_per_client",
+                settings.max_regions_per_client,
+                MAX_COUNT,
+            ),
+            (
+                "handshake_timeout_ms",
+                settings.handshake_timeout_ms,
+                MAX_HANDSHAKE_TIMEOUT_MS,
+            ),
+        ] {
+            if !(1..=hi).contains(&value) {
+                return Err(ConfigError::new(
+                    key,
+                    &origin_of(key),
+                    format!("{value} is outside the range 1..={hi}"),
+                ));
+            }
+        }
         if let Some(list) = &settings.operator_uids {
             if list
                 .split(',')
@@ -503,7 +590,7 @@ impl ServerConfig {
             }
         }
         // Engine keys: file [engine] < KVTIER_* env < --engine flags, parsed by kvtier's schema.
-        let (mut engine, _) = KvtierConfig::load_layered(
+        let (mut engine, engine_origins) = KvtierConfig::load_layered(
             engine_base,
             engine_origin,
             ConfigSources {
@@ -511,6 +598,20 @@ impl ServerConfig {
                 extra: sources.engine_flags,
             },
         )?;
+        // Issue 27: client keys in the server's own engine settings (its file, --engine
+        // flags) do nothing; say where they go. A client's KVTIER_CONFIG_FILE the server
+        // inherits is shared with clients, so its client keys are not the server's to refuse.
+        let own: BTreeMap<String, Origin> = engine_origins
+            .into_iter()
+            .filter(|(_, origin)| {
+                *origin == Origin::ExtraConfig
+                    || sources
+                        .file
+                        .as_ref()
+                        .is_some_and(|f| *origin == Origin::File(f.clone()))
+            })
+            .collect();
+        engine.check_applicable(&own, kvtier_client::config::Role::Server)?;
         // The server is the store: it never runs in server mode itself.
         engine.server_socket = None;
         engine.server_auto_start = false;

@@ -12,6 +12,9 @@
 //!   copies straight between its tiers and this process's pages.
 //! - Fallback: every other registered buffer (plain anonymous memory) is copied through the
 //!   connection's staging ring, a sealed memfd of `server_staging_bytes`, in chunks.
+//! - `server_auto_start` (issue 27): the started `kvtier serve` gets this client's engine
+//!   settings as `--engine KEY=VALUE` flags (no secret is among them) and appends its output
+//!   to `server_log_file` (default `<socket>.log`, 0600).
 //! - Failures: a broken connection fails its call cleanly (every item `false` with the reason)
 //!   and is dropped; if the session itself is gone (server restarted), the next call opens a new
 //!   one and registers every memfd again.
@@ -98,6 +101,10 @@ pub struct LocalServerStore {
     staging_bytes: usize,
     auto_start: bool,
     server_bin: String,
+    /// `--engine KEY=VALUE` flags of an auto-started server: this client's engine settings.
+    server_engine_flags: Vec<String>,
+    /// Where an auto-started server's stdout and stderr go.
+    server_log_file: PathBuf,
     startup_timeout: Duration,
     /// This process's uid, and the other uid a server may run as (`server_uid`).
     own_uid: u32,
@@ -111,6 +118,54 @@ pub struct LocalServerStore {
     /// Bytes that went through staging rings (fallback traffic), for stats.
     staged_bytes: AtomicU64,
     zero_copy_bytes: AtomicU64,
+}
+
+/// Issue 27: the `--engine KEY=VALUE` flags that give an auto-started `kvtier serve` this
+/// client's engine settings (the `[engine]` keys; none is a secret). Flags win over the
+/// `KVTIER_*` variables the child inherits, as the client's own extra_config did. A default
+/// `ssd_storage_dir` is not passed, so the server may still fall back from it (issue 26).
+fn engine_flags(config: &KvtierConfig) -> Vec<String> {
+    let Ok(serde_json::Value::Object(engine)) = serde_json::to_value(&config.engine) else {
+        return Vec::new();
+    };
+    let mut flags = Vec::new();
+    for (key, value) in engine {
+        if key == "ssd_storage_dir" && !config.engine.ssd_storage_dir_explicit.0 {
+            continue;
+        }
+        let text = match value {
+            serde_json::Value::Null => continue,
+            serde_json::Value::String(s) => s,
+            other => other.to_string(),
+        };
+        flags.push(format!("{key}={text}"));
+    }
+    flags.push(format!("copy_threads={}", config.copy_threads));
+    flags
+}
+
+/// Open (create 0600, append) an auto-started server's log; refuses a symlink and a file of
+/// another user (whose reader would get the server's log).
+fn open_log(path: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+        .open(path)?;
+    let meta = file.metadata()?;
+    let uid = rustix::process::geteuid().as_raw();
+    if !meta.is_file() || meta.uid() != uid {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "not a regular file of this user (owner uid {}, this uid {uid})",
+                meta.uid()
+            ),
+        ));
+    }
+    Ok(file)
 }
 
 fn remote_err(socket: &Path, reason: impl std::fmt::Display) -> ClientError {
@@ -192,6 +247,15 @@ impl LocalServerStore {
             staging_bytes: usize::try_from(config.server_staging_bytes).unwrap_or(32 << 20),
             auto_start: config.server_auto_start,
             server_bin: config.server_bin.clone().unwrap_or_else(|| "kvtier".into()),
+            server_engine_flags: engine_flags(config),
+            server_log_file: config.server_log_file.as_ref().map_or_else(
+                || {
+                    let mut log = config.server_socket.clone().unwrap_or_default();
+                    log.push_str(".log");
+                    PathBuf::from(log)
+                },
+                PathBuf::from,
+            ),
             startup_timeout: Duration::from_millis(config.server_startup_timeout_ms),
             own_uid: rustix::process::geteuid().as_raw(),
             server_uid: config
@@ -278,18 +342,32 @@ impl LocalServerStore {
         }
     }
 
-    /// `kvtier serve --socket <socket>` as a detached process (its own session and process
-    /// group, so it outlives this one and its signals).
+    /// `kvtier serve --socket <socket> --engine KEY=VALUE...` (this client's engine settings)
+    /// as a detached process (its own session and process group, so it outlives this one and
+    /// its signals), its stdout and stderr appended to `server_log_file`.
     fn spawn_server(&self) -> Result<(), ClientError> {
         let bin = &self.server_bin;
+        let log = open_log(&self.server_log_file).map_err(|e| {
+            remote_err(
+                &self.socket,
+                format!(
+                    "server_auto_start: server_log_file {}: {e}",
+                    self.server_log_file.display()
+                ),
+            )
+        })?;
+        let log_err = log
+            .try_clone()
+            .map_err(|e| remote_err(&self.socket, format!("server_auto_start: log file: {e}")))?;
         let mut command = Command::new(bin);
+        command.arg("serve").arg("--socket").arg(&self.socket);
+        for flag in &self.server_engine_flags {
+            command.arg("--engine").arg(flag);
+        }
         command
-            .arg("serve")
-            .arg("--socket")
-            .arg(&self.socket)
             .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
+            .stdout(Stdio::from(log))
+            .stderr(Stdio::from(log_err));
         {
             use std::os::unix::process::CommandExt;
             command.process_group(0);
@@ -303,6 +381,11 @@ impl LocalServerStore {
                 ),
             )
         })
+    }
+
+    /// The log file of an auto-started server (for errors and tests).
+    pub fn server_log_file(&self) -> &Path {
+        &self.server_log_file
     }
 
     fn open_conn(

@@ -157,20 +157,25 @@ fn resolve_group(name: &str) -> Result<u32, ServerError> {
 impl Server {
     /// Open the stores and bind the socket (mode and group applied before anyone can connect:
     /// the socket is created under a private umask).
-    pub fn bind(config: ServerConfig) -> Result<Server, ServerError> {
+    pub fn bind(mut config: ServerConfig) -> Result<Server, ServerError> {
+        // Issue 26: defaults another user made unusable fall back to private directories
+        // (said on stderr); configured paths are used as given, their problems are errors.
+        if let Some(notice) = crate::config::resolve_default_socket(&mut config)? {
+            tracing::warn!("{notice}");
+        }
+        if let Some(notice) = config
+            .engine
+            .engine
+            .resolve_default_ssd_dir()
+            .map_err(kvtier_client::ClientError::from)?
+        {
+            tracing::warn!("{notice}");
+        }
         let path = config.socket.clone();
         let socket_err = |source| ServerError::Socket {
             path: path.clone(),
             source,
         };
-        if config.settings.socket.is_none() {
-            if let Some(dir) = path
-                .parent()
-                .filter(|d| *d == crate::config::private_runtime_dir())
-            {
-                crate::config::ensure_private_dir(dir).map_err(socket_err)?;
-            }
-        }
         // Issue 27: only a stale socket (nobody listening) is replaced; a file, a directory or
         // a live server's socket at the path is an error naming it.
         replace_stale_socket(&path)?;
