@@ -199,7 +199,7 @@ def tiers_for(setup: str, tmp: Path, procs: Procs, kvtier_mib: int) -> list | No
             _wait(lambda s=sock: _unix_ok(s), f"{node} did not start")
         _wait(lambda: _node_count(procs.binary, master) == 2, "nodes did not join")
         os.environ["KVTIER_CLUSTER_TOKEN"] = TOKEN  # the vLLM server's tier reads it
-        return [dict(tier, master_address=master, node_id="node-a", cluster_token=TOKEN)]
+        return [dict(tier, master_address=master, node_id="node-a")]
     raise ValueError(f"unknown setup {setup!r} (one of {', '.join(SETUPS)})")
 
 
