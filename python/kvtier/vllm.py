@@ -13,7 +13,8 @@ Every key of the tier's dict other than ``type``, ``module_path``, ``locality``,
 ``backpressure``, ``threads`` and ``queue_capacity`` is kvtier configuration (the same keys as
 SGLang's extra_config, checked strictly: an unknown key fails vLLM's start naming it), e.g.
 ``server_socket`` to share one ``kvtier serve`` between the vLLM instances of a host, or
-``master_address`` / ``node_id`` / ``cluster_token`` for cluster mode.
+``master_address`` / ``node_id`` for cluster mode (the cluster token comes from
+``KVTIER_CLUSTER_TOKEN`` or ``cluster_token_file``, never from this dict).
 
 What it owns: moving whole offload chunks between vLLM's primary CPU tier (the shared region
 ``/dev/shm/vllm_offload_<engine_id>.mmap``, chunk ``c`` at bytes ``[c*stride, (c+1)*stride)``)
