@@ -189,7 +189,7 @@ async fn collect_body(mut body: tonic::body::Body) -> Result<Vec<u8>, Status> {
             if let Ok(data) = frame.into_data() {
                 if out.len() + data.len() > limit {
                     return Err(Status::out_of_range(format!(
-                        "kvtier master: request body over {limit} bytes"
+                        "kvtier master: message length too large: request body over {limit} bytes"
                     )));
                 }
                 out.extend_from_slice(&data);

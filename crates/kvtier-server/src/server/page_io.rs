@@ -142,8 +142,9 @@ fn check_page(
             };
             format!("component {j}: {e}")
         })?;
-        // Issue 26: never commit memory for a client (a hole of a sparse memfd).
-        if !mapping.backed(r.offset, r.len) {
+        // Issue 26: never commit memory for a client (a hole of a sparse memfd). A revoked
+        // region (its memfd truncated) fails in the copy, which names the revocation.
+        if !mapping.revoked() && !mapping.backed(r.offset, r.len) {
             return Err(format!(
                 "component {j}: bytes {}+{} of region {} ({:?}) have no memory behind them \
                  (a hole of a sparse memfd, or swapped out): write or pre-fault the buffer \
