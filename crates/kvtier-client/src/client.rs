@@ -181,6 +181,12 @@ impl Client {
         // SAFETY: forwarded contract, see the function docs.
         let id = unsafe { self.regions.register(ptr, len, label) }?;
         if let Stores::Server(remote) = &self.store {
+            // Issue 26: the server copies only into and out of memory that exists (it never
+            // allocates a page on a client's behalf), so a sparse memfd is populated here, by
+            // its owner, before the server maps it.
+            // SAFETY: `[ptr, ptr + len)` is this caller's live shared mapping of the memfd
+            // (the function's contract).
+            unsafe { populate_if_sparse(ptr, len, fd) };
             if let Err(e) = remote.register_memfd(id, ptr, len, fd, fd_offset, label) {
                 self.regions.unregister(id);
                 return Err(e);
@@ -510,5 +516,47 @@ impl Client {
             registered_regions: regions.len() as u64,
             registered_bytes: regions.iter().map(|r| r.len as u64).sum(),
         }
+    }
+}
+
+/// Give every page of `[ptr, ptr + len)` memory if the memfd `fd` has holes (`st_blocks`
+/// short of its size): `MADV_POPULATE_WRITE` (Linux 5.14+), else a read of one byte per page
+/// (a read fault allocates a tmpfs page too). Best effort: pages left without memory fail at
+/// the server with a message saying so.
+///
+/// # Safety
+/// `[ptr, ptr + len)` must be a live shared mapping of `fd` in this process.
+unsafe fn populate_if_sparse(ptr: usize, len: usize, fd: std::os::fd::BorrowedFd<'_>) {
+    let Ok(stat) = rustix::fs::fstat(fd) else {
+        return;
+    };
+    let allocated = u64::try_from(stat.st_blocks)
+        .unwrap_or(0)
+        .saturating_mul(512);
+    if allocated >= u64::try_from(stat.st_size).unwrap_or(0) || len == 0 {
+        return;
+    }
+    let page = rustix::param::page_size();
+    let start = ptr - ptr % page;
+    let end = ptr.saturating_add(len);
+    // SAFETY: the range (rounded out to whole pages, which belong to the same mapping since
+    // mappings are page granular) is the caller's live mapping; populating does not change
+    // its contents.
+    let advised = unsafe {
+        rustix::mm::madvise(
+            start as *mut std::ffi::c_void,
+            end - start,
+            rustix::mm::Advice::LinuxPopulateWrite,
+        )
+    };
+    if advised.is_ok() {
+        return;
+    }
+    let mut at = start.max(ptr);
+    while at < end {
+        // SAFETY: `at` lies inside the caller's live mapping; a volatile read of one byte
+        // changes nothing and faults the page in.
+        unsafe { std::ptr::read_volatile(at as *const u8) };
+        at = (at - at % page) + page;
     }
 }

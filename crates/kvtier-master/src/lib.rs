@@ -51,10 +51,11 @@
 //!
 //! [`directory`] (split by owned state: entries and claims, the node registry, re-replication,
 //! and `check_invariants`), [`service`] (the RPC handlers and the process), [`auth`],
-//! [`election`], [`limits`] (every bound, cross-checked at compile time) and
+//! [`election`], [`admission`] (connection caps and deadlines of the RPC port), [`limits`] (every bound, cross-checked at compile time) and
 //! [`MasterConfig::validate`]. The generated stubs are the `kvtier-rpc` crate, re-exported as
 //! [`rpc`]: clients depend on that crate, not on this one.
 
+pub mod admission;
 pub mod auth;
 pub mod directory;
 pub mod election;

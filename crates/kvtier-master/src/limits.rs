@@ -59,6 +59,47 @@ pub const MAX_RPCS_IN_FLIGHT: usize = 256;
 /// RPCs running at once on one connection (tonic's per-connection limit; more wait).
 pub const MAX_RPCS_PER_CONNECTION: usize = 32;
 
+/// RPCs kept for node liveness (`Heartbeat`, `RegisterNode`, `AddNodeKeys`, `LeaveNode`)
+/// on top of [`MAX_RPCS_IN_FLIGHT`]: when the shared slots are taken, these still run, so a
+/// busy master never drops live nodes for missed heartbeats.
+pub const RESERVED_NODE_RPCS: usize = 64;
+/// How long a request's body may take to arrive in full. The admission slot is taken only
+/// once it has (a stream whose body never comes holds nothing), and a body later than this
+/// is answered `DEADLINE_EXCEEDED`.
+pub const BODY_DEADLINE: Duration = Duration::from_secs(10);
+/// HTTP/2 streams one connection may have open at once (the RPCs beyond
+/// [`MAX_RPCS_PER_CONNECTION`] wait for one of them).
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 64;
+/// Largest HTTP/2 header list accepted (a credential header is about 150 bytes).
+pub const MAX_HEADER_LIST_BYTES: u32 = 16 << 10;
+/// HTTP/2 keepalive: a ping every this long on an idle connection ...
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
+/// ... answered within this, or the connection is closed (a dead peer's slot is freed).
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+
+// --- connections (crate::admission) --------------------------------------------------------
+
+/// Open connections in all (lowered to fit `RLIMIT_NOFILE`).
+pub const MAX_CONNECTIONS: usize = 4096;
+/// Open connections from one source address.
+pub const MAX_CONNECTIONS_PER_SOURCE: usize = 512;
+/// Connections that have not yet carried an authenticated RPC, in all; a new one past this
+/// cuts the oldest.
+pub const MAX_PENDING: usize = 256;
+/// Unauthenticated connections from one source address; more are refused at accept.
+pub const MAX_PENDING_PER_SOURCE: usize = 64;
+/// A connection must carry an authenticated RPC within this of its accept, or it is cut
+/// (however slowly it trickles its preface or headers).
+pub const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(5);
+/// A member connection with no RPC running for this long is cut (clients reconnect).
+pub const MEMBER_IDLE: Duration = Duration::from_secs(300);
+/// Descriptors one connection holds (the socket and the registry's duplicate, to cut it).
+pub const DESCRIPTORS_PER_CONNECTION: usize = 2;
+/// Descriptors kept for everything else (listener, etcd, metrics endpoint, stdio).
+pub const RESERVED_DESCRIPTORS: usize = 64;
+/// How long the accept loop pauses when no descriptor is left.
+pub const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
 // --- cross-checks --------------------------------------------------------------------------
 
 // The wanted factor is stored in one byte of an entry, and every entry has a holder.
@@ -74,6 +115,22 @@ const _: () = assert!(MAX_REPAIR_TASKS_PER_SOURCE <= MAX_REPAIR_TASKS);
 const _: () = assert!(MAX_REPAIR_DEFERRED_PER_TICK <= MAX_REPAIR_SCAN_PER_TICK);
 // One connection cannot take every RPC slot of the master.
 const _: () = assert!(MAX_RPCS_PER_CONNECTION < MAX_RPCS_IN_FLIGHT);
+// Pending connections are a part of the open ones, per source as in all.
+const _: () = assert!(MAX_PENDING < MAX_CONNECTIONS);
+const _: () = assert!(MAX_PENDING_PER_SOURCE < MAX_PENDING);
+const _: () = assert!(MAX_CONNECTIONS_PER_SOURCE < MAX_CONNECTIONS);
+// A connection's streams cover its RPC slots (the rest wait), and the streams of every
+// connection a source may open cannot take the reserved node slots from other sources.
+const _: () = assert!(MAX_STREAMS_PER_CONNECTION as usize >= MAX_RPCS_PER_CONNECTION);
+// Unauthenticated connections are cut long before a member's idle ones.
+const _: () = assert!(HANDSHAKE_DEADLINE.as_millis() < MEMBER_IDLE.as_millis());
+// A keepalive ping is answered before the next one is due.
+const _: () = assert!(KEEPALIVE_TIMEOUT.as_millis() < KEEPALIVE_INTERVAL.as_millis());
+// A node's heartbeat (every lease / 3) never waits for a body deadline longer than a
+// freshly proven credential stays fresh.
+const _: () = assert!(BODY_DEADLINE.as_millis() < FRESHNESS_WINDOW.as_millis());
+// The reserved node slots are a fraction of the shared ones.
+const _: () = assert!(RESERVED_NODE_RPCS <= MAX_RPCS_IN_FLIGHT);
 // A full call of keys up to 128 bytes each on the wire (SGLang's page keys take about 74)
 // fits in one message; callers with longer keys also split by bytes (a node's registration).
 const _: () = assert!(MAX_KEYS_PER_CALL * 128 <= MAX_RPC_MESSAGE_BYTES);

@@ -23,12 +23,17 @@ use parking_lot::Mutex;
 use kvtier_proto::{Decode, Encode, ExistsV2Query};
 use tonic::{Request, Response, Status};
 
+use crate::admission::{Admission, Caps};
 use crate::auth::{Authenticated, RpcAuthenticator, MAX_RPCS_PER_CONNECTION};
 use crate::directory::{
     Claim, Directory, NodeSpec, NodeState, PlaceRequest, ReplicationPolicy,
     MAX_REPAIR_TASKS_PER_HEARTBEAT,
 };
 use crate::election::{campaign, ElectionConfig, Leadership};
+use crate::limits::{
+    HANDSHAKE_DEADLINE, KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT, MAX_HEADER_LIST_BYTES,
+    MAX_STREAMS_PER_CONNECTION,
+};
 use crate::rpc::master_server::{Master, MasterServer};
 use crate::rpc::*;
 
@@ -703,18 +708,23 @@ pub async fn run(
     let resigning = Arc::clone(&leadership);
     let authenticator = Arc::new(RpcAuthenticator::new(config.token.clone()));
     let service = MasterService::new(config, directory, leadership);
-    // Accepted sockets do not get the builder's TCP_NODELAY: without it a reply written in
-    // several pieces (a batch of more than about 32 keys) waits on Nagle and the client's
-    // delayed ACK, 40 ms per call.
-    let incoming = tokio_stream::StreamExt::map(
-        tokio_stream::wrappers::TcpListenerStream::new(listener),
-        |stream| {
-            if let Ok(s) = &stream {
-                let _ = s.set_nodelay(true);
-            }
-            stream
-        },
+    // Issue 26: our own accept loop (connection caps per source and in all, a deadline to
+    // authenticate, idle members cut) sized from the descriptor limit, raised first.
+    let descriptors = crate::admission::raise_descriptor_limit();
+    let admission = Admission::new(Caps::for_descriptors(descriptors));
+    let caps = admission.caps();
+    tracing::info!(
+        "kvtier master: descriptor limit {}: at most {} connections ({} per source), {} \
+         unauthenticated ({} per source, {} s to authenticate)",
+        descriptors.map_or_else(|| "unknown".to_string(), |d| d.to_string()),
+        caps.connections,
+        caps.per_source,
+        caps.pending,
+        caps.pending_per_source,
+        HANDSHAKE_DEADLINE.as_secs()
     );
+    let refusals = Arc::clone(&admission.refusals);
+    let (incoming, reaper) = crate::admission::incoming(listener, admission);
     // Issue 27: the server's own shutdown starts only once leadership is resigned, and its
     // graceful part (running RPCs finish, connections close) is bounded: an open connection
     // (a metrics scraper's, a node's stream) must not keep a stopped master alive, nor keep
@@ -722,10 +732,17 @@ pub async fn run(
     let (begin_stop, stop_begun) = tokio::sync::oneshot::channel::<()>();
     let serve = tonic::transport::Server::builder()
         .concurrency_limit_per_connection(MAX_RPCS_PER_CONNECTION)
-        .add_service(Authenticated::new(
-            MasterServer::new(service).max_decoding_message_size(MAX_RPC_MESSAGE_BYTES),
-            authenticator,
-        ))
+        .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
+        .http2_max_header_list_size(MAX_HEADER_LIST_BYTES)
+        .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+        .add_service(
+            Authenticated::new(
+                MasterServer::new(service).max_decoding_message_size(MAX_RPC_MESSAGE_BYTES),
+                authenticator,
+            )
+            .with_refusal_log(refusals),
+        )
         .serve_with_incoming_shutdown(incoming, async {
             let _ = stop_begun.await;
         });
@@ -753,6 +770,7 @@ pub async fn run(
             }
         }
     };
+    reaper.abort();
     sweeper.abort();
     if let Some(e) = election {
         e.abort();

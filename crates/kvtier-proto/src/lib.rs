@@ -19,6 +19,7 @@
 //! - [`opcode`]: what a frame asks for.
 //! - [`limits`]: the limits every encoder and decoder enforces.
 //! - [`error`]: [`ProtoError`], the one error type.
+//! - [`refusals`]: rate-limited, aggregated logs of refused connections (issue 26).
 //!
 //! Nothing here panics on peer input or uses `unsafe`.
 
@@ -38,6 +39,8 @@ pub mod peer;
 /// Issue 17: control bodies of the UCX data plane.
 pub mod peer_ucx;
 pub mod query;
+/// Issue 26: rate-limited, aggregated refusal logs.
+pub mod refusals;
 pub mod server;
 
 pub use codec::{Decode, Encode, Reader};

@@ -27,6 +27,7 @@ Server keys (--config file top level, or KVTIER_SERVE_<KEY>), with defaults:
   max_regions_per_client       4096 (1..=1048576)
   max_mapped_bytes_per_client  half of physical memory (reserved before mapping)
   max_mapped_bytes_total       physical memory (all sessions together)
+  max_mapped_bytes_per_uid     half of physical memory (all sessions of one uid)
   prefault_regions             true (sparse memfds are never pre-faulted)
   tenant_dram_quota            none, e.g. a=8GiB,b=2GiB
   tenant_ssd_quota             none, e.g. a=64GiB (tenants with a DRAM partition)

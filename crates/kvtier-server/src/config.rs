@@ -75,6 +75,10 @@ pub struct ServerSettings {
     /// Most open connections of one peer uid (`SO_PEERCRED`), all its processes together.
     #[serde(deserialize_with = "strict::count")]
     pub max_connections_per_uid: u64,
+    /// Issue 26: most bytes all sessions of one peer uid together may have mapped (default:
+    /// half of the host's physical memory).
+    #[serde(deserialize_with = "strict::size")]
+    pub max_mapped_bytes_per_uid: u64,
     /// A connection that has not completed its handshake and opened (or joined) a session
     /// within this many milliseconds is closed.
     #[serde(deserialize_with = "strict::count")]
@@ -119,6 +123,7 @@ impl Default for ServerSettings {
             max_mapped_bytes_per_client: physical_memory() / 2,
             max_mapped_bytes_total: physical_memory(),
             max_connections_per_uid: 256,
+            max_mapped_bytes_per_uid: physical_memory() / 2,
             handshake_timeout_ms: 10_000,
             prefault_regions: true,
             tenant_dram_quota: BTreeMap::new(),
@@ -539,6 +544,10 @@ impl ServerConfig {
                 settings.max_mapped_bytes_per_client,
             ),
             ("max_mapped_bytes_total", settings.max_mapped_bytes_total),
+            (
+                "max_mapped_bytes_per_uid",
+                settings.max_mapped_bytes_per_uid,
+            ),
             ("handshake_timeout_ms", settings.handshake_timeout_ms),
         ] {
             if value == 0 {

@@ -7,6 +7,32 @@ pub use crate::peer::{HELLO_TIMEOUT, MAX_CONNECTIONS, MAX_UNAUTHENTICATED};
 use kvtier_master::limits::{MAX_KEYS_PER_CALL, MAX_RPC_MESSAGE_BYTES};
 use kvtier_proto::limits::{MAX_KEYS_PER_BATCH, MAX_KEY_LEN};
 
+// --- the local socket's per-uid caps (issue 26 §3; `server::ledger`) ----------------------
+
+/// Descriptors one local connection holds: its socket, the writer's clone, the registry's
+/// clone (for shutdown), and one more a read may bring beyond its slot (closed at once; the
+/// kernel rounds the control buffer up). Its slot for a passed descriptor is counted with
+/// the passed ones.
+pub const DESCRIPTORS_PER_CONNECTION: u64 = 4;
+/// Most descriptors queued on one connection ahead of their `RegisterRegion` frames.
+pub const MAX_QUEUED_FDS: u64 = 8;
+/// Descriptors kept for the stores (SSD segment files), the listener, the metrics endpoint
+/// and stdio, besides the third of the limit left to the cluster data port.
+pub const RESERVED_DESCRIPTORS: u64 = 128;
+/// One uid may hold at most 1/this of the connections and of the passed descriptors.
+pub const PER_UID_DIVISOR: u64 = 4;
+/// 1/this of each total is kept for operators (the server's uid, root, `operator_uids`).
+pub const OPERATOR_RESERVE_DIVISOR: u64 = 4;
+
+// Connections a uid may hold leave others their share, and the operators' reserve is not
+// all of the total.
+const _: () = assert!(PER_UID_DIVISOR >= 2 && OPERATOR_RESERVE_DIVISOR >= 2);
+// The data port's caps are a third of the descriptor limit (peer::connection_caps), the
+// local socket's what remains after the reserve.
+const _: () = assert!(MAX_CONNECTIONS as u64 * 3 <= 1 << 20);
+// A connection's queue fits what one uid may pass at the smallest limit the caps allow.
+const _: () = assert!(MAX_QUEUED_FDS >= 1);
+
 /// Most key bytes one registration call to the master carries (the node splits by count and
 /// by bytes).
 pub const NODE_KEY_BYTES_PER_CALL: usize = crate::node::KEY_BYTES_PER_CALL;

@@ -4,7 +4,9 @@
 //! - Authentication: a mutual challenge-response over the cluster token
 //!   ([`kvtier_proto::peer`]): the node proves the token on the client's nonce and its own data
 //!   address, then the client proves it on both nonces. Anything else is answered
-//!   `UNAUTHORIZED`, logged with the peer's address, and the connection is closed; nothing is
+//!   `UNAUTHORIZED`, logged with the peer's address (rate-limited: the first of a quiet
+//!   period in full, then one summary line per interval by reason and source; issue 26),
+//!   and the connection is closed; nothing is
 //!   served before, and the token never crosses the wire.
 //! - Resources: a connection must finish the handshake within [`HELLO_TIMEOUT`] (a reaper
 //!   thread cuts it otherwise, however slowly it trickles bytes); at most
@@ -366,12 +368,12 @@ fn note_outside_namespace(shared: &PortShared, peer: &str, refusal: &OutsideClus
     log.last = Some(now);
     drop(log);
     if quiet > 0 {
-        eprintln!(
+        tracing::warn!(
             "kvtier serve: data port refused {peer}: {refusal} ({quiet} more such refusals \
              since the last line)"
         );
     } else {
-        eprintln!("kvtier serve: data port refused {peer}: {refusal}");
+        tracing::warn!("kvtier serve: data port refused {peer}: {refusal}");
     }
 }
 
@@ -507,7 +509,7 @@ fn accept_loop(shared: &Arc<PortShared>, listener: TcpListener) {
             Ok((stream, _)) => stream,
             Err(e) if out_of_descriptors(&e) => {
                 if last_fd_warning.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
-                    eprintln!(
+                    tracing::warn!(
                         "kvtier serve: data port cannot accept ({e}); pausing accepts until \
                          connections close"
                     );
@@ -636,6 +638,15 @@ fn proto_io(e: ProtoError) -> io::Error {
     }
 }
 
+/// The data port's refusal log (one per process: every data port of it writes one stream).
+fn refusal_log() -> &'static Arc<kvtier_proto::refusals::RefusalLog> {
+    static LOG: std::sync::OnceLock<Arc<kvtier_proto::refusals::RefusalLog>> =
+        std::sync::OnceLock::new();
+    LOG.get_or_init(|| {
+        kvtier_proto::refusals::RefusalLog::new("kvtier serve: data port", "handshake")
+    })
+}
+
 /// Why a handshake failed (logged, counted, answered `UNAUTHORIZED`).
 fn refuse_handshake(
     shared: &PortShared,
@@ -649,7 +660,16 @@ fn refuse_handshake(
         .refused_unauthorized
         .fetch_add(1, Ordering::Relaxed);
     count_refused("unauthorized");
-    eprintln!("kvtier serve: data port refused {peer}: {why}");
+    // Issue 26: rate-limited and aggregated by reason and source address (one script's bad
+    // handshakes once wrote 28 GiB of log a day); the counters above stay exact.
+    let source = peer.rsplit_once(':').map_or(peer, |(host, _)| host);
+    // A fixed reason (the peer names itself in `why`), so the aggregation stays bounded.
+    let reason = if why == "not a hello" {
+        "not a hello"
+    } else {
+        "cluster token not proven"
+    };
+    refusal_log().record(reason, source, why);
     let _ = send_error(
         stream,
         header.opcode,

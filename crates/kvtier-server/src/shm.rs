@@ -21,6 +21,12 @@
 //! truncates one, the server's fault on it revokes the region (its pages then fail) instead of
 //! killing the server; stats report such regions as `sealed: false`.
 //!
+//! Issue 26: the server never commits memory on a client's behalf. A sparse memfd is not
+//! pre-faulted, and each page buffer of a get or put is checked to have memory behind it
+//! ([`Mapping::backed`], `mincore`) before the copy; a buffer over a hole fails its page. A
+//! client punching a hole between that check and the copy makes the server allocate at most
+//! the pages of that one batch, and never more than the bytes its uid may map.
+//!
 //! What the checks cannot cover: the bytes are shared with the client process, which may
 //! write them while the server copies (it then gets torn bytes of its own pages, never another
 //! client's).
@@ -86,6 +92,8 @@ pub struct Mapping {
     data: usize,
     len: usize,
     sealed: bool,
+    /// hugetlbfs memory is reserved at mmap, so touching it commits nothing new.
+    hugetlb: bool,
     /// The SIGBUS guard of an unsealed mapping (dropped before the unmap).
     guard: Option<Guard>,
     label: String,
@@ -200,6 +208,7 @@ impl Mapping {
             data: base + data,
             len,
             sealed,
+            hugetlb,
             guard: None,
             label: label.to_string(),
             region,
@@ -216,6 +225,47 @@ impl Mapping {
 
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// Whether every page of `[offset, offset + len)` of the region (already bounds-checked
+    /// by [`kvtier_client::store::CheckedBuffers::push`]) has memory behind it, so that the
+    /// server's copy into (a get) or out of (a put) it commits nothing. A page of a tmpfs
+    /// memfd that was never written (a hole of a sparse file, or punched) has none: touching
+    /// it would allocate a page charged to the server (issue 26: a get into every slot of a
+    /// 1 GiB sparse memfd grew the server by 1 GiB). `mincore` reports the file's pages in
+    /// memory; a page swapped out also reads as absent (the page then fails: a miss, never a
+    /// wrong byte). hugetlbfs pages are reserved at mmap and always count as backed.
+    pub fn backed(&self, offset: u64, len: u64) -> bool {
+        if self.hugetlb || len == 0 {
+            return true;
+        }
+        let page = rustix::param::page_size();
+        let (Ok(offset), Ok(len)) = (usize::try_from(offset), usize::try_from(len)) else {
+            return false;
+        };
+        let Some(start) = self.data.checked_add(offset) else {
+            return false;
+        };
+        let Some(end) = start.checked_add(len) else {
+            return false;
+        };
+        if end > self.data + self.len {
+            return false;
+        }
+        let mut at = start - start % page;
+        let mut vec = [0u8; 1024];
+        while at < end {
+            let pages = ((end - at).div_ceil(page)).min(vec.len());
+            // SAFETY: `[at, at + pages * page)` lies inside this mapping (`at` is page aligned
+            // at or above `base`, and the last page holds `end - 1`, inside `[data, data +
+            // len)`), which stays mapped while `self` lives; `vec` has room for `pages` bytes.
+            let rc = unsafe { libc::mincore(at as *mut c_void, pages * page, vec.as_mut_ptr()) };
+            if rc != 0 || vec[..pages].iter().any(|v| v & 1 == 0) {
+                return false;
+            }
+            at += pages * page;
+        }
+        true
     }
 
     pub fn is_empty(&self) -> bool {

@@ -13,7 +13,8 @@
 //!   an error reply and the connection stays open. Nothing a client sends can stop the server.
 //! - Until it has a session, every read waits at most until `handshake_timeout_ms` after the
 //!   connection was accepted; pre-handshake bodies are bounded by [`PRE_HANDSHAKE_MAX_BODY`].
-//! - At most [`MAX_QUEUED_FDS`] descriptors wait for their `RegisterRegion` frames; buffers
+//! - At most [`MAX_QUEUED_FDS`] descriptors wait for their `RegisterRegion` frames, none before
+//!   a session, and each within its uid's cap ([`super::ledger`], issue 26); buffers
 //!   larger than [`KEPT_BUFFER_BYTES`] are released after the request that needed them.
 
 use std::collections::VecDeque;
@@ -39,6 +40,7 @@ use kvtier_proto::{
 };
 
 use super::documents::{inspect_document, stats_document};
+use super::ledger::Kind;
 use super::page_io::{page_io, wire_result};
 use super::session::{Opener, Session};
 use super::Shared;
@@ -49,7 +51,7 @@ const PRE_HANDSHAKE_MAX_BODY: u32 = 4 << 10;
 /// ones close the connection.
 const MAX_SKIPPED_BODY: u32 = 1 << 30;
 /// Most descriptors queued on one connection ahead of their `RegisterRegion` frames.
-const MAX_QUEUED_FDS: usize = 8;
+const MAX_QUEUED_FDS: usize = crate::limits::MAX_QUEUED_FDS as usize;
 
 /// Largest frame-body buffer a connection keeps between requests; a larger one (after a big
 /// frame) is released, so idle connections do not hold memory.
@@ -113,13 +115,78 @@ struct FdReader {
     /// Until the connection has a session: when it must have one (`handshake_timeout_ms`).
     /// Every read waits at most until then, so a slow or silent peer is closed in time.
     deadline: Option<Instant>,
+    /// Issue 26: the uid's account of passed descriptors; `None` until a session opens (no
+    /// descriptor is taken before: the kernel drops them).
+    quota: Option<FdQuota>,
+}
+
+/// One connection's share of its uid's passed-descriptor cap ([`super::ledger`]).
+struct FdQuota {
+    shared: Arc<Shared>,
+    uid: u32,
+    operator: bool,
+    /// Whether a slot is held for the next descriptor to arrive (reads offer the kernel room
+    /// for descriptors only then).
+    slot: bool,
+}
+
+impl FdQuota {
+    fn take(&self) -> bool {
+        self.shared
+            .ledger
+            .take(self.uid, self.operator, Kind::PassedFds, 1)
+            .is_ok()
+    }
+
+    fn give(&self, n: usize) {
+        if n > 0 {
+            self.shared
+                .ledger
+                .give(self.uid, self.operator, Kind::PassedFds, n as u64);
+        }
+    }
+}
+
+impl FdReader {
+    /// Hold a slot for the next descriptor if the queue and the uid's caps have room.
+    fn refill(&mut self) {
+        let queued = self.fds.len();
+        if let Some(q) = &mut self.quota {
+            if !q.slot && queued < MAX_QUEUED_FDS && q.take() {
+                q.slot = true;
+            }
+        }
+    }
+
+    /// A descriptor taken off the queue was consumed (closed): its share goes back.
+    fn consumed(&mut self) {
+        if let Some(q) = &self.quota {
+            q.give(1);
+        }
+        self.refill();
+    }
+}
+
+impl Drop for FdReader {
+    fn drop(&mut self) {
+        if let Some(q) = &self.quota {
+            q.give(self.fds.len() + usize::from(q.slot));
+        }
+    }
 }
 
 impl Read for FdReader {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         use rustix::net::{recvmsg, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
-        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
-        let mut control = RecvAncillaryBuffer::new(&mut space);
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        // Room for a descriptor only while a slot is held for it: otherwise the kernel drops
+        // what comes (MSG_CTRUNC) and nothing enters this process's table.
+        let room = if self.quota.as_ref().is_some_and(|q| q.slot) {
+            space.len()
+        } else {
+            0
+        };
+        let mut control = RecvAncillaryBuffer::new(&mut space[..room]);
         let mut iov = [IoSliceMut::new(buf)];
         if let Some(deadline) = self.deadline {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -146,15 +213,35 @@ impl Read for FdReader {
         if got.flags.contains(rustix::net::ReturnFlags::CTRUNC) {
             self.truncated_fds = true;
         }
+        let mut arrived = Vec::new();
         for message in control.drain() {
             if let RecvAncillaryMessage::ScmRights(fds) = message {
-                for fd in fds {
-                    if self.fds.len() < MAX_QUEUED_FDS {
-                        self.fds.push_back(fd);
-                    }
-                }
+                arrived.extend(fds);
             }
         }
+        for fd in arrived {
+            // The slot pays for the first; one more (the kernel's rounding) only if the caps
+            // give it a slot now, else it is closed here.
+            let paid = match &mut self.quota {
+                Some(q) if q.slot => {
+                    q.slot = false;
+                    true
+                }
+                Some(q) => q.take(),
+                None => false,
+            };
+            if paid && self.fds.len() < MAX_QUEUED_FDS {
+                self.fds.push_back(fd);
+            } else {
+                if paid {
+                    if let Some(q) = &self.quota {
+                        q.give(1);
+                    }
+                }
+                self.truncated_fds = true;
+            }
+        }
+        self.refill();
         Ok(got.bytes)
     }
 }
@@ -196,6 +283,7 @@ impl<'a> Connection<'a> {
                     Instant::now()
                         + Duration::from_millis(shared.config.settings.handshake_timeout_ms),
                 ),
+                quota: None,
             },
             writer,
             peer_pid,
@@ -459,6 +547,10 @@ impl<'a> Connection<'a> {
                     if let Some(list) = doc["sessions"].as_array_mut() {
                         list.retain(|s| own.as_deref().is_some_and(|t| s["tenant"] == t));
                     }
+                    // Which uids use the server is an operator's to see.
+                    if let Some(server) = doc["server"].as_object_mut() {
+                        server.remove("uids");
+                    }
                 }
                 encode(&TextReply {
                     text: doc.to_string(),
@@ -648,6 +740,14 @@ impl<'a> Connection<'a> {
             token: session.token,
         };
         self.session = Some(session);
+        // Descriptors may come from now on, within the uid's caps.
+        self.reader.quota = Some(FdQuota {
+            shared: Arc::clone(self.shared),
+            uid: self.peer_uid,
+            operator: self.shared.config.is_operator(self.peer_uid),
+            slot: false,
+        });
+        self.reader.refill();
         // A connection with a session may idle (a client's keeper connection does).
         self.reader.deadline = None;
         let _ = self.reader.stream.set_read_timeout(None);
@@ -656,6 +756,9 @@ impl<'a> Connection<'a> {
 
     fn register_region(&mut self, request: RegisterRegion) -> Result<Vec<u8>, Refusal> {
         let fd = self.reader.fds.pop_front();
+        if fd.is_some() && self.session.is_none() {
+            self.reader.consumed();
+        }
         let session = self.session()?.clone();
         let Some(fd) = fd else {
             let why = if self.reader.truncated_fds {
@@ -665,8 +768,10 @@ impl<'a> Connection<'a> {
             };
             return Err(Refusal::new(error_code::REGISTRATION, why));
         };
-        let region = session.map_region(self.shared, fd, &request)?;
-        encode(&RegionGrant { region })
+        let region = session.map_region(self.shared, fd, &request);
+        // The descriptor is closed by now (mapped or refused): its share goes back.
+        self.reader.consumed();
+        encode(&RegionGrant { region: region? })
     }
 }
 

@@ -213,6 +213,21 @@ pub(super) fn stats_document(shared: &Shared, you: Option<&Session>) -> Value {
         "stores": stores,
         "sessions": list,
     });
+    // Issue 26: the caps in force, what each uid holds (operators only: the Stats handler
+    // removes it for others) and the refusals by reason.
+    let caps = shared.ledger.caps();
+    doc["server"]["limits"] = json!({
+        "descriptor_limit": caps.descriptors,
+        "connections": caps.connections,
+        "connections_per_uid": caps.connections_per_uid,
+        "passed_fds": caps.passed_fds,
+        "passed_fds_per_uid": caps.passed_fds_per_uid,
+        "mapped_bytes": caps.mapped_bytes,
+        "mapped_bytes_per_uid": caps.mapped_bytes_per_uid,
+    });
+    doc["server"]["uids"] = shared.ledger.usage();
+    doc["server"]["refusals"] = json!(shared.ledger.refusals.totals());
+    doc["server"]["refusal_log_lines"] = json!(shared.ledger.refusals.lines());
     // Issue 17: a cluster node names its data plane (UCX or frames, and why).
     if let Some(plane) = shared.data_plane.lock().as_ref() {
         doc["data_plane"] = plane.describe();

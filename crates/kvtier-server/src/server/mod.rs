@@ -25,6 +25,7 @@
 
 mod connection;
 mod documents;
+mod ledger;
 mod page_io;
 mod session;
 mod tenant;
@@ -83,6 +84,9 @@ pub enum ServerError {
     Metrics(#[from] kvtier_client::metrics::MetricsError),
 }
 
+/// Counter of local connections refused at accept, labelled `reason` (the cap's name).
+pub const LOCAL_REFUSED: &str = "kvtier_server_connections_refused_total";
+
 /// Server-wide counters (the `server` object of the stats document).
 #[derive(Default)]
 struct ServerCounters {
@@ -112,14 +116,15 @@ struct Shared {
     live_mappings: Arc<AtomicU64>,
     /// Bytes reserved by every session's mappings (`max_mapped_bytes_total`).
     mapped_total: AtomicU64,
-    /// Open connections per peer uid (`max_connections_per_uid`).
-    connections_per_uid: Mutex<HashMap<u32, u64>>,
     metrics: Option<Arc<Endpoint>>,
     /// Issue 17: the cluster node's data plane, set once the node starts (`stats` "data_plane").
     data_plane: Mutex<Option<DataPlane>>,
     /// Issue 27: (device, inode) of the socket this process bound: the only file at the
     /// path that shutdown removes.
     socket_inode: Option<(u64, u64)>,
+    /// Issue 26: what each peer uid holds (connections, passed descriptors, mapped bytes)
+    /// and the caps on it.
+    ledger: ledger::Ledger,
 }
 
 /// A bound, not yet running server.
@@ -199,6 +204,26 @@ impl Server {
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(config.socket_mode))
             .map_err(socket_err)?;
         let socket_inode = socket_identity(&path);
+        // Issue 26: every cap on what one uid may hold is sized from the descriptor limit,
+        // raised to the hard limit first.
+        let settings = &config.settings;
+        let caps = ledger::Caps::new(
+            ledger::raise_descriptor_limit(),
+            settings.max_connections,
+            settings.max_connections_per_uid,
+            settings.max_mapped_bytes_total,
+            settings.max_mapped_bytes_per_uid,
+        );
+        tracing::info!(
+            "kvtier serve: descriptor limit {}: at most {} connections ({} per uid), {} passed \
+             descriptors ({} per uid); a quarter of each is kept for operators",
+            caps.descriptors
+                .map_or_else(|| "unknown".to_string(), |d| d.to_string()),
+            caps.connections,
+            caps.connections_per_uid,
+            caps.passed_fds,
+            caps.passed_fds_per_uid
+        );
         Ok(Server {
             shared: Arc::new(Shared {
                 config,
@@ -213,10 +238,10 @@ impl Server {
                 started: Instant::now(),
                 live_mappings: Arc::new(AtomicU64::new(0)),
                 mapped_total: AtomicU64::new(0),
-                connections_per_uid: Mutex::new(HashMap::new()),
                 metrics,
                 data_plane: Mutex::new(None),
                 socket_inode,
+                ledger: ledger::Ledger::new(caps),
             }),
             listener,
         })
@@ -383,6 +408,18 @@ fn replace_stale_socket(path: &Path) -> Result<(), ServerError> {
     }
 }
 
+/// Whether an accept error means no descriptor (or kernel memory) is left: the loop must
+/// wait for connections to close rather than spin.
+fn out_of_descriptors(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(code) if code == rustix::io::Errno::MFILE.raw_os_error()
+            || code == rustix::io::Errno::NFILE.raw_os_error()
+            || code == rustix::io::Errno::NOBUFS.raw_os_error()
+            || code == rustix::io::Errno::NOMEM.raw_os_error()
+    )
+}
+
 fn accept_loop(shared: &Arc<Shared>, listener: UnixListener) -> Vec<JoinHandle<()>> {
     let mut workers: Vec<JoinHandle<()>> = Vec::new();
     for stream in listener.incoming() {
@@ -390,46 +427,39 @@ fn accept_loop(shared: &Arc<Shared>, listener: UnixListener) -> Vec<JoinHandle<(
             break;
         }
         workers.retain(|w| !w.is_finished());
-        let Ok(stream) = stream else { continue };
+        let stream = match stream {
+            Ok(stream) => stream,
+            Err(e) if out_of_descriptors(&e) => {
+                shared
+                    .ledger
+                    .refusals
+                    .record("out of descriptors", "accept", &e.to_string());
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+            Err(_) => continue,
+        };
         shared
             .counters
             .connections_total
             .fetch_add(1, Ordering::Relaxed);
-        if shared.open_conns.load(Ordering::SeqCst) as u64 >= shared.config.settings.max_connections
-        {
-            refuse(shared, stream, "too many connections");
-            continue;
-        }
         let uid = rustix::net::sockopt::socket_peercred(&stream)
             .map(|c| c.uid.as_raw())
             .ok();
         let Some(uid) = uid else { continue };
-        let admitted = {
-            let mut per_uid = shared.connections_per_uid.lock();
-            let open = per_uid.entry(uid).or_insert(0);
-            if *open >= shared.config.settings.max_connections_per_uid {
-                false
-            } else {
-                *open += 1;
-                true
-            }
-        };
-        if !admitted {
-            let message = format!(
-                "uid {uid} already has {} connections (max_connections_per_uid)",
-                shared.config.settings.max_connections_per_uid
-            );
-            refuse(shared, stream, &message);
+        let operator = shared.config.is_operator(uid);
+        // Issue 26: per uid, and every other uid's connections leave the operators a reserve.
+        if let Err(refused) = shared
+            .ledger
+            .take(uid, operator, ledger::Kind::Connections, 1)
+        {
+            refuse(shared, stream, uid, refused.reason, &refused.message);
             continue;
         }
         let release_uid = move |shared: &Shared| {
-            let mut per_uid = shared.connections_per_uid.lock();
-            if let Some(open) = per_uid.get_mut(&uid) {
-                *open -= 1;
-                if *open == 0 {
-                    per_uid.remove(&uid);
-                }
-            }
+            shared
+                .ledger
+                .give(uid, operator, ledger::Kind::Connections, 1);
         };
         let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
         if let Ok(clone) = stream.try_clone() {
@@ -462,11 +492,17 @@ fn accept_loop(shared: &Arc<Shared>, listener: UnixListener) -> Vec<JoinHandle<(
 
 /// Count a connection refused before its handshake and tell the peer why (best effort: it
 /// may already be gone); dropping the stream closes it.
-fn refuse(shared: &Shared, mut stream: UnixStream, message: &str) {
+/// Logged through the refusal log: one line, then one summary per interval (issue 26).
+fn refuse(shared: &Shared, mut stream: UnixStream, uid: u32, reason: &str, message: &str) {
     shared
         .counters
         .connections_refused
         .fetch_add(1, Ordering::Relaxed);
+    metrics::counter!(LOCAL_REFUSED, "reason" => reason.to_string()).increment(1);
+    shared
+        .ledger
+        .refusals
+        .record(reason, &format!("uid {uid}"), message);
     let _ = send_error(
         &mut stream,
         Opcode::Handshake,

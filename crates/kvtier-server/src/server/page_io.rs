@@ -6,7 +6,8 @@
 //! tenant's counters.
 //!
 //! Invariants:
-//! - A page with a bad buffer (unknown region, out of bounds) fails alone, named in the
+//! - A page with a bad buffer (unknown region, out of bounds, no memory behind it: issue 26)
+//!   fails alone, named in the
 //!   result; the rest of the batch still runs.
 //! - Every mapping a request uses is held (an `Arc` in the [`CheckedBuffers`]) until the
 //!   store's call returns, so a concurrent unregister or session end cannot unmap it mid-copy.
@@ -141,6 +142,19 @@ fn check_page(
             };
             format!("component {j}: {e}")
         })?;
+        // Issue 26: never commit memory for a client (a hole of a sparse memfd). A revoked
+        // region (its memfd truncated) fails in the copy, which names the revocation.
+        if !mapping.revoked() && !mapping.backed(r.offset, r.len) {
+            return Err(format!(
+                "component {j}: bytes {}+{} of region {} ({:?}) have no memory behind them \
+                 (a hole of a sparse memfd, or swapped out): write or pre-fault the buffer \
+                 first; the server does not allocate memory for a client",
+                r.offset,
+                r.len,
+                r.region,
+                mapping.label()
+            ));
+        }
     }
     Ok(())
 }

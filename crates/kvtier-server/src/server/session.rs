@@ -28,6 +28,7 @@ use kvtier_proto::server::{error_code, RegisterRegion};
 use parking_lot::RwLock;
 
 use super::connection::Refusal;
+use super::ledger::Kind;
 use super::tenant::{TenantMetrics, TenantStore};
 use super::Shared;
 use crate::shm::Mapping;
@@ -168,6 +169,23 @@ impl Session {
                 ),
             ));
         }
+        // Issue 26: all sessions of one uid together, and every other uid's leave the
+        // operators a reserve.
+        let operator = shared.config.is_operator(self.uid);
+        if let Err(refused) = shared
+            .ledger
+            .take(self.uid, operator, Kind::Mapped, request.len)
+        {
+            self.mapped_bytes.fetch_sub(request.len, Ordering::AcqRel);
+            shared.mapped_total.fetch_sub(request.len, Ordering::AcqRel);
+            return Err(Refusal::new(
+                error_code::REGISTRATION,
+                format!(
+                    "mapping {} more bytes refused: {}",
+                    request.len, refused.message
+                ),
+            ));
+        }
         let region = self.next_region.fetch_add(1, Ordering::Relaxed);
         let mapping = Mapping::map(
             fd,
@@ -181,6 +199,9 @@ impl Session {
         .map_err(|e| {
             self.mapped_bytes.fetch_sub(request.len, Ordering::AcqRel);
             shared.mapped_total.fetch_sub(request.len, Ordering::AcqRel);
+            shared
+                .ledger
+                .give(self.uid, operator, Kind::Mapped, request.len);
             Refusal::new(error_code::REGISTRATION, e.to_string())
         })?;
         self.regions.write().insert(region, Arc::new(mapping));
@@ -199,6 +220,8 @@ impl Session {
                 let len = mapping.len() as u64;
                 self.mapped_bytes.fetch_sub(len, Ordering::AcqRel);
                 shared.mapped_total.fetch_sub(len, Ordering::AcqRel);
+                let operator = shared.config.is_operator(self.uid);
+                shared.ledger.give(self.uid, operator, Kind::Mapped, len);
                 Ok(())
             }
             None => Err(Refusal::new(
@@ -223,6 +246,8 @@ impl Session {
                 let bytes: u64 = regions.iter().map(|(_, m)| m.len() as u64).sum();
                 self.mapped_bytes.fetch_sub(bytes, Ordering::AcqRel);
                 shared.mapped_total.fetch_sub(bytes, Ordering::AcqRel);
+                let operator = shared.config.is_operator(self.uid);
+                shared.ledger.give(self.uid, operator, Kind::Mapped, bytes);
             }
         }
     }
