@@ -249,7 +249,9 @@ pub fn serve_main(args: ServeArgs) -> i32 {
     if let Some(node) = &cluster {
         running.set_data_plane(node.data_plane.clone()); // issue 17
     }
+    running.mark_ready(true); // issue 27: /readyz (a node: once registered, see node.rs)
     let signal = signals.forever().next();
+    running.mark_ready(false);
     drop(cluster);
     eprintln!(
         "kvtier serve: signal {}; shutting down (finishing running requests, flushing)",

@@ -22,6 +22,9 @@
 //!   heartbeat.
 //! - When the agent stops (SIGTERM / SIGINT of `kvtier serve`) the node leaves: the master
 //!   drops it at once, as on a lapsed lease, instead of listing its objects until then.
+//! - Readiness (issue 27, `/readyz`): the node is ready while its last registration or
+//!   heartbeat was answered; a failed call (the master gone, unreachable) or a reply that
+//!   no longer knows the node makes it not ready until it registers again.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -31,6 +34,7 @@ use std::time::Duration;
 
 use crate::server::TenantStore;
 use kvtier_client::cluster::master::MasterLink;
+use kvtier_client::metrics::ReadyGate;
 use kvtier_master::rpc::{
     AddNodeKeysRequest, HeartbeatRequest, LeaveNodeRequest, RegisterNodeRequest,
     ReportDroppedRequest,
@@ -55,6 +59,8 @@ pub struct NodeAgentConfig {
 pub struct NodeAgent {
     stop: Arc<AtomicBool>,
     handle: Option<JoinHandle<()>>,
+    /// The node's part of `/readyz`; unregistered when the agent is dropped.
+    _ready: Arc<ReadyGate>,
 }
 
 impl NodeAgent {
@@ -65,6 +71,8 @@ impl NodeAgent {
     ) -> std::io::Result<NodeAgent> {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = Arc::clone(&stop);
+        let ready = ReadyGate::new("the cluster node has not registered with a master yet");
+        let gate = Arc::clone(&ready);
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
@@ -81,13 +89,15 @@ impl NodeAgent {
         let handle = std::thread::Builder::new()
             .name("kvtier-node-agent".into())
             .spawn(move || {
-                runtime.block_on(agent_loop(config, store, held, &copier, flag));
+                runtime.block_on(agent_loop(config, store, held, &copier, flag, &gate));
+                gate.set_not_ready("the cluster node left the cluster");
                 // The copy worker stops (and is joined) here, after the agent.
                 drop(copier);
             })?;
         Ok(NodeAgent {
             stop,
             handle: Some(handle),
+            _ready: ready,
         })
     }
 }
@@ -241,6 +251,7 @@ async fn agent_loop(
     held: Arc<HeldKeys>,
     copier: &Rereplicator,
     stop: Arc<AtomicBool>,
+    ready: &ReadyGate,
 ) {
     // One attempt per call: the loop below does the retrying.
     let link = MasterLink::new(
@@ -283,6 +294,7 @@ async fn agent_loop(
         {
             Ok(r) => r,
             Err(e) => {
+                ready.set_not_ready(&format!("cannot register with the master: {e}"));
                 eprintln!("kvtier serve: cannot register with the master: {e}");
                 if !sleep_unless_stopped(Duration::from_millis(300), &stop).await {
                     return;
@@ -330,6 +342,7 @@ async fn agent_loop(
             link.current_leader().unwrap_or_default()
         );
         registered_once = true;
+        ready.set_ready();
         // Keys stored while the registration was on its way are not in it: register again.
         rounds += 1;
         if rounds < MAX_REREGISTER_ROUNDS {
@@ -358,9 +371,16 @@ async fn agent_loop(
                 })
                 .await
             {
-                Ok(r) if r.known => copier.submit(r.copy_tasks),
-                Ok(_) => break, // register again
+                Ok(r) if r.known => {
+                    ready.set_ready();
+                    copier.submit(r.copy_tasks);
+                }
+                Ok(_) => {
+                    ready.set_not_ready("the master no longer knows this node (registering again)");
+                    break; // register again
+                }
                 Err(e) => {
+                    ready.set_not_ready(&format!("heartbeat to the master failed: {e}"));
                     eprintln!("kvtier serve: heartbeat failed: {e}");
                     continue;
                 }

@@ -110,6 +110,9 @@ struct Shared {
     metrics: Option<Arc<Endpoint>>,
     /// Issue 17: the cluster node's data plane, set once the node starts (`stats` "data_plane").
     data_plane: Mutex<Option<DataPlane>>,
+    /// This server's part of `/readyz` (issue 27): ready once the stores are open and it
+    /// accepts; a cluster node's registration is the node agent's own readiness.
+    ready: Arc<kvmetrics::ReadyGate>,
 }
 
 /// A bound, not yet running server.
@@ -164,7 +167,11 @@ impl Server {
             }
             std::fs::remove_file(&path).map_err(socket_err)?;
         }
-        // Before the stores open, so that they record into the endpoint's registry.
+        // Before the stores open, so that they record into the endpoint's registry (and
+        // `/readyz` says "not ready" while the arena maps and the SSD tier recovers).
+        let ready = kvmetrics::ReadyGate::new(
+            "kvtier serve is opening its stores (mapping the DRAM arena, recovering the SSD tier)",
+        );
         let metrics = match &config.settings.metrics_addr {
             Some(addr) => Some(kvmetrics::serve(addr)?),
             None => None,
@@ -172,6 +179,7 @@ impl Server {
         // The node's own store is embedded here even when the settings name a master: cluster
         // mode is what this process serves to others (data port + node agent), not its store.
         let tenants = Tenants::open(&config)?;
+        ready.set_not_ready("kvtier serve has opened its stores and is not accepting yet");
         let old_umask = rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o177));
         let bound = UnixListener::bind(&path);
         rustix::process::umask(old_umask);
@@ -200,6 +208,7 @@ impl Server {
                 connections_per_uid: Mutex::new(HashMap::new()),
                 metrics,
                 data_plane: Mutex::new(None),
+                ready,
             }),
             listener,
         })
@@ -226,6 +235,15 @@ impl Server {
             .name("kvtier-accept".into())
             .spawn(move || accept_loop(&shared, listener))
             .ok();
+        if accept.is_some() {
+            if self.shared.config.engine.master_addresses().is_empty() {
+                self.shared.ready.set_ready();
+            } else {
+                self.shared
+                    .ready
+                    .set_not_ready("kvtier serve is starting its cluster node");
+            }
+        }
         RunningServer {
             shared: self.shared,
             accept,
@@ -248,6 +266,19 @@ impl RunningServer {
         self.shared.metrics.as_ref().map(|e| e.addr())
     }
 
+    /// Issue 27: this server's part of `/readyz`. `kvtier serve` marks it ready once its
+    /// cluster node runs (from then on the node agent's registration decides) and not ready
+    /// when a signal arrives, before the node leaves the cluster.
+    pub fn mark_ready(&self, ready: bool) {
+        if ready {
+            self.shared.ready.set_ready();
+        } else {
+            self.shared
+                .ready
+                .set_not_ready("kvtier serve is shutting down");
+        }
+    }
+
     /// Issue 17: name the cluster node's data plane in `stats` ("data_plane").
     pub fn set_data_plane(&self, plane: DataPlane) {
         *self.shared.data_plane.lock() = Some(plane);
@@ -262,6 +293,9 @@ impl RunningServer {
     /// shut down for reading, so each thread exits after its current reply), flush every store,
     /// remove the socket. Returns once every connection thread has ended (or `timeout` passed).
     pub fn shutdown(mut self, timeout: Duration) -> Value {
+        self.shared
+            .ready
+            .set_not_ready("kvtier serve is shutting down");
         self.shared.shutting_down.store(true, Ordering::SeqCst);
         // Wake the accept loop.
         let _ = UnixStream::connect(&self.shared.config.socket);
