@@ -358,3 +358,53 @@ fn an_oversized_request_head_is_refused() {
     assert!(reply.starts_with("HTTP/1.1 431"), "{reply:?}");
     assert!(start.elapsed() < Duration::from_secs(2));
 }
+
+/// With etcd, the leader and its follower are both ready (the follower knows the leader); a
+/// master whose etcd does not answer neither leads nor knows a leader, so it is not ready
+/// while it answers /healthz.
+#[test]
+fn masters_are_ready_when_leading_or_following_a_known_leader() {
+    let etcd = common::Etcd::start();
+    let mut masters = Vec::new();
+    let mut endpoints = Vec::new();
+    for _ in 0..2 {
+        let addr = format!("127.0.0.1:{}", free_port("127.0.0.1"));
+        let metrics = format!("127.0.0.1:{}", free_port("127.0.0.1"));
+        masters.push(spawn_master(
+            &addr,
+            1000,
+            &["--etcd", &etcd.endpoint, "--metrics-addr", &metrics],
+        ));
+        endpoints.push(metrics);
+    }
+    for metrics in &endpoints {
+        wait_status(metrics, "/readyz", 200, Duration::from_secs(30));
+    }
+    let leaders: usize = endpoints
+        .iter()
+        .map(|m| {
+            let body = http_get(m, "/metrics").unwrap().1;
+            sample(&body, "kvtier_master_is_leader").unwrap_or(0.0) as usize
+        })
+        .sum();
+    assert_eq!(leaders, 1, "one leader, one ready follower");
+
+    let lonely = format!("127.0.0.1:{}", free_port("127.0.0.1"));
+    let lonely_metrics = format!("127.0.0.1:{}", free_port("127.0.0.1"));
+    let dead_etcd = format!("http://127.0.0.1:{}", free_port("127.0.0.1"));
+    let mut proc = spawn_master(
+        &lonely,
+        1000,
+        &["--etcd", &dead_etcd, "--metrics-addr", &lonely_metrics],
+    );
+    wait_status(&lonely_metrics, "/healthz", 200, Duration::from_secs(20));
+    for _ in 0..10 {
+        if !proc.running() {
+            break; // a master that gives up on etcd is not ready either
+        }
+        if let Some((status, body)) = http_get(&lonely_metrics, "/readyz") {
+            assert_eq!(status, 503, "{body}");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
