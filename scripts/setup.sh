@@ -23,6 +23,9 @@ command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
 # Issue 17: UCX (libucp, loaded at run time by the UCX data plane; ucx_info to inspect it).
 command -v ucx_info >/dev/null 2>&1 || need_apt+=(libucx-dev ucx-utils)
+# Issue 27: Prometheus and promtool (tests/ops_kit.rs checks the dashboard and alert rules
+# against a real one; about 10 s to install).
+command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     log "apt-get install ${need_apt[*]}"

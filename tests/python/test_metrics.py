@@ -97,7 +97,7 @@ def test_embedded_metrics_count_v1_calls_through_the_adapter():
     assert f"kvtier_puts_total{{{store_label}}}" in scrape(addr)
 
 
-@pytest.mark.parametrize("bad", ["9100", "127.0.0.1:70000", "somehost:9100", ""])
+@pytest.mark.parametrize("bad", ["99999", "127.0.0.1:70000", "somehost:9100", ""])
 def test_bad_metrics_addr_names_the_key(bad):
     with pytest.raises(ValueError, match="metrics_addr"):
         KvtierStore(make_storage_config(extra_config=extra(metrics_addr=bad)), {})
@@ -112,3 +112,18 @@ def test_metrics_port_in_use_is_a_clear_error():
             KvtierStore(
                 make_storage_config(extra_config=extra(metrics_addr=f"127.0.0.1:{port}")), {}
             )
+
+
+def test_a_bare_port_is_loopback_with_health_and_readiness():
+    """Issue 26/27: ``metrics_addr = "0"`` (a port alone) listens on 127.0.0.1, and the
+    embedded endpoint answers /healthz and /readyz (ready: the store is open)."""
+    store = KvtierStore(make_storage_config(extra_config=extra(metrics_addr="0")), {})
+    try:
+        addr = store.get_stats()["metrics_addr"]
+        assert addr.startswith("127.0.0.1:") and not addr.endswith(":0"), addr
+        for path, body in (("/healthz", "ok"), ("/readyz", "ready")):
+            with urllib.request.urlopen(f"http://{addr}{path}", timeout=10) as r:
+                assert r.status == 200
+                assert r.read().decode().strip() == body
+    finally:
+        store.close()

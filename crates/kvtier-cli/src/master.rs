@@ -39,6 +39,10 @@ pub struct MasterArgs {
     /// startup): leadership, nodes, directory size, RPC latency.
     #[arg(long, value_name = "HOST:PORT")]
     pub metrics_addr: Option<String>,
+    /// Label the per-node metrics with node ids (they name every node's data address):
+    /// only for an endpoint that strangers cannot reach. Default: cluster totals only.
+    #[arg(long)]
+    pub metrics_node_ids: bool,
 }
 
 pub fn master(args: MasterArgs) -> Result<ExitCode, String> {
@@ -76,8 +80,13 @@ pub fn master(args: MasterArgs) -> Result<ExitCode, String> {
     // Started before the RPC port binds, so an address in use fails the start.
     let _metrics = match &args.metrics_addr {
         Some(addr) => {
-            let m = crate::master_metrics::start(addr, args.listen, token.clone())
-                .map_err(|e| format!("metrics_addr {addr}: {e}"))?;
+            let m = crate::master_metrics::start(
+                addr,
+                args.listen,
+                token.clone(),
+                args.metrics_node_ids,
+            )
+            .map_err(|e| format!("metrics_addr {addr}: {e}"))?;
             tracing::info!("kvtier master: metrics at {}", m.endpoint.url());
             Some(m)
         }

@@ -294,7 +294,8 @@ fn serve_metrics_count_what_clients_do() {
 fn bad_metrics_addr_is_a_config_error_naming_the_key() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("s.sock").display().to_string();
-    for bad in ["9100", "127.0.0.1:70000", "nowhere.invalid:9100"] {
+    // "9100" alone is valid now: a bare port means 127.0.0.1 (issue 26).
+    for bad in ["99999", "127.0.0.1:70000", "nowhere.invalid:9100"] {
         let out = kvtier()
             .args(["serve", "--socket", &socket, "--metrics-addr", bad])
             .output()

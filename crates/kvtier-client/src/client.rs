@@ -49,6 +49,8 @@ pub struct Client {
     meter: StoreMeter,
     /// The endpoint this client's `metrics_addr` asked for.
     endpoint: Option<Arc<Endpoint>>,
+    /// This store's part of `/readyz` (issue 27): not ready while it opens.
+    _ready: Option<Arc<metrics::ReadyGate>>,
 }
 
 impl Client {
@@ -69,6 +71,10 @@ impl Client {
     /// first, so an address in use fails the open. Whenever the process publishes metrics,
     /// this client records into them.
     pub fn open_as(config: KvtierConfig, store: &str) -> Result<Client, ClientError> {
+        let ready = config
+            .metrics_addr
+            .as_ref()
+            .map(|_| metrics::ReadyGate::new("a kvtier store is opening"));
         let endpoint = match &config.metrics_addr {
             Some(addr) => Some(metrics::serve(addr)?),
             None => None,
@@ -85,6 +91,9 @@ impl Client {
             Stores::Server(_) | Stores::Cluster(_) => None,
         };
         let meter = StoreMeter::new(store, engine);
+        if let Some(gate) = &ready {
+            gate.set_ready();
+        }
         Ok(Client {
             config,
             store: backend,
@@ -93,6 +102,7 @@ impl Client {
             rejected_batches: AtomicU64::new(0),
             meter,
             endpoint,
+            _ready: ready,
         })
     }
 

@@ -1349,12 +1349,10 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.metrics_addr.as_deref(), Some("localhost:9101"));
-        for bad in [
-            json!("9100"),
-            json!("127.0.0.1:99999"),
-            json!(9100),
-            json!(""),
-        ] {
+        // Issue 26: a bare port is accepted (the endpoint listens on loopback).
+        let c = load(&[], json!({"metrics_addr": "9100"})).unwrap();
+        assert_eq!(c.metrics_addr.as_deref(), Some("9100"));
+        for bad in [json!("127.0.0.1:99999"), json!(9100), json!("")] {
             let e = load(&[], json!({ "metrics_addr": bad })).unwrap_err();
             assert_eq!(e.key, "metrics_addr", "{bad}");
         }

@@ -5,11 +5,12 @@
 //! - the global [`metrics`] recorder (a `metrics-exporter-prometheus` recorder, installed once
 //!   per process by the first [`serve`]); anything in the process that records through the
 //!   `metrics` macros (`metrics::counter!(...)`) shows up on every kvtier endpoint;
-//! - the endpoints ([`serve`]): a small HTTP/1.1 listener per address, on its own thread, that
-//!   answers `GET /metrics`. It is kvtier's own rather than the exporter's `http-listener`
-//!   (hyper + tokio) because an operator needs the bound address of `HOST:0`, a port in use must
-//!   fail when the store opens (not later in a background task), and tier gauges are refreshed
-//!   from the engines at scrape time, so a scrape is exact;
+//! - the endpoints ([`serve`], in `endpoint.rs`): a small HTTP/1.1 listener per address that
+//!   answers `GET /metrics`, `/healthz` and `/readyz`, with a handler per connection, a
+//!   whole-request deadline and a connection bound. It is kvtier's own rather than the
+//!   exporter's `http-listener` (hyper + tokio) because an operator needs the bound address of
+//!   `HOST:0`, a port in use must fail when the store opens (not later in a background task),
+//!   and tier gauges are refreshed from the engines at scrape time, so a scrape is exact;
 //! - the scrape-time [`Collector`]s (embedded clients, `kvtier serve`), whose samples are summed
 //!   per label set, and [`engine_samples`], the one mapping of [`EngineStats`] to metrics;
 //! - [`ClientMetrics`], the hot-path handles a [`crate::Client`] records into (request latency
@@ -24,15 +25,21 @@
 //! component with a snapshot to publish registers a [`Collector`].
 
 use std::collections::{BTreeMap, HashMap};
-use std::io::{self, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::io;
+use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock, Weak};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use kvtier_engine::EngineStats;
 use metrics::{Counter, Histogram, Label};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use parking_lot::{Mutex, RwLock};
+
+mod endpoint;
+pub use endpoint::{
+    readiness, register_readiness, serve, Endpoint, Readiness, ReadyGate, MAX_CONNECTIONS,
+    REQUEST_DEADLINE, RESPONSE_DEADLINE,
+};
 
 /// Every metric name kvtier publishes.
 pub mod names {
@@ -123,7 +130,13 @@ pub mod names {
     pub const MASTER_OBJECTS: &str = "kvtier_master_objects";
     /// Gauge `{state}`: registered nodes, `alive` (lease current) or `down`.
     pub const MASTER_NODES: &str = "kvtier_master_nodes";
-    /// Gauge `{node}`: capacity / free bytes a node reported.
+    /// Gauge: capacity / free bytes the live nodes reported, summed (the leader only).
+    pub const MASTER_CLUSTER_CAPACITY_BYTES: &str = "kvtier_master_cluster_capacity_bytes";
+    pub const MASTER_CLUSTER_FREE_BYTES: &str = "kvtier_master_cluster_free_bytes";
+    /// Gauge: the lowest free / capacity ratio among the live nodes (the leader only).
+    pub const MASTER_NODE_FREE_RATIO_MIN: &str = "kvtier_master_node_free_ratio_min";
+    /// Gauge `{node}`: capacity / free bytes a node reported; published only with
+    /// `kvtier master --metrics-node-ids` (node ids name data addresses).
     pub const MASTER_NODE_CAPACITY_BYTES: &str = "kvtier_master_node_capacity_bytes";
     pub const MASTER_NODE_FREE_BYTES: &str = "kvtier_master_node_free_bytes";
     /// Histogram `{rpc}`: latency of one master RPC as its handler saw it.
@@ -153,10 +166,6 @@ const DURATION_BUCKETS: [f64; 19] = [
 ];
 /// Most distinct `pool` label values one process publishes; later ones count as `other`.
 const MAX_POOL_LABELS: usize = 64;
-/// Largest HTTP request head the endpoint reads.
-const MAX_REQUEST_HEAD: usize = 8 << 10;
-/// How long one scrape connection may take to send its request.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Errors setting up metrics.
 #[derive(Debug, thiserror::Error)]
@@ -175,13 +184,21 @@ pub enum MetricsError {
     RecorderTaken,
 }
 
-/// Parse a `HOST:PORT` metrics address: an IP address and a port (`127.0.0.1:9100`,
-/// `[::1]:9100`, `0.0.0.0:0`) or `localhost:PORT`. Host names are not resolved (no DNS
-/// lookup at startup).
+/// Parse a metrics address: an IP address and a port (`127.0.0.1:9100`, `[::1]:9100`,
+/// `0.0.0.0:0`), `localhost:PORT`, or a bare port (`9100`, `:9100`), which means loopback
+/// (`127.0.0.1`): the endpoint listens beyond this host only where the operator names an
+/// interface. Host names are not resolved (no DNS lookup at startup).
 pub fn parse_addr(text: &str) -> Result<SocketAddr, String> {
     let t = text.trim();
     if let Ok(addr) = t.parse::<SocketAddr>() {
         return Ok(addr);
+    }
+    let bare = t.strip_prefix(':').unwrap_or(t);
+    if !bare.is_empty() && bare.bytes().all(|b| b.is_ascii_digit()) {
+        let port: u16 = bare
+            .parse()
+            .map_err(|_| format!("{t:?}: the port must be a number from 0 to 65535"))?;
+        return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
     }
     let (host, port) = t
         .rsplit_once(':')
@@ -378,109 +395,6 @@ pub fn render() -> Result<String, MetricsError> {
     Ok(g.handle.render())
 }
 
-/// A running `/metrics` listener.
-#[derive(Debug)]
-pub struct Endpoint {
-    addr: SocketAddr,
-}
-
-impl Endpoint {
-    /// The address it listens on (the real port when `:0` was asked for).
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-
-    /// `http://ADDR/metrics`.
-    pub fn url(&self) -> String {
-        format!("http://{}/metrics", self.addr)
-    }
-}
-
-/// Serve `/metrics` on `addr` (`HOST:PORT`; port 0 picks a free one) for the rest of the
-/// process. Asking again for an address already served returns the same endpoint; the first
-/// call installs the process's metrics recorder.
-pub fn serve(addr: &str) -> Result<Arc<Endpoint>, MetricsError> {
-    let sock = parse_addr(addr).map_err(|reason| MetricsError::InvalidAddr {
-        addr: addr.to_string(),
-        reason,
-    })?;
-    let g = global()?;
-    let mut endpoints = g.endpoints.lock();
-    if sock.port() != 0 {
-        if let Some(e) = endpoints.get(addr) {
-            return Ok(Arc::clone(e));
-        }
-    }
-    let bind_err = |source| MetricsError::Bind {
-        addr: addr.to_string(),
-        source,
-    };
-    let listener = TcpListener::bind(sock).map_err(bind_err)?;
-    let local = listener.local_addr().map_err(bind_err)?;
-    std::thread::Builder::new()
-        .name("kvtier-metrics".into())
-        .spawn(move || {
-            for stream in listener.incoming().flatten() {
-                if let Err(e) = answer(stream) {
-                    tracing::debug!(error = %e, "kvtier metrics: scrape connection failed");
-                }
-            }
-        })
-        .map_err(bind_err)?;
-    let endpoint = Arc::new(Endpoint { addr: local });
-    endpoints.insert(addr.to_string(), Arc::clone(&endpoint));
-    if sock.port() == 0 {
-        endpoints.insert(local.to_string(), Arc::clone(&endpoint));
-    }
-    Ok(endpoint)
-}
-
-/// Answer one HTTP/1.x request and close the connection.
-fn answer(mut stream: TcpStream) -> io::Result<()> {
-    stream.set_read_timeout(Some(REQUEST_TIMEOUT))?;
-    stream.set_write_timeout(Some(REQUEST_TIMEOUT))?;
-    let mut head = Vec::with_capacity(1024);
-    let mut buf = [0u8; 1024];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < MAX_REQUEST_HEAD {
-        let n = stream.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        head.extend_from_slice(&buf[..n]);
-    }
-    let line = head.split(|&b| b == b'\r').next().unwrap_or_default();
-    let line = String::from_utf8_lossy(line);
-    let mut parts = line.split_whitespace();
-    let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    let path = target.split('?').next().unwrap_or("");
-    let (status, content_type, body) = match (method, path) {
-        ("GET" | "HEAD", "/metrics") => match render() {
-            Ok(text) => ("200 OK", "text/plain; version=0.0.4; charset=utf-8", text),
-            Err(e) => ("500 Internal Server Error", "text/plain", format!("{e}\n")),
-        },
-        ("GET" | "HEAD", _) => (
-            "404 Not Found",
-            "text/plain",
-            "kvtier serves /metrics only\n".to_string(),
-        ),
-        _ => (
-            "405 Method Not Allowed",
-            "text/plain",
-            "GET /metrics\n".to_string(),
-        ),
-    };
-    let mut out = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    )
-    .into_bytes();
-    if method != "HEAD" {
-        out.extend_from_slice(body.as_bytes());
-    }
-    stream.write_all(&out)?;
-    stream.flush()
-}
-
 /// Store operations timed by [`names::REQUEST_DURATION`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Op {
@@ -669,13 +583,21 @@ mod tests {
         );
         assert_eq!(parse_addr("[::1]:0").unwrap().port(), 0);
         assert_eq!(parse_addr("localhost:9100").unwrap().port(), 9100);
+        // A bare port is loopback, never every interface.
+        for port_only in ["9100", ":9100", " 9100 "] {
+            assert_eq!(
+                parse_addr(port_only).unwrap(),
+                "127.0.0.1:9100".parse().unwrap()
+            );
+        }
         for bad in [
             "",
-            "9100",
             "127.0.0.1",
             "127.0.0.1:65536",
             "127.0.0.1:x",
-            ":9100",
+            "99999",
+            ":",
+            "host:9100",
         ] {
             assert!(parse_addr(bad).is_err(), "{bad:?}");
         }

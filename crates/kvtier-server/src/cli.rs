@@ -373,7 +373,9 @@ pub fn serve_main(args: ServeArgs) -> i32 {
     if let Some(node) = &cluster {
         running.set_data_plane(node.data_plane.clone()); // issue 17
     }
+    running.mark_ready(true); // issue 27: /readyz (a node: once registered, see node.rs)
     let (signal, fatal) = wait_for_stop(signals, cluster.as_ref());
+    running.mark_ready(false);
     drop(cluster);
     match &fatal {
         Some(e) => eprintln!("kvtier serve: {e}; shutting down"),

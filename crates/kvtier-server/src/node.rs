@@ -26,6 +26,9 @@
 //!   the agent stops and [`NodeAgent::fatal_error`] says why (`kvtier serve` exits 1). Other
 //!   failures (name not resolved, connection refused, timeouts, no leader) are retried with
 //!   exponential back-off (300 ms doubling to 10 s), each logged with what failed.
+//! - Readiness (issue 27, `/readyz`): the node is ready while its last registration or
+//!   heartbeat was answered; a failed call (the master gone, unreachable) or a reply that
+//!   no longer knows the node makes it not ready until it registers again.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -35,6 +38,7 @@ use std::time::Duration;
 
 use crate::server::TenantStore;
 use kvtier_client::cluster::master::MasterLink;
+use kvtier_client::metrics::ReadyGate;
 use kvtier_master::rpc::{
     AddNodeKeysRequest, HeartbeatRequest, LeaveNodeRequest, RegisterNodeRequest,
     ReportDroppedRequest,
@@ -61,6 +65,8 @@ pub struct NodeAgent {
     handle: Option<JoinHandle<()>>,
     /// Issue 27: why the agent gave up for good (a refused credential).
     fatal: Arc<parking_lot::Mutex<Option<String>>>,
+    /// The node's part of `/readyz`; unregistered when the agent is dropped.
+    _ready: Arc<ReadyGate>,
 }
 
 impl NodeAgent {
@@ -73,6 +79,8 @@ impl NodeAgent {
         let flag = Arc::clone(&stop);
         let fatal = Arc::new(parking_lot::Mutex::new(None));
         let fatal_out = Arc::clone(&fatal);
+        let ready = ReadyGate::new("the cluster node has not registered with a master yet");
+        let gate = Arc::clone(&ready);
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
@@ -89,9 +97,12 @@ impl NodeAgent {
         let handle = std::thread::Builder::new()
             .name("kvtier-node-agent".into())
             .spawn(move || {
-                if let Err(why) = runtime.block_on(agent_loop(config, store, held, &copier, flag)) {
+                if let Err(why) =
+                    runtime.block_on(agent_loop(config, store, held, &copier, flag, &gate))
+                {
                     *fatal_out.lock() = Some(why);
                 }
+                gate.set_not_ready("the cluster node left the cluster");
                 // The copy worker stops (and is joined) here, after the agent.
                 drop(copier);
             })?;
@@ -99,6 +110,7 @@ impl NodeAgent {
             stop,
             handle: Some(handle),
             fatal,
+            _ready: ready,
         })
     }
 
@@ -297,6 +309,7 @@ async fn agent_loop(
     held: Arc<HeldKeys>,
     copier: &Rereplicator,
     stop: Arc<AtomicBool>,
+    ready: &ReadyGate,
 ) -> Result<(), String> {
     // One attempt per call: the loop below does the retrying.
     let link = MasterLink::new(
@@ -340,6 +353,7 @@ async fn agent_loop(
         {
             Ok(r) => r,
             Err(e) => {
+                ready.set_not_ready(&format!("cannot register with the master: {e}"));
                 if let Some(why) = refused(&e, &config.masters) {
                     return Err(why);
                 }
@@ -399,6 +413,7 @@ async fn agent_loop(
             link.current_leader().unwrap_or_default()
         );
         registered_once = true;
+        ready.set_ready();
         // Keys stored while the registration was on its way are not in it: register again.
         rounds += 1;
         if rounds < MAX_REREGISTER_ROUNDS {
@@ -427,9 +442,16 @@ async fn agent_loop(
                 })
                 .await
             {
-                Ok(r) if r.known => copier.submit(r.copy_tasks),
-                Ok(_) => break, // register again
+                Ok(r) if r.known => {
+                    ready.set_ready();
+                    copier.submit(r.copy_tasks);
+                }
+                Ok(_) => {
+                    ready.set_not_ready("the master no longer knows this node (registering again)");
+                    break; // register again
+                }
                 Err(e) => {
+                    ready.set_not_ready(&format!("heartbeat to the master failed: {e}"));
                     if let Some(why) = refused(&e, &config.masters) {
                         return Err(why);
                     }

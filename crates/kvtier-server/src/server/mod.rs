@@ -125,6 +125,9 @@ struct Shared {
     /// Issue 26: what each peer uid holds (connections, passed descriptors, mapped bytes)
     /// and the caps on it.
     ledger: ledger::Ledger,
+    /// This server's part of `/readyz` (issue 27): ready once the stores are open and it
+    /// accepts; a cluster node's registration is the node agent's own readiness.
+    ready: Arc<kvmetrics::ReadyGate>,
 }
 
 /// A bound, not yet running server.
@@ -184,7 +187,11 @@ impl Server {
         // Issue 27: only a stale socket (nobody listening) is replaced; a file, a directory or
         // a live server's socket at the path is an error naming it.
         replace_stale_socket(&path)?;
-        // Before the stores open, so that they record into the endpoint's registry.
+        // Before the stores open, so that they record into the endpoint's registry (and
+        // `/readyz` says "not ready" while the arena maps and the SSD tier recovers).
+        let ready = kvmetrics::ReadyGate::new(
+            "kvtier serve is opening its stores (mapping the DRAM arena, recovering the SSD tier)",
+        );
         let metrics = match &config.settings.metrics_addr {
             Some(addr) => Some(kvmetrics::serve(addr)?),
             None => None,
@@ -192,6 +199,7 @@ impl Server {
         // The node's own store is embedded here even when the settings name a master: cluster
         // mode is what this process serves to others (data port + node agent), not its store.
         let tenants = Tenants::open(&config)?;
+        ready.set_not_ready("kvtier serve has opened its stores and is not accepting yet");
         let old_umask = rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o177));
         let bound = UnixListener::bind(&path);
         rustix::process::umask(old_umask);
@@ -242,6 +250,7 @@ impl Server {
                 data_plane: Mutex::new(None),
                 socket_inode,
                 ledger: ledger::Ledger::new(caps),
+                ready,
             }),
             listener,
         })
@@ -269,6 +278,15 @@ impl Server {
             .name("kvtier-accept".into())
             .spawn(move || accept_loop(&shared, listener))
             .ok();
+        if accept.is_some() {
+            if self.shared.config.engine.master_addresses().is_empty() {
+                self.shared.ready.set_ready();
+            } else {
+                self.shared
+                    .ready
+                    .set_not_ready("kvtier serve is starting its cluster node");
+            }
+        }
         RunningServer {
             shared: self.shared,
             accept,
@@ -292,6 +310,19 @@ impl RunningServer {
         self.shared.metrics.as_ref().map(|e| e.addr())
     }
 
+    /// Issue 27: this server's part of `/readyz`. `kvtier serve` marks it ready once its
+    /// cluster node runs (from then on the node agent's registration decides) and not ready
+    /// when a signal arrives, before the node leaves the cluster.
+    pub fn mark_ready(&self, ready: bool) {
+        if ready {
+            self.shared.ready.set_ready();
+        } else {
+            self.shared
+                .ready
+                .set_not_ready("kvtier serve is shutting down");
+        }
+    }
+
     /// Issue 17: name the cluster node's data plane in `stats` ("data_plane").
     pub fn set_data_plane(&self, plane: DataPlane) {
         *self.shared.data_plane.lock() = Some(plane);
@@ -306,6 +337,9 @@ impl RunningServer {
     /// shut down for reading, so each thread exits after its current reply), flush every store,
     /// remove the socket. Returns once every connection thread has ended (or `timeout` passed).
     pub fn shutdown(mut self, timeout: Duration) -> Value {
+        self.shared
+            .ready
+            .set_not_ready("kvtier serve is shutting down");
         self.shared.shutting_down.store(true, Ordering::SeqCst);
         // Wake the accept loop: shutting the listening socket down fails its accept (Linux),
         // whatever is at the path now; connecting is the fallback.
