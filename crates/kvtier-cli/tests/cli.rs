@@ -126,7 +126,7 @@ fn config_check_prints_the_effective_config_or_names_the_bad_key() {
     let out = kvtier(&["config", "check", bad.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(1), "{out:?}");
     assert!(String::from_utf8_lossy(&out.stderr).contains("`dram_capcity`"));
-    std::fs::write(&bad, "metrics_addr = \"9100\"\n").unwrap();
+    std::fs::write(&bad, "metrics_addr = \"99999\"\n").unwrap();
     let out = kvtier(&["config", "check", bad.to_str().unwrap(), "--json"]);
     assert_eq!(out.status.code(), Some(1));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
