@@ -244,7 +244,11 @@ fn memfd_shrink_during_gets_and_puts_cannot_kill_the_server() {
         .find(|s| s["tenant"] == "evil")
         .expect("the attacker's session")
         .clone();
-    assert_eq!(evil["revoked_regions"], 1, "{evil}");
+    // Revoked on a fault, or its holes refused before any copy (issue 26): either is counted.
+    assert!(
+        evil["revoked_regions"] == 1 || evil["rejected_buffers"].as_u64().unwrap_or(0) > 0,
+        "{evil}"
+    );
     // The legitimate client, on the same server, after all of it.
     legit_round(&legit, &mut legit_pool, 99);
     drop(attacker);
