@@ -39,9 +39,10 @@ command -v cargo >/dev/null 2>&1 || { log "cargo not found: install Rust (rustup
 if [ ! -x "$VENV/bin/python" ]; then
   log "creating venv $VENV"
   "$PY" -m venv "$VENV"
-  "$VENV/bin/pip" install -q --upgrade pip
+  "$VENV/bin/pip" install -q --no-cache-dir --upgrade pip
 fi
-pip_q() { "$VENV/bin/pip" install -q --disable-pip-version-check "$@"; }
+# No pip cache: torch and its CUDA wheels are gigabytes and would be kept twice on disk.
+pip_q() { "$VENV/bin/pip" install -q --disable-pip-version-check --no-cache-dir "$@"; }
 
 if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
   log "installing torch==$TORCH_VERSION (large download on first run)"

