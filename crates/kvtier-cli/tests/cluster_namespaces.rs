@@ -430,6 +430,59 @@ fn clears_of_a_cluster_namespace_and_a_local_tenant_of_one_name_stay_apart() {
     assert_exact(&local, &n, &local_v, "local after storing again");
 }
 
+/// A token holder asks the master to place and commit a local tenant's key: refused, naming
+/// the key, so the directory never points readers at a key the data ports do not serve.
+#[test]
+fn the_master_places_and_commits_only_cluster_keys() {
+    let node = Node::start();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut member = rt
+        .block_on(kvtier_client::cluster::master::connect(
+            &node.master,
+            kvtier_client::cluster::master::MasterCredential::new(TOKEN.as_bytes().to_vec()),
+            Duration::from_secs(2),
+        ))
+        .unwrap();
+    let local = local_key(TENANT, b"secret-000");
+    let refused = |status: tonic::Status| {
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+        assert!(
+            status.message().contains("outside the cluster namespace")
+                && status.message().contains("secret-000"),
+            "{status:?}"
+        );
+    };
+    let place = rt.block_on(member.place_puts(PlacePutsRequest {
+        client_node_id: "node-a".into(),
+        keys: vec![local.clone()],
+        sizes: vec![LEN as u64],
+        ..Default::default()
+    }));
+    refused(place.unwrap_err());
+    let commit = rt.block_on(member.commit_puts(CommitPutsRequest {
+        claim: 0,
+        keys: vec![local],
+        stored: vec![NodeList { nodes: vec![0] }],
+    }));
+    refused(commit.unwrap_err());
+    // A cluster key is placed as before.
+    let mut cluster_key = cluster_prefix(TENANT);
+    cluster_key.extend_from_slice(b"page-000");
+    let placed = rt
+        .block_on(member.place_puts(PlacePutsRequest {
+            client_node_id: "node-a".into(),
+            keys: vec![cluster_key],
+            sizes: vec![LEN as u64],
+            ..Default::default()
+        }))
+        .unwrap()
+        .into_inner();
+    assert_eq!(placed.placements.len(), 1);
+}
+
 /// Open a session of `tenant` on `socket` with raw frames: the server's refusal (`None`:
 /// opened).
 fn raw_open_session(socket: &Path, tenant: &str) -> Option<kvtier_proto::ErrorReply> {

@@ -9,7 +9,7 @@
 //! request deadline, none hangs, no wrong byte, node B still read byte-exact).
 //!
 //! The namespaces (and with them the veth pair) are removed when the test ends, also when it
-//! fails: [`Hosts`] deletes them on drop after killing the processes still inside (all of
+//! fails: [`TwoHosts`] deletes them on drop after killing the processes still inside (all of
 //! them started by this test). Without root or `ip netns`, each test says so and skips.
 //! Every child run is bounded by [`CHILD_LIMIT`].
 
@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::netns::TwoHosts;
 use common::ucx::{keys, put_objects, transport_of, ucx_client, OBJ};
 use common::{object_bytes, wait_for, Pool, Proc, TOKEN};
 use kvtier_client::Client;
@@ -34,96 +35,13 @@ const MASTER_PORT: u16 = 7100;
 const NODE_A_PORT: u16 = 7101;
 const NODE_B_PORT: u16 = 7102;
 
-fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .map_err(|e| format!("ip {}: {e}", args.join(" ")))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
-}
-
-/// Two network namespaces joined by a veth pair; removed on drop.
-struct Hosts {
-    ns_a: String,
-    ns_b: String,
-    veth_a: String,
-    veth_b: String,
-}
-
-impl Hosts {
-    /// `tag`: one letter per test, so tests running at once get their own names.
-    fn create(tag: char) -> Result<Hosts, String> {
-        let pid = std::process::id();
-        let hosts = Hosts {
-            ns_a: format!("kvtier-ucx{tag}a-{pid}"),
-            ns_b: format!("kvtier-ucx{tag}b-{pid}"),
-            // Interface names are at most 15 bytes; pids at most 7 digits.
-            veth_a: format!("kvu{tag}a{pid}"),
-            veth_b: format!("kvu{tag}b{pid}"),
-        };
-        // From here on a failure drops `hosts`, which removes whatever was made.
-        ip(&["netns", "add", &hosts.ns_a])?;
-        ip(&["netns", "add", &hosts.ns_b])?;
-        ip(&[
-            "link",
-            "add",
-            &hosts.veth_a,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            &hosts.veth_b,
-        ])?;
-        ip(&["link", "set", &hosts.veth_a, "netns", &hosts.ns_a])?;
-        ip(&["link", "set", &hosts.veth_b, "netns", &hosts.ns_b])?;
-        for (ns, dev, addr) in [
-            (&hosts.ns_a, &hosts.veth_a, IP_A),
-            (&hosts.ns_b, &hosts.veth_b, IP_B),
-        ] {
-            let cidr = format!("{addr}/24");
-            ip(&["-n", ns, "addr", "add", &cidr, "dev", dev])?;
-            ip(&["-n", ns, "link", "set", dev, "up"])?;
-            ip(&["-n", ns, "link", "set", "lo", "up"])?;
-        }
-        Ok(hosts)
-    }
-}
-
-impl Drop for Hosts {
-    fn drop(&mut self) {
-        for ns in [&self.ns_a, &self.ns_b] {
-            // Processes left inside (a child killed on its deadline leaves its nodes): all
-            // were started by this test; killed by pid.
-            if let Ok(out) = Command::new("ip").args(["netns", "pids", ns]).output() {
-                for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
-                    let _ = Command::new("kill").args(["-KILL", pid]).status();
-                }
-            }
-            let _ = ip(&["netns", "del", ns]);
-        }
-        // Only if it never reached a namespace (deleting a namespace deletes its end).
-        let _ = Command::new("ip")
-            .args(["link", "del", &self.veth_a])
-            .stderr(Stdio::null())
-            .status();
-    }
-}
-
 /// Create the two hosts and run the ignored test `name` inside host B, bounded in time.
 fn across_hosts(name: &str, tag: char) {
     if let Err(reason) = kvtier_client::transport::ucx::ffi::Ucp::get() {
         eprintln!("SKIP: libucp is not available here: {reason}");
         return;
     }
-    let hosts = match Hosts::create(tag) {
+    let hosts = match TwoHosts::create(&format!("ucx{tag}"), IP_A, IP_B) {
         Ok(h) => h,
         Err(reason) => {
             eprintln!("SKIP: {name} needs network namespaces (root and iproute2): {reason}");

@@ -26,6 +26,7 @@ use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::netns::TwoHosts;
 use common::ucx::{
     assert_read_exact, exe_base, keys, listening_sockets, put_objects, stranger_probe,
     transport_of, ucx_client,
@@ -342,84 +343,8 @@ fn stranger_reads_and_writes_nothing_over_loopback() {
 /// Two network namespaces joined by a veth pair ("host A" with the nodes, "host B" with the
 /// stranger and the legitimate client); removed on drop, with what runs inside (all of it
 /// started by this test, killed by pid).
-struct Hosts {
-    ns_a: String,
-    ns_b: String,
-    veth_a: String,
-    veth_b: String,
-}
-
 const IP_A: &str = "10.78.0.1";
 const IP_B: &str = "10.78.0.2";
-
-fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .map_err(|e| format!("ip {}: {e}", args.join(" ")))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
-}
-
-impl Hosts {
-    fn create() -> Result<Hosts, String> {
-        let pid = std::process::id();
-        let hosts = Hosts {
-            ns_a: format!("kvtier-strA-{pid}"),
-            ns_b: format!("kvtier-strB-{pid}"),
-            veth_a: format!("kvsa{pid}"),
-            veth_b: format!("kvsb{pid}"),
-        };
-        ip(&["netns", "add", &hosts.ns_a])?;
-        ip(&["netns", "add", &hosts.ns_b])?;
-        ip(&[
-            "link",
-            "add",
-            &hosts.veth_a,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            &hosts.veth_b,
-        ])?;
-        ip(&["link", "set", &hosts.veth_a, "netns", &hosts.ns_a])?;
-        ip(&["link", "set", &hosts.veth_b, "netns", &hosts.ns_b])?;
-        for (ns, dev, addr) in [
-            (&hosts.ns_a, &hosts.veth_a, IP_A),
-            (&hosts.ns_b, &hosts.veth_b, IP_B),
-        ] {
-            let cidr = format!("{addr}/24");
-            ip(&["-n", ns, "addr", "add", &cidr, "dev", dev])?;
-            ip(&["-n", ns, "link", "set", dev, "up"])?;
-            ip(&["-n", ns, "link", "set", "lo", "up"])?;
-        }
-        Ok(hosts)
-    }
-}
-
-impl Drop for Hosts {
-    fn drop(&mut self) {
-        for ns in [&self.ns_a, &self.ns_b] {
-            if let Ok(out) = Command::new("ip").args(["netns", "pids", ns]).output() {
-                for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
-                    let _ = Command::new("kill").args(["-KILL", pid]).status();
-                }
-            }
-            let _ = ip(&["netns", "del", ns]);
-        }
-        let _ = Command::new("ip")
-            .args(["link", "del", &self.veth_a])
-            .stderr(Stdio::null())
-            .status();
-    }
-}
 
 #[test]
 #[ignore = "run by stranger_reads_and_writes_nothing_across_namespaces inside host B"]
@@ -459,7 +384,7 @@ fn stranger_reads_and_writes_nothing_across_namespaces() {
     if !libucp() {
         return;
     }
-    let hosts = match Hosts::create() {
+    let hosts = match TwoHosts::create("str", IP_A, IP_B) {
         Ok(h) => h,
         Err(reason) => {
             eprintln!("SKIP: needs network namespaces (root and iproute2): {reason}");

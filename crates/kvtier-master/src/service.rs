@@ -186,6 +186,24 @@ fn check_keys(keys: &[Vec<u8>]) -> Result<(), Status> {
     Ok(())
 }
 
+/// [`check_keys`], and every key is in the cluster namespace (`NUL 'C' tag 0x1f key`): a
+/// write may only claim and commit cluster objects, as the nodes' data ports only store those.
+/// Reads and node reports are not held to it (a node may still report keys of an older
+/// format from its SSD; a lookup of one is a plain miss).
+fn check_cluster_keys(keys: &[Vec<u8>]) -> Result<(), Status> {
+    check_keys(keys)?;
+    if let Some(key) = keys
+        .iter()
+        .find(|k| !kvtier_proto::namespace::is_cluster_key(k))
+    {
+        return Err(Status::invalid_argument(format!(
+            "key {:?} is outside the cluster namespace (NUL 'C' tag 0x1f key)",
+            String::from_utf8_lossy(&key[..key.len().min(64)])
+        )));
+    }
+    Ok(())
+}
+
 /// The node table as replies carry it.
 pub fn node_infos(nodes: &[NodeState]) -> Vec<NodeInfo> {
     nodes
@@ -368,7 +386,7 @@ impl Master for MasterService {
         let _timer = RpcTimer::start("place_puts");
         self.lead()?;
         let r = request.into_inner();
-        check_keys(&r.keys)?;
+        check_cluster_keys(&r.keys)?;
         if r.sizes.len() != r.keys.len() {
             return Err(Status::invalid_argument(format!(
                 "{} sizes for {} keys",
@@ -418,7 +436,7 @@ impl Master for MasterService {
         let _timer = RpcTimer::start("commit_puts");
         self.lead()?;
         let r = request.into_inner();
-        check_keys(&r.keys)?;
+        check_cluster_keys(&r.keys)?;
         if r.stored.len() != r.keys.len() {
             return Err(Status::invalid_argument("stored is not parallel to keys"));
         }

@@ -217,3 +217,55 @@ extern "C" fn on_sigbus(
         libc::sigaction(libc::SIGBUS, &default, std::ptr::null_mut());
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The recovery path itself, without the `mincore` refusal in front of it (which, in the
+    //! server, usually stops a copy over a shrunk memfd's hole before any fault): a guarded
+    //! mapping whose file is truncated faults on the next touch, and the guard turns that
+    //! fault into zeros, a revoked slot and a counted recovery instead of a dead process.
+    use super::*;
+
+    const LEN: usize = 4 * 4096;
+
+    #[test]
+    fn a_fault_in_a_guarded_mapping_revokes_it_and_the_process_lives() {
+        // SAFETY: a memfd of this test's own, mapped MAP_SHARED for LEN bytes, guarded before
+        // its first access and unguarded (the Guard dropped) before munmap, as `guard` asks.
+        unsafe {
+            let fd = libc::memfd_create(c"fault_guard_test".as_ptr(), 0);
+            assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+            assert_eq!(libc::ftruncate(fd, LEN as libc::off_t), 0);
+            let base = libc::mmap(
+                std::ptr::null_mut(),
+                LEN,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            );
+            assert_ne!(base, libc::MAP_FAILED);
+            let guard = guard(base as usize, LEN).expect("guard the mapping");
+            let bytes = base as *mut u8;
+            std::ptr::write_volatile(bytes.add(LEN - 1), 0xAB);
+            assert!(guard.intact(), "no fault yet");
+            let before = recovered_faults();
+
+            // The owner shrinks the file under the mapping: the last page is now past its end.
+            assert_eq!(libc::ftruncate(fd, 0), 0);
+            let read = std::ptr::read_volatile(bytes.add(LEN - 1));
+
+            assert_eq!(
+                read, 0,
+                "the faulting read resumes on the zero page that replaced it"
+            );
+            assert!(!guard.intact(), "the mapping is revoked");
+            assert!(recovered_faults() > before, "the recovery is counted");
+            // The whole mapping was replaced: another page reads zero without a fault.
+            assert_eq!(std::ptr::read_volatile(bytes), 0);
+            drop(guard);
+            assert_eq!(libc::munmap(base, LEN), 0);
+            libc::close(fd);
+        }
+    }
+}

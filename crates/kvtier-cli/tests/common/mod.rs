@@ -13,6 +13,7 @@
 #![allow(dead_code)]
 #![allow(unsafe_code)] // the shared-memory fixture maps and unmaps a memfd
 
+pub mod netns;
 pub mod ucx;
 
 use std::io::{Read, Write};

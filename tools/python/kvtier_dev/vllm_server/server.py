@@ -283,12 +283,13 @@ class VllmServer:
         )
         return urllib.request.urlopen(req, timeout=timeout)
 
-    def complete(self, prompt: str, max_tokens: int = 16, timeout: float = 300.0) -> Completion:
-        """A greedy streamed completion (``ignore_eos``: always ``max_tokens`` tokens)."""
+    def _stream(self, path: str, body: dict, piece_of, timeout: float) -> Completion:
+        """POST a greedy streamed request (``ignore_eos``: always ``max_tokens`` tokens) and
+        collect its text (``piece_of`` picks a choice's new text), time to first token and
+        usage."""
         body = {
             "model": MODEL_NAME,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
+            **body,
             "temperature": 0,
             "ignore_eos": True,
             "stream": True,
@@ -298,9 +299,9 @@ class VllmServer:
         ttft = None
         text = []
         usage = {}
-        with self._post("/v1/completions", body, timeout) as r:
+        with self._post(path, body, timeout) as r:
             if r.status != 200:
-                raise RuntimeError(f"HTTP {r.status}")
+                raise RuntimeError(f"{path}: HTTP {r.status}")
             for raw in r:
                 line = raw.decode().strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -309,9 +310,12 @@ class VllmServer:
                 if doc.get("usage"):
                     usage = doc["usage"]
                 for c in doc.get("choices", []):
-                    if ttft is None and c.get("text") is not None:
+                    piece = piece_of(c)
+                    if piece is None:
+                        continue
+                    if ttft is None:
                         ttft = time.perf_counter() - t0
-                    text.append(c.get("text") or "")
+                    text.append(piece)
         total = time.perf_counter() - t0
         details = usage.get("prompt_tokens_details") or {}
         return Completion(
@@ -323,49 +327,22 @@ class VllmServer:
             cached_tokens=details.get("cached_tokens"),
         )
 
+    def complete(self, prompt: str, max_tokens: int = 16, timeout: float = 300.0) -> Completion:
+        """A greedy streamed completion (``ignore_eos``: always ``max_tokens`` tokens)."""
+        body = {"prompt": prompt, "max_tokens": max_tokens}
+        # A choice's text may be empty; the first choice carrying text at all is the first token.
+        return self._stream("/v1/completions", body, lambda c: c.get("text"), timeout)
+
     def chat(self, messages: list[dict], max_tokens: int = 16, timeout: float = 300.0):
         """A greedy streamed chat turn: (Completion, assistant text)."""
-        body = {
-            "model": MODEL_NAME,
-            "messages": messages,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        t0 = time.perf_counter()
-        ttft = None
-        text = []
-        usage = {}
-        with self._post("/v1/chat/completions", body, timeout) as r:
-            for raw in r:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                doc = json.loads(line[6:])
-                if doc.get("usage"):
-                    usage = doc["usage"]
-                for c in doc.get("choices", []):
-                    piece = (c.get("delta") or {}).get("content")
-                    if piece:
-                        if ttft is None:
-                            ttft = time.perf_counter() - t0
-                        text.append(piece)
-        total = time.perf_counter() - t0
-        details = usage.get("prompt_tokens_details") or {}
-        out = "".join(text)
-        return (
-            Completion(
-                ttft=ttft if ttft is not None else total,
-                total=total,
-                text=out,
-                prompt_tokens=int(usage.get("prompt_tokens", 0)),
-                completion_tokens=int(usage.get("completion_tokens", 0)),
-                cached_tokens=details.get("cached_tokens"),
-            ),
-            out,
+        body = {"messages": messages, "max_tokens": max_tokens}
+        completion = self._stream(
+            "/v1/chat/completions",
+            body,
+            lambda c: (c.get("delta") or {}).get("content") or None,
+            timeout,
         )
+        return completion, completion.text
 
     def reset_prefix_cache(self, external: bool = True) -> None:
         """Drop the device prefix cache (and with ``external`` the CPU primary tier)."""
