@@ -54,7 +54,13 @@ fn serve(extra: &[&str]) -> Serve {
         .spawn()
         .unwrap();
     let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let first = lines.next().unwrap().unwrap();
+    // The start-up log may say other things first (the descriptor caps, a fallback notice).
+    let first = lines
+        .by_ref()
+        .take(50)
+        .map_while(Result::ok)
+        .find(|line| line.contains("listening on"))
+        .expect("kvtier serve never said it was listening");
     // Keep draining stderr so the server never blocks on a full pipe.
     std::thread::spawn(move || for _ in lines {});
     let metrics = first
