@@ -20,26 +20,35 @@ from __future__ import annotations
 import pytest
 
 import _vllm_engine as ve
+import test_cluster as tc
 import test_lmcache_plugins as lm
 import test_server_mode as sm
 from kvtier import _native
 
 kvtier_bin = sm.kvtier_bin
+cluster = tc.cluster
 
 MIB = 1 << 20
 
 
-@pytest.fixture(params=["embedded", "serve"])
+@pytest.fixture(params=["embedded", "serve", "cluster"])
 def mode(request, tmp_path):
-    """``(mode, params, served)``: kvtier params for a store of ``dram`` bytes, embedded or
-    through a real ``kvtier serve`` (started by ``served(dram)``)."""
+    """``(mode, open_params, stats)``: ``open_params(dram, **engine)`` gives kvtier params for
+    a store of ``dram`` bytes: embedded, through a real ``kvtier serve``, or a cluster client of
+    a real ``kvtier master`` and one ``kvtier serve --master`` node (its keys carry the cluster
+    namespace ``NUL C tag 0x1f``); ``stats`` sums the engine counters where the bytes are."""
     started = []
 
     def open_params(dram: int, **engine) -> dict:
         if request.param == "embedded":
             return {"dram_capacity_bytes": dram, "dram_prefault": False, **engine}
-        binary = request.getfixturevalue("kvtier_bin")
         extra = [a for k, v in engine.items() for a in ("--engine", f"{k}={v}")]
+        if request.param == "cluster":
+            c = request.getfixturevalue("cluster")()
+            started.append(c.add_node("node-a", "127.0.0.2", *extra, dram=str(dram)))
+            c.master.wait_nodes(["node-a"])
+            return c.store_config("node-a")
+        binary = request.getfixturevalue("kvtier_bin")
         served = sm.Served(binary, tmp_path, *extra, dram=str(dram))
         started.append(served)
         return {"server_socket": served.socket}
@@ -54,8 +63,9 @@ def mode(request, tmp_path):
         }
 
     yield request.param, open_params, stats
-    for served in started:
-        served.stop()
+    if request.param == "serve":
+        for served in started:
+            served.stop()
 
 
 # ------------------------------------------------------------------ LMCache
