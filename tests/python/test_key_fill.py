@@ -4,9 +4,10 @@ Before issue 28 the eviction group of every key was everything up to its first `
 LMCache's keys (``<model>@<kv_rank>@<group>@<hash>``) made one model a single group that
 eviction would not split: once DRAM was full every later put failed ("pinned by a reader")
 and nothing new was cached. Each engine here writes 4x the store's DRAM through its own
-objects on CPU, in an embedded store and through a real ``kvtier serve`` (whose keys carry the
-tenant namespace ``tenant 0x1f``), and the test shows every put stored, the newest keys found
-byte-exact and the oldest evicted:
+objects on CPU, in an embedded store, through a real ``kvtier serve`` (whose keys carry the
+tenant namespace ``tenant 0x1f``) and as a client of a real one-node cluster (keys under
+``NUL C tag 0x1f``), and the test shows every put stored, the newest keys found byte-exact and
+the oldest evicted:
 
 * LMCache 0.5.6's MP ``StorageManager`` with ``kvtier.lmcache.KvtierL2Connector`` (batches of
   8 chunks, L1 emptied after each, the newest prefetched back from L2);
