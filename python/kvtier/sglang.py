@@ -393,13 +393,13 @@ class KvtierStore(HiCacheStorage):
 
         cfg = storage_config
         # The facts every key of this rank is composed of (shared with the direct linker).
-        self.layout = KeyLayout.of(cfg, self._tag)
-        self._prefix = self.layout.prefix
-        self._tp_rank = self.layout.tp_rank
-        self._tp_size = self.layout.tp_size
-        self._is_mla = self.layout.is_mla
-        self._split_heads = self.layout.split_heads
-        self._tp_lcm = self.layout.tp_lcm
+        self.key_layout = KeyLayout.of(cfg, self._tag)
+        self._prefix = self.key_layout.prefix
+        self._tp_rank = self.key_layout.tp_rank
+        self._tp_size = self.key_layout.tp_size
+        self._is_mla = self.key_layout.is_mla
+        self._split_heads = self.key_layout.split_heads
+        self._tp_lcm = self.key_layout.tp_lcm
         is_writer = cfg.is_storage_writer if cfg else True
         # An embedded store is private to this process, so every rank must write its own
         # copy of rank-replicated KV; the local-server mode shares one copy per host, and
@@ -545,19 +545,19 @@ class KvtierStore(HiCacheStorage):
             zero_copy and split_factor == 1 and _flat_page_is_components(pool, 0, ptrs, sizes)
         )
         if zero_copy:
-            fp = self.layout.fingerprint(str(name), pool, sizes, replicated, "zero-copy")
+            fp = self.key_layout.fingerprint(str(name), pool, sizes, replicated, "zero-copy")
             if split_factor > 1:
                 per_split = len(sizes) // split_factor
-                names = self.layout.component_names(base, per_split)
+                names = self.key_layout.component_names(base, per_split)
                 base_rank = self._tp_rank * split_factor
                 suffixes = [
-                    _native.key_suffix(fp, self.layout.rank_tag(False, base_rank + r), n)
+                    _native.key_suffix(fp, self.key_layout.rank_tag(False, base_rank + r), n)
                     for r in range(split_factor)
                     for n in names
                 ]
             else:
-                names = self.layout.component_names(base, len(sizes), pool)
-                tag = self.layout.rank_tag(replicated)
+                names = self.key_layout.component_names(base, len(sizes), pool)
+                tag = self.key_layout.rank_tag(replicated)
                 suffixes = [_native.key_suffix(fp, tag, n) for n in names]
         else:
             self._warn_once(
@@ -576,9 +576,11 @@ class KvtierStore(HiCacheStorage):
             )
         except Exception:
             pass
-        page_fp = self.layout.fingerprint(str(name), pool, [page_bytes], replicated, "flat-page")
+        page_fp = self.key_layout.fingerprint(
+            str(name), pool, [page_bytes], replicated, "flat-page"
+        )
         page_suffix = _native.key_suffix(
-            page_fp, self.layout.rank_tag(replicated), base + ".page" if base else "page"
+            page_fp, self.key_layout.rank_tag(replicated), base + ".page" if base else "page"
         )
         return PoolPlan(
             name=str(name),

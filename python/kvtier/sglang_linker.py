@@ -26,10 +26,11 @@ and the keys of the HiCache adapter (``kvtier.sglang.KvtierStore``) with the
 HiCache hit and the other way round. MLA pages carry no TP rank (written once across TP, by the
 storage writer rank, except in embedded mode where every process has its own store).
 
-Keys are composed only in :meth:`KvtierLinker._suffixes` and :meth:`KvtierLinker._key`, through
-the HiCache adapter's :class:`kvtier.sglang_keys.KeyLayout` (``KvtierStore.layout``), and hit
-policies are translated by :func:`kvtier.sglang_keys.pool_query`, so the linker and the adapter
-compose the same keys and give the same verdicts.
+Keys are composed only in :meth:`KvtierLinker._suffixes` and :meth:`KvtierLinker._key`,
+through the HiCache adapter's :class:`kvtier.sglang_keys.KeyLayout`
+(``KvtierStore.key_layout``), and hit policies are translated by
+:func:`kvtier.sglang_keys.pool_query`, so the linker and the adapter compose the same keys and
+give the same verdicts.
 
 Device memory: CPU device pools are registered with kvtier and copied directly. Accelerator
 pools go through ``kvtier.sglang_linker_staging`` (pinned staging, torch copies on a side
@@ -314,9 +315,9 @@ class KvtierLinker(UnifiedCacheLinker):
         # The HiCache adapter opens the store and gathers the key layout (kvtier.sglang_keys);
         # the linker borrows both through their public faces.
         self.store = KvtierStore(config)
-        self.layout = self.store.layout
+        self.key_layout = self.store.key_layout
         self._native = self.store.native
-        self._prefix = self.layout.prefix
+        self._prefix = self.key_layout.prefix
         # Rank-replicated objects are written by one rank, unless this store is private.
         self._writes_replicated = self.store.writes_replicated_kv
         self._replicated = replicated
@@ -343,7 +344,7 @@ class KvtierLinker(UnifiedCacheLinker):
     # ------------------------------------------------------------------ keys (one place)
     def _suffixes(self, name: Any, entry: DevicePoolEntry) -> List[_Object]:
         """The objects of one page of ``entry`` and their key suffixes, via the key layout."""
-        layout = self.layout
+        layout = self.key_layout
         objects = _entry_objects(entry)
         sizes = [sum(size for _, _, size in pieces) for pieces, _ in objects]
         twin = self._twins.get(name)
@@ -370,7 +371,7 @@ class KvtierLinker(UnifiedCacheLinker):
         return out
 
     def _key(self, page_key: str, obj: _Object) -> str:
-        return self.layout.key(page_key, obj.suffix)
+        return self.key_layout.key(page_key, obj.suffix)
 
     # ------------------------------------------------------------------ memory
     def _register_buffers(self) -> List[int]:

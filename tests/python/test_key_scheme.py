@@ -44,7 +44,7 @@ LAYOUTS = [
 
 
 def adapter(layout):
-    """The key layout the HiCache adapter and the linker compose with (``KvtierStore.layout``;
+    """The key layout the HiCache adapter and the linker compose with (``KvtierStore.key_layout``;
     a real adapter needs SGLang pools, the layout only these facts)."""
     replicated, tp, pp, ppr, cp, cpr, dcp, dcpr = layout
     fake = KeyLayout(
