@@ -242,3 +242,14 @@ def test_hit_policies_translate_once_for_the_adapter_and_the_linker():
         assert query == ("c4", [], "block_groups", 1) and "group_pages" in problem
     query, problem = pool_query("odd", "SOMETHING_NEW", sfx, None, None)
     assert query == ("odd", [], "all_pages", 0) and "unknown hit policy" in problem
+
+
+def test_only_sglang_pages_have_an_sglang_page_hash():
+    """KV events name SGLang pages only: a vLLM block or an LMCache chunk in the same store is
+    no SGLang page (its hex block hash would otherwise be published as one)."""
+    vkey = _native.key_vllm(_native.key_vllm_namespace("m", "0" * 16), bytes(range(16)), 0)
+    lkey = _native.key_lmcache_l2(["m@0@0@" + "ab" * 32])[0]
+    for key in [vkey, lkey, "plain"]:
+        assert _native.key_page_hash(_native.key_group_of(key)) == ""
+        assert event_hash(page_hash_of_group(_native.key_group_of(key))) is None
+    assert page_hash_of_group(f"t/{PAGE}@") == PAGE

@@ -295,6 +295,16 @@ pub fn group_of(stored: &[u8]) -> &[u8] {
     &stored[..ns + group.len()]
 }
 
+/// The SGLang page hash of a stored key or of an SGLang group (`[tag/]page_hash@`, as the
+/// engine's events name it), its store namespace skipped; `None` for any other scheme's key or
+/// group (a vLLM block or an LMCache chunk is no SGLang page, so no SGLang KV event names it).
+pub fn sglang_page_hash(stored: &[u8]) -> Option<&[u8]> {
+    let inner = &stored[namespace_len(stored)..];
+    let ats = inner.iter().filter(|&&b| b == b'@').count();
+    let group = ats == 1 && inner.last() == Some(&b'@');
+    (group || KeyScheme::of(inner) == KeyScheme::SGLang).then(|| page_hash_of(inner))
+}
+
 /// A vLLM key: `namespace "/" block_hash_hex "_g" group` (`namespace` is the tier's
 /// `vllm/<model>_<digest>`, see [`vllm_namespace`]).
 pub fn vllm_key(namespace: &str, block_hash: &[u8], kv_group: u32) -> String {
@@ -590,6 +600,12 @@ mod tests {
             ObjectsPerPage::Many
         );
         assert!(KeyScheme::SGLang.facts().depth_at_put);
+        assert_eq!(sglang_page_hash(b"t/abc@0123456789ab.k"), Some(&b"abc"[..]));
+        assert_eq!(sglang_page_hash(b"t/abc@"), Some(&b"abc"[..]));
+        assert_eq!(sglang_page_hash(b"team\x1ft/abc@"), Some(&b"abc"[..]));
+        assert_eq!(sglang_page_hash(v.as_bytes()), None);
+        assert_eq!(sglang_page_hash(a.as_bytes()), None);
+        assert_eq!(sglang_page_hash(b"plain"), None);
         assert_eq!(KeyScheme::LmCache.facts().name, "lmcache");
     }
 

@@ -119,10 +119,13 @@ fn key_sglang_prefix(tag: Option<&str>) -> String {
     keys::sglang_tag_prefix(tag)
 }
 
-/// The page hash of a key or group.
+/// The SGLang page hash of a key or group (store namespace skipped); empty for a key or group
+/// of another scheme (a vLLM block, an LMCache chunk), which names no SGLang page (issue 28).
 #[pyfunction]
 fn key_page_hash(key: &str) -> String {
-    String::from_utf8_lossy(keys::page_hash_of(key.as_bytes())).into_owned()
+    keys::sglang_page_hash(key.as_bytes())
+        .map(|h| String::from_utf8_lossy(h).into_owned())
+        .unwrap_or_default()
 }
 
 /// The metrics pool label of a key or suffix (`kv`, a side pool, `other`).
