@@ -10,7 +10,8 @@
 //!   ([`vllm_key`]); one object per (block, KV cache group), each its own group;
 //! - [`KeyScheme::LmCache`]: LMCache's own key strings under `lmcache/` (the MP L2 adapter,
 //!   `<model>@<kv_rank>@<group>@<chunk_hash>[@salt]`) or `lmcache-v1/` (the legacy remote
-//!   plugin, `<fmt>@<model>@<world>@<worker>@<hash>@<dtype>...`, plus a `.meta` sidecar)
+//!   plugin, `CacheEngineKey.to_string()`: `<model>@<world>@<worker>@<hash>@<dtype>[@tags]`, plus
+//!   a `.meta` sidecar)
 //!   ([`lmcache_key`]); one group per chunk (the chunk and its sidecar), never per model;
 //! - [`KeyScheme::Opaque`]: any other key; it is its own group.
 //!
