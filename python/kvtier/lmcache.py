@@ -31,7 +31,10 @@
 fails naming it), plus ``threads`` and ``queue_capacity`` of the batch queue. Keys are LMCache's
 own strings (``<model>@<kv_rank>@<group>@<chunk_hash>[@salt]`` for the L2 adapter,
 ``CacheEngineKey.to_string()`` for the legacy plugin) under a ``lmcache/`` or ``lmcache-v1/``
-prefix, so they never meet SGLang's or vLLM's keys in a shared store.
+prefix, so they never meet SGLang's or vLLM's keys in a shared store. They are composed by the
+key scheme (``kvtier_proto::keys::lmcache_key`` through ``_native``), which makes every chunk
+(with its legacy ``.meta`` sidecar) an eviction group of its own (issue 28: before, the
+``@`` in LMCache's keys made a whole model one group, and a full store refused every put).
 """
 
 from __future__ import annotations
@@ -45,8 +48,7 @@ from kvtier import _native
 
 logger = logging.getLogger(__name__)
 
-L2_PREFIX = "lmcache/"
-LEGACY_PREFIX = "lmcache-v1/"
+_l2_keys = _native.key_lmcache_l2
 _QUEUE_KEYS = ("threads", "queue_capacity")
 
 
@@ -78,16 +80,16 @@ class KvtierL2Connector:
         return self._queue.event_fd()
 
     def submit_batch_set(self, keys: list[str], memoryviews: list) -> int:
-        return self._queue.submit_put([L2_PREFIX + k for k in keys], list(memoryviews))
+        return self._queue.submit_put(_l2_keys(keys), list(memoryviews))
 
     def submit_batch_get(self, keys: list[str], memoryviews: list) -> int:
-        return self._queue.submit_get([L2_PREFIX + k for k in keys], list(memoryviews))
+        return self._queue.submit_get(_l2_keys(keys), list(memoryviews))
 
     def submit_batch_exists(self, keys: list[str]) -> int:
-        return self._queue.submit_exists([L2_PREFIX + k for k in keys])
+        return self._queue.submit_exists(_l2_keys(keys))
 
     def submit_batch_delete(self, keys: list[str]) -> int:
-        return self._queue.submit_remove([L2_PREFIX + k for k in keys])
+        return self._queue.submit_remove(_l2_keys(keys))
 
     def drain_completions(self) -> list:
         """``[(future_id, ok, error, per-key bools)]``; resets the eventfd."""
@@ -144,8 +146,8 @@ if _HAVE_LMCACHE:
             self._on_ready()
             return await fut
 
-        def _key(self, key) -> str:
-            return LEGACY_PREFIX + key.to_string()
+        def _key(self, key, sidecar: bool = False) -> str:
+            return _native.key_lmcache_legacy(key.to_string(), sidecar)
 
         # ---- RemoteConnector
 
@@ -160,7 +162,8 @@ if _HAVE_LMCACHE:
             name = self._key(key)
             if self.save_chunk_meta:
                 meta_buf = bytearray(self.remote_metadata_bytes)
-                ok, _, _ = await self._wait(self._queue.submit_get([name + ".meta"], [meta_buf]))
+                meta_name = self._key(key, sidecar=True)
+                ok, _, _ = await self._wait(self._queue.submit_get([meta_name], [meta_buf]))
                 if not ok:
                     return None
                 meta = RemoteMetadata.deserialize(meta_buf)
@@ -197,7 +200,7 @@ if _HAVE_LMCACHE:
                     memory_obj.get_dtypes(),
                     memory_obj.get_memory_format(),
                 )
-                names.append(name + ".meta")
+                names.append(self._key(key, sidecar=True))
                 bufs.append(bytes(meta.serialize()))
             ok, error, _ = await self._wait(self._queue.submit_put(names, bufs))
             if not ok:

@@ -13,7 +13,8 @@ failure is a clean ``False`` / miss plus a log line; nothing here raises into SG
 scheduler or I/O threads after construction, and a result that does not have the shape that
 was asked for is treated as a miss (fail closed).
 
-Key scheme: ``[tag "/"] page_hash "@" fingerprint [".tp"N] [".pp"N] [".cp"N] [".dcp"N] "." component``.
+Key scheme (composed in :mod:`kvtier.sglang_keys`, shared with the direct linker):
+``[tag "/"] page_hash "@" fingerprint [".tp"N] [".pp"N] [".cp"N] [".dcp"N] "." component``.
 The fingerprint hashes what makes bytes incompatible (model, pool type, layout, dtype, page
 size, per-component byte sizes, pp size, and tp size for TP-sharded objects), so differently
 configured deployments can share one store without ever reading each other's bytes. MLA KV
@@ -45,12 +46,12 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvtier import _native
+from kvtier.sglang_keys import KEY_FORMAT_VERSION, KeyLayout, pool_query  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
-# Version of the key and object format; part of every fingerprint. The key scheme is defined
-# once, in Rust (kvtier_proto::keys, exposed as _native.key_*); the helpers below wrap it.
-KEY_FORMAT_VERSION = _native.key_format_version()
+# KEY_FORMAT_VERSION (re-exported above): the key scheme is defined once, in Rust
+# (kvtier_proto::keys, exposed as _native.key_*); kvtier.sglang_keys gathers SGLang's facts.
 
 # extra_config keys that belong to SGLang (the factory and the controller), not to kvtier.
 SGLANG_OWNED_KEYS = frozenset(
@@ -69,12 +70,6 @@ SGLANG_OWNED_KEYS = frozenset(
 )
 
 SUPPORTED_LAYOUTS = ("page_first", "page_first_direct", "page_head")
-
-_POLICY_NAMES = {
-    PoolHitPolicy.ALL_PAGES: "all_pages",
-    PoolHitPolicy.TRAILING_PAGES: "trailing_pages",
-    PoolHitPolicy.BLOCK_GROUPS: "block_groups",
-}
 
 
 def kvtier_extra_config(extra_config: Optional[dict]) -> dict:
@@ -395,21 +390,16 @@ class KvtierStore(HiCacheStorage):
         # every rank; embedded mode: a store private to this process.
         self._server_mode = self._store.mode == "server"
         self._tag = own.get("extra_backend_tag")
-        self._prefix = f"{self._tag}/" if self._tag else ""
 
         cfg = storage_config
-        self._tp_rank = cfg.tp_rank if cfg else 0
-        self._tp_size = cfg.tp_size if cfg else 1
-        self._pp_rank = cfg.pp_rank if cfg else 0
-        self._pp_size = cfg.pp_size if cfg else 1
-        self._cp_rank = getattr(cfg, "attn_cp_rank", 0) if cfg else 0
-        self._cp_size = getattr(cfg, "attn_cp_size", 1) if cfg else 1
-        self._dcp_rank = getattr(cfg, "dcp_rank", 0) if cfg else 0
-        self._dcp_size = getattr(cfg, "dcp_size", 1) if cfg else 1
-        self._is_mla = bool(cfg.is_mla_model) if cfg else False
-        self._model = "-".join(cfg.model_name.split("/")) if cfg and cfg.model_name else ""
-        self._split_heads = bool(getattr(cfg, "should_split_heads", False)) if cfg else False
-        self._tp_lcm = (getattr(cfg, "tp_lcm_size", None) or self._tp_size) if cfg else 1
+        # The facts every key of this rank is composed of (shared with the direct linker).
+        self.key_layout = KeyLayout.of(cfg, self._tag)
+        self._prefix = self.key_layout.prefix
+        self._tp_rank = self.key_layout.tp_rank
+        self._tp_size = self.key_layout.tp_size
+        self._is_mla = self.key_layout.is_mla
+        self._split_heads = self.key_layout.split_heads
+        self._tp_lcm = self.key_layout.tp_lcm
         is_writer = cfg.is_storage_writer if cfg else True
         # An embedded store is private to this process, so every rank must write its own
         # copy of rank-replicated KV; the local-server mode shares one copy per host, and
@@ -465,57 +455,16 @@ class KvtierStore(HiCacheStorage):
         if errors:
             logger.warning("kvtier %s %s: %s", op, pool, "; ".join(errors))
 
-    # ------------------------------------------------------------------ key scheme
-    def _rank_tag(self, replicated: bool, tp_rank: Optional[int] = None) -> str:
-        tp = None if replicated else (self._tp_rank if tp_rank is None else tp_rank)
-        return _native.key_rank_tag(
-            tp,
-            self._pp_size,
-            self._pp_rank,
-            self._cp_size,
-            self._cp_rank,
-            self._dcp_size,
-            self._dcp_rank,
-        )
+    # ------------------------------------------------------------------ shared with the linker
+    @property
+    def native(self) -> Any:
+        """The ``kvtier._native.Store`` this adapter opened (the direct linker borrows it)."""
+        return self._store
 
-    def _fingerprint_facts(
-        self, name: str, pool: Any, sizes: Sequence[int], replicated: bool, mode: str
-    ) -> tuple:
-        """The SGLang facts a pool's key fingerprint names (its layout, the model, the
-        parallel sizes that change what a page holds, the key format version)."""
-        tp_part = None if replicated else (self._tp_lcm if self._split_heads else self._tp_size)
-        return (
-            KEY_FORMAT_VERSION,
-            mode,
-            self._model,
-            name,
-            type(pool).__name__,
-            getattr(pool, "storage_format_tag", None),
-            getattr(pool, "layout", None),
-            str(getattr(pool, "dtype", None)),
-            getattr(pool, "page_size", None),
-            tuple(int(s) for s in sizes),
-            self._pp_size,
-            tp_part,
-            self._dcp_size,
-        )
-
-    def _fingerprint(
-        self, name: str, pool: Any, sizes: Sequence[int], replicated: bool, mode: str
-    ) -> str:
-        # The key scheme hashes the facts in Rust (kvtier_proto::keys::fingerprint), to the
-        # same value hashlib.blake2b(repr(facts).encode(), digest_size=6) gave before.
-        return _native.key_fingerprint(self._fingerprint_facts(name, pool, sizes, replicated, mode))
-
-    @staticmethod
-    def _component_names(base: Optional[str], count: int, pool: Any = None) -> List[str]:
-        """Readable names for a page's components, in get_page_buffer_meta order."""
-        mamba = None
-        if base == PoolName.MAMBA.value and pool is not None:
-            # Mamba pages are the temporal (SSM) state, when the model has one, then conv_i.
-            conv = len(getattr(pool, "conv_buffer", None) or [])
-            mamba = (conv, getattr(pool, "temporal_state_elem_size", 0) > 0)
-        return _native.key_component_names(base, count, mamba)
+    @property
+    def writes_replicated_kv(self) -> bool:
+        """Whether this rank writes rank-replicated objects (see ``__init__``)."""
+        return self._writes_replicated_kv
 
     def _probe_meta(self, pool: Any, split_factor: int, first: bool = True):
         page_size = getattr(pool, "page_size", 1) or 1
@@ -596,19 +545,19 @@ class KvtierStore(HiCacheStorage):
             zero_copy and split_factor == 1 and _flat_page_is_components(pool, 0, ptrs, sizes)
         )
         if zero_copy:
-            fp = self._fingerprint(str(name), pool, sizes, replicated, "zero-copy")
+            fp = self.key_layout.fingerprint(str(name), pool, sizes, replicated, "zero-copy")
             if split_factor > 1:
                 per_split = len(sizes) // split_factor
-                names = self._component_names(base, per_split)
+                names = self.key_layout.component_names(base, per_split)
                 base_rank = self._tp_rank * split_factor
                 suffixes = [
-                    _native.key_suffix(fp, self._rank_tag(False, base_rank + r), n)
+                    _native.key_suffix(fp, self.key_layout.rank_tag(False, base_rank + r), n)
                     for r in range(split_factor)
                     for n in names
                 ]
             else:
-                names = self._component_names(base, len(sizes), pool)
-                tag = self._rank_tag(replicated)
+                names = self.key_layout.component_names(base, len(sizes), pool)
+                tag = self.key_layout.rank_tag(replicated)
                 suffixes = [_native.key_suffix(fp, tag, n) for n in names]
         else:
             self._warn_once(
@@ -627,9 +576,11 @@ class KvtierStore(HiCacheStorage):
             )
         except Exception:
             pass
-        page_fp = self._fingerprint(str(name), pool, [page_bytes], replicated, "flat-page")
+        page_fp = self.key_layout.fingerprint(
+            str(name), pool, [page_bytes], replicated, "flat-page"
+        )
         page_suffix = _native.key_suffix(
-            page_fp, self._rank_tag(replicated), base + ".page" if base else "page"
+            page_fp, self.key_layout.rank_tag(replicated), base + ".page" if base else "page"
         )
         return PoolPlan(
             name=str(name),
@@ -1058,29 +1009,18 @@ class KvtierStore(HiCacheStorage):
                     suffixes: List[str] = []
                 else:
                     suffixes = plan.active_suffixes
-                policy = _POLICY_NAMES.get(transfer.hit_policy)
-                if policy is None:
-                    logger.error(
-                        "kvtier batch_exists_v2: pool %s has unknown hit policy %r; treating as a miss",
-                        name,
-                        transfer.hit_policy,
-                    )
-                    policy, suffixes = "all_pages", []
-                if transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
-                    param = max(1, len(transfer.keys) if transfer.keys else 1)
-                    self._learn_window(name, param)
-                elif transfer.hit_policy == PoolHitPolicy.BLOCK_GROUPS:
-                    param = int(transfer.group_pages or 0)
-                    if param <= 0:
-                        logger.error(
-                            "kvtier batch_exists_v2: pool %s BLOCK_GROUPS without group_pages; no verdict",
-                            name,
-                        )
-                        suffixes = []
-                        param = 1
-                else:
-                    param = 0
-                pools.append((name, suffixes, policy, param))
+                query, problem = pool_query(
+                    name,
+                    transfer.hit_policy,
+                    suffixes,
+                    transfer.keys,
+                    getattr(transfer, "group_pages", None),
+                )
+                if problem:
+                    logger.error("kvtier batch_exists_v2: %s", problem)
+                elif transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                    self._learn_window(name, query[3])
+                pools.append(query)
             if self._no_anchor("batch_exists_v2"):
                 return PoolTransferResult(0, {}, [])
             kv_hit, pool_hits, restorable = self._store.exists_v2(

@@ -26,8 +26,11 @@ and the keys of the HiCache adapter (``kvtier.sglang.KvtierStore``) with the
 HiCache hit and the other way round. MLA pages carry no TP rank (written once across TP, by the
 storage writer rank, except in embedded mode where every process has its own store).
 
-Keys are composed only in :meth:`KvtierLinker._suffixes` (through ``KvtierStore`` members), so
-the key scheme has one owner.
+Keys are composed only in :meth:`KvtierLinker._suffixes` and :meth:`KvtierLinker._key`,
+through the HiCache adapter's :class:`kvtier.sglang_keys.KeyLayout`
+(``KvtierStore.key_layout``), and hit policies are translated by
+:func:`kvtier.sglang_keys.pool_query`, so the linker and the adapter compose the same keys and
+give the same verdicts.
 
 Device memory: CPU device pools are registered with kvtier and copied directly. Accelerator
 pools go through ``kvtier.sglang_linker_staging`` (pinned staging, torch copies on a side
@@ -45,7 +48,6 @@ import torch
 
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageConfig,
-    PoolHitPolicy,
     PoolName,
     PoolTransfer,
 )
@@ -60,7 +62,8 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
 )
 
 from kvtier import _native
-from kvtier.sglang import _POLICY_NAMES, KvtierStore
+from kvtier.sglang import KvtierStore
+from kvtier.sglang_keys import pool_query
 
 logger = logging.getLogger(__name__)
 
@@ -309,12 +312,14 @@ class KvtierLinker(UnifiedCacheLinker):
             model_name=model_path,
             extra_config=dict(extra_config or {}),
         )
-        # The HiCache adapter owns the key scheme and the store; the linker borrows both.
+        # The HiCache adapter opens the store and gathers the key layout (kvtier.sglang_keys);
+        # the linker borrows both through their public faces.
         self.store = KvtierStore(config)
-        self._native = self.store._store
-        self._prefix = self.store._prefix
+        self.key_layout = self.store.key_layout
+        self._native = self.store.native
+        self._prefix = self.key_layout.prefix
         # Rank-replicated objects are written by one rank, unless this store is private.
-        self._writes_replicated = self.store._writes_replicated_kv
+        self._writes_replicated = self.store.writes_replicated_kv
         self._replicated = replicated
         self._objects: Dict[str, List[_Object]] = {
             _pool_key(name): self._suffixes(name, entry) for name, entry in self.pools.items()
@@ -338,8 +343,8 @@ class KvtierLinker(UnifiedCacheLinker):
 
     # ------------------------------------------------------------------ keys (one place)
     def _suffixes(self, name: Any, entry: DevicePoolEntry) -> List[_Object]:
-        """The objects of one page of ``entry`` and their key suffixes, via KvtierStore."""
-        store = self.store
+        """The objects of one page of ``entry`` and their key suffixes, via the key layout."""
+        layout = self.key_layout
         objects = _entry_objects(entry)
         sizes = [sum(size for _, _, size in pieces) for pieces, _ in objects]
         twin = self._twins.get(name)
@@ -349,24 +354,24 @@ class KvtierLinker(UnifiedCacheLinker):
             replicated = self._replicated if is_anchor else bool(self._replicated)
             pool_name = PoolName.KV.value if is_anchor else _pool_key(name)
             base = None if is_anchor else pool_name
-            fp = store._fingerprint(pool_name, twin, sizes, replicated, "zero-copy")
-            names = store._component_names(base, len(objects))
+            fp = layout.fingerprint(pool_name, twin, sizes, replicated, "zero-copy")
+            names = layout.component_names(base, len(objects))
         else:
             replicated = self._replicated and name != PoolName.MAMBA
-            fp = store._fingerprint(_pool_key(name), entry.device_pool, sizes, replicated, "linker")
-            names = store._component_names(_pool_key(name), len(objects))
-        tag = store._rank_tag(replicated)
+            fp = layout.fingerprint(_pool_key(name), entry.device_pool, sizes, replicated, "linker")
+            names = layout.component_names(_pool_key(name), len(objects))
+        tag = layout.rank_tag(replicated)
         out = []
         for (pieces, layer_pieces), component in zip(objects, names):
             offsets, at = [], 0
             for _, _, size in pieces:
                 offsets.append(at)
                 at += size
-            out.append(_Object(f"@{fp}{tag}.{component}", pieces, offsets, layer_pieces))
+            out.append(_Object(layout.suffix(fp, tag, component), pieces, offsets, layer_pieces))
         return out
 
     def _key(self, page_key: str, obj: _Object) -> str:
-        return f"{self._prefix}{page_key}{obj.suffix}"
+        return self.key_layout.key(page_key, obj.suffix)
 
     # ------------------------------------------------------------------ memory
     def _register_buffers(self) -> List[int]:
@@ -399,14 +404,16 @@ class KvtierLinker(UnifiedCacheLinker):
                 if t.name == PoolName.KV:
                     anchor = suffixes
                     continue
-                policy = _POLICY_NAMES.get(t.hit_policy, "all_pages")
-                if t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
-                    param = max(1, len(t.keys or []))
-                elif t.hit_policy == PoolHitPolicy.BLOCK_GROUPS:
-                    param = max(1, int(t.group_pages or 0))
-                else:
-                    param = 0
-                pools.append((_pool_key(t.name), suffixes, policy, param))
+                query, problem = pool_query(
+                    _pool_key(t.name),
+                    t.hit_policy,
+                    suffixes,
+                    t.keys,
+                    getattr(t, "group_pages", None),
+                )
+                if problem:
+                    logger.error("kvtier linker lookup: %s", problem)
+                pools.append(query)
             _, _, restorable = self._native.exists_v2(self._prefix, list(kv.keys), anchor, pools)
             return list(restorable)
         except Exception:

@@ -109,7 +109,8 @@ def key_namespace(offloading_spec: Any, stride: int) -> str:
     fields["rank"] = mapper.rank
     canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     digest = hashlib.sha256(canonical.encode()).hexdigest()[:16]
-    return f"vllm/{str(fields['model_name']).replace('/', '_')}_{digest}"
+    # Composed by the key scheme (kvtier_proto::keys::vllm_namespace; issue 28).
+    return _native.key_vllm_namespace(str(fields["model_name"]), digest)
 
 
 def _mapped_file(addr: int) -> str | None:
@@ -275,8 +276,10 @@ class KvtierTier(SecondaryTierManager):
     # ------------------------------------------------------------------ keys
 
     def store_key(self, key: OffloadKey) -> str:
-        return (
-            f"{self._namespace}/{get_offload_block_hash(key).hex()}_g{get_offload_group_idx(key)}"
+        # ``namespace/<block hash hex>_g<group>``, composed by kvtier_proto::keys::vllm_key:
+        # each (block, KV group) is its own eviction group.
+        return _native.key_vllm(
+            self._namespace, bytes(get_offload_block_hash(key)), get_offload_group_idx(key)
         )
 
     def _batch(self, job: TransferJob) -> tuple[list[OffloadKey], list[str], list[int], list[int]]:

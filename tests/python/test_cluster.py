@@ -157,7 +157,7 @@ class Node(sm.Served):
     """``kvtier serve --master`` (the server-mode tests' Served, in its own directory).
     ``binary`` may be a wrapper that runs it inside a network namespace."""
 
-    def __init__(self, binary, tmp_path, master_addr, node_id, data_addr, *args):
+    def __init__(self, binary, tmp_path, master_addr, node_id, data_addr, *args, dram="256MiB"):
         self.node_id = node_id
         self.data_addr = data_addr
         d = tmp_path / node_id
@@ -172,6 +172,7 @@ class Node(sm.Served):
             "--node-id",
             node_id,
             *args,
+            dram=dram,
         )
 
     def keys(self):
@@ -210,7 +211,7 @@ class Cluster:
         self.master = Master(binary, tmp_path, **master_kw)
         self.nodes: dict[str, Node] = {}
 
-    def add_node(self, node_id, ip, *args, binary=None, port=None, master_addr=None):
+    def add_node(self, node_id, ip, *args, binary=None, port=None, master_addr=None, dram="256MiB"):
         node = Node(
             binary or self.binary,
             self.tmp_path,
@@ -218,6 +219,7 @@ class Cluster:
             node_id,
             f"{ip}:{port or free_port(ip)}",
             *args,
+            dram=dram,
         )
         self.nodes[node_id] = node
         return node

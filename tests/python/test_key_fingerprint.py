@@ -20,6 +20,7 @@ import kvtier_dev.harness.flows as cf
 import kvtier_dev.harness.pools as sp
 from kvtier import _native
 from kvtier.sglang import KEY_FORMAT_VERSION, KvtierStore
+from kvtier.sglang_keys import KeyLayout
 
 DYNAMIC = {"backend_name": "kvtier", "module_path": "kvtier.sglang", "class_name": "KvtierStore"}
 EMBEDDED = {"dram_capacity_bytes": "64MiB", "dram_prefault": False, "interface_v1": 1}
@@ -169,14 +170,14 @@ def test_bad_arguments_fail_cleanly():
 def recorded(monkeypatch):
     """Every facts tuple the adapter hashes while the test runs, and the fingerprint it used."""
     seen = []
-    facts_of = KvtierStore._fingerprint_facts
+    facts_of = KeyLayout.fingerprint_facts
 
     def recording(self, *args, **kwargs):
         facts = facts_of(self, *args, **kwargs)
         seen.append(facts)
         return facts
 
-    monkeypatch.setattr(KvtierStore, "_fingerprint_facts", recording)
+    monkeypatch.setattr(KeyLayout, "fingerprint_facts", recording)
     return seen
 
 

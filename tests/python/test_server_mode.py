@@ -54,7 +54,7 @@ def _connectable(path: str) -> bool:
 
 
 class Served:
-    def __init__(self, binary, tmp_path, *args):
+    def __init__(self, binary, tmp_path, *args, dram="256MiB"):
         self.socket = str(tmp_path / "kvtier.sock")
         self.log = open(tmp_path / "serve.log", "w+")
         self.proc = subprocess.Popen(
@@ -64,7 +64,7 @@ class Served:
                 "--socket",
                 self.socket,
                 "--dram-capacity",
-                "256MiB",
+                dram,
                 "--engine",
                 "dram_prefault=false",
                 *args,

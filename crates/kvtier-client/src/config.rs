@@ -667,7 +667,7 @@ impl KvtierConfig {
         }
         self.validate_cluster(&origin)?;
         if let Some(tag) = &self.extra_backend_tag {
-            if tag.is_empty() || tag.len() > 128 || tag.contains('\0') || tag.contains('\x1f') {
+            if tag.is_empty() || !kvtier_proto::namespace::is_valid_name(tag) {
                 return Err(ConfigError::new(
                     "extra_backend_tag",
                     &origin("extra_backend_tag"),

@@ -30,7 +30,7 @@ use kvtier_proto::{ExistsV2Answer, ExistsV2Query, ProtoError};
 
 use crate::config::{EngineConfig, SsdDurabilityMode, SsdWritePolicy};
 use crate::dram::{DramAllocation, DramOptions, DramTier};
-use crate::error::EngineError;
+use crate::error::{EngineError, NoSpaceCause};
 use crate::eviction::events::{Drained, EventKind, EventLog};
 use crate::eviction::{group_of, new_policy, EvictionPolicy, GroupChange, Victim};
 use crate::index::Index;
@@ -180,8 +180,8 @@ impl Engine {
 
     /// Put-if-absent. An existing key is `Ok(AlreadyPresent)` with no copy (a dedup skip; it
     /// also counts as an access for recency). The object becomes visible only after its bytes
-    /// are fully copied. Evicts cold objects to make room; `NoSpace` if every object that could
-    /// go is pinned (the put fails and nothing else is lost).
+    /// are fully copied. Evicts cold objects to make room; `NoSpace` if nothing more can go
+    /// (pinned, or the put's own group; the put fails and nothing else is lost).
     pub fn put(&self, key: &[u8], value: &[u8], meta: PutMeta) -> Result<PutOutcome, EngineError> {
         self.put_verified(key, value, meta, &|| true)
     }
@@ -315,6 +315,8 @@ impl Engine {
         // released since; NoSpace only after one whole pass that saw the queue empty.
         let mut idle_pass = false;
         let mut candidates = Vec::with_capacity(window);
+        // What this pass could not evict, for the error (issue 28).
+        let mut cause = NoSpaceCause::default();
         loop {
             if let Some(a) = self.dram.try_allocate(len) {
                 return Ok(a);
@@ -328,29 +330,38 @@ impl Engine {
                     ssd.wait_progress();
                     skip = 0;
                     idle_pass = false;
+                    cause = NoSpaceCause::default();
                     continue;
                 }
                 if !idle_pass && skip > 0 {
                     idle_pass = true;
                     skip = 0;
+                    cause = NoSpaceCause::default();
                     continue;
                 }
-                return Err(EngineError::NoSpace { needed: len });
+                return Err(EngineError::NoSpace { needed: len, cause });
             }
             if self.write_back() {
                 self.copy_victims_to_ssd(&candidates, needed_blocks);
             }
             let mut evicted_any = false;
             for victim in &candidates {
-                if &*victim.group != own_group && self.try_evict_group(victim) {
+                if &*victim.group == own_group {
+                    if !victim.partial {
+                        cause.own_group_objects = victim.members.len();
+                    }
+                } else if self.try_evict_group(victim) {
                     evicted_any = true;
                     if self.dram.free_blocks() >= needed_blocks {
                         break;
                     }
+                } else if !victim.partial {
+                    cause.pinned_groups += 1;
                 }
             }
             skip = if evicted_any {
                 idle_pass = false;
+                cause = NoSpaceCause::default();
                 0
             } else {
                 // Partial victims are extra proposals, not ranks of the cold window.

@@ -12,8 +12,10 @@ pub enum EngineError {
     EmptyKey,
     #[error("object of {len} bytes is larger than the whole DRAM arena ({capacity} bytes)")]
     ObjectTooLarge { len: u64, capacity: u64 },
-    #[error("no space for {needed} bytes: every remaining object is pinned by a reader")]
-    NoSpace { needed: u64 },
+    /// Nothing more could be evicted; `cause` says what held the memory (issue 28: it is not
+    /// always a reader's pin).
+    #[error("no space for {needed} bytes: {cause}")]
+    NoSpace { needed: u64, cause: NoSpaceCause },
     #[error("invalid config `{key}`: {reason}")]
     InvalidConfig { key: &'static str, reason: String },
     #[error("cannot map the DRAM arena: {0}")]
@@ -24,4 +26,42 @@ pub enum EngineError {
     SsdWrite(#[source] std::io::Error),
     #[error("the source memory was revoked during the copy (its owner truncated it); not stored")]
     SourceRevoked,
+}
+
+/// Why a put found nothing more to evict, counted over the last whole pass of the cold
+/// windows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NoSpaceCause {
+    /// Page groups that could not go: a member pinned by a reader (or an SSD copy), or a
+    /// group changing under concurrent puts.
+    pub pinned_groups: usize,
+    /// Objects of the put's own eviction group: a group goes whole, never to make room for
+    /// one of its own members.
+    pub own_group_objects: usize,
+}
+
+impl std::fmt::Display for NoSpaceCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let own = self.own_group_objects;
+        match (self.pinned_groups, own) {
+            (0, 0) => write!(
+                f,
+                "no object can be evicted (the memory is held by readers of removed objects)"
+            ),
+            (0, _) => write!(
+                f,
+                "every other object ({own}) is in the put's own eviction group, which is never \
+                 split to store one of its members"
+            ),
+            (pinned, 0) => write!(
+                f,
+                "every remaining page group ({pinned}) is pinned by a reader or an SSD copy"
+            ),
+            (pinned, _) => write!(
+                f,
+                "{pinned} page groups are pinned by a reader or an SSD copy and {own} objects \
+                 are in the put's own eviction group, which is never split"
+            ),
+        }
+    }
 }

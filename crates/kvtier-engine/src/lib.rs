@@ -43,7 +43,7 @@ pub use config::{
 };
 pub use dram::{Allocator, Extent};
 pub use engine::{Engine, Placement, PutMeta, PutOutcome};
-pub use error::EngineError;
+pub use error::{EngineError, NoSpaceCause};
 pub use eviction::{EvictionPolicy, Lru, PrefixDepth};
 pub use object::PinnedObject;
 pub use ssd::{fsck, FsckReport, FsckSegment, RecoveryProgress, RecoveryReport, ScanCounts};

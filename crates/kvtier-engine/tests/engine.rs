@@ -298,7 +298,10 @@ fn everything_pinned_is_no_space_and_loses_nothing() {
         });
         pinned_rx.recv().unwrap();
         match put(e, "c", BS) {
-            Err(EngineError::NoSpace { needed }) => assert_eq!(needed, BS as u64),
+            Err(EngineError::NoSpace { needed, cause }) => {
+                assert_eq!(needed, BS as u64);
+                assert_eq!(cause.pinned_groups, 2, "{cause}");
+            }
             other => panic!("expected NoSpace, got {other:?}"),
         }
         assert!(!e.contains(b"c"));
@@ -461,4 +464,75 @@ fn engine_is_send_and_sync() {
     fn check<T: Send + Sync>() {}
     check::<Engine>();
     check::<kvtier_engine::PinnedObject>();
+}
+
+/// Issue 28: every engine's real key shapes, 4x the arena's capacity, both policies: every
+/// put is stored (eviction makes room one chunk/page group at a time), the newest keys are
+/// found, and a key's own group is never split to store it. Before, LMCache keys
+/// (`<model>@<kv_rank>@<group>@<hash>`) were one group per model and every put past the
+/// first arena-full failed with "pinned by a reader".
+#[test]
+fn every_schemes_keys_fill_the_store_four_times() {
+    let lmcache = |i: usize| format!("lmcache/Qwen/Qwen3-0.6B@0@0@{i:064x}");
+    let legacy = |i: usize| format!("lmcache-v1/Qwen/Qwen3-0.6B@1@0@{i:064x}@bfloat16");
+    let vllm = |i: usize| format!("vllm/Qwen_Qwen3-0.6B_0123456789abcdef/{i:064x}_g0");
+    let sglang = |i: usize| format!("team/{i:064x}@0123456789ab.tp0.k");
+    let schemes: [(&str, &dyn Fn(usize) -> String); 4] = [
+        ("lmcache", &lmcache),
+        ("lmcache-legacy", &legacy),
+        ("vllm", &vllm),
+        ("sglang", &sglang),
+    ];
+    for policy in [Lru, PrefixDepth] {
+        for (name, key) in schemes {
+            let blocks = 16;
+            let e = engine(blocks, policy, 64);
+            let total = 4 * blocks;
+            for i in 0..total {
+                let k = key(i);
+                let out = put(&e, &k, BS);
+                assert_eq!(
+                    out.unwrap_or_else(|err| panic!("{name} {policy:?} put {i}: {err}")),
+                    PutOutcome::Stored
+                );
+                if name == "lmcache-legacy" {
+                    // The sidecar joins its chunk's group.
+                    let meta = format!("{k}.meta");
+                    e.put(meta.as_bytes(), b"meta", PutMeta::default()).unwrap();
+                }
+            }
+            for i in total - 4..total {
+                assert_intact(&e, &key(i), BS);
+            }
+            assert!(!e.contains(key(0).as_bytes()), "{name}: the oldest went");
+            assert!(e.stats().evictions_capacity > 0);
+            e.verify_accounting().unwrap();
+        }
+    }
+}
+
+/// The NoSpace error says what held the memory: here the put's own group (an SGLang page of
+/// more components than the arena holds), not a reader's pin.
+#[test]
+fn no_space_names_the_own_group_not_a_pin() {
+    let e = engine(4, Lru, 64);
+    let mut failed = None;
+    for c in 0..8 {
+        if let Err(err) = put(&e, &format!("page@0123456789ab.tp0.c{c}"), BS) {
+            failed = Some(err);
+            break;
+        }
+    }
+    match failed {
+        Some(EngineError::NoSpace { cause, .. }) => {
+            assert_eq!(cause.pinned_groups, 0, "{cause}");
+            assert_eq!(cause.own_group_objects, 4, "{cause}");
+            let text = cause.to_string();
+            assert!(
+                text.contains("own eviction group") && !text.contains("pinned"),
+                "{text}"
+            );
+        }
+        other => panic!("expected NoSpace, got {other:?}"),
+    }
 }

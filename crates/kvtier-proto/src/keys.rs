@@ -1,8 +1,28 @@
-//! kvtier's object key scheme, the one definition every layer composes and parses with
-//! (issue 16): the SGLang adapter (through `kvtier._native`), the engine's eviction groups,
-//! the client's metrics and the KV-event publisher.
+//! kvtier's object key schemes, the one definition every layer composes, parses and groups
+//! keys with (issues 16, 28): the engine adapters (through `kvtier._native`), the engine's
+//! eviction groups, the client's metrics and the KV-event publisher.
 //!
-//! A key is `[tag "/"] page_hash "@" fingerprint rank_tag "." component`:
+//! **Schemes** ([`KeyScheme`]): every engine's keys are composed here, and each scheme says
+//! explicitly what a key's eviction group is; nothing is guessed from a separator byte:
+//! - [`KeyScheme::SGLang`] (below): several objects per page (pools, components, ranks), one
+//!   group per page: `[tag "/"] page_hash "@"`;
+//! - [`KeyScheme::Vllm`]: `vllm/<model>_<digest>/<block_hash hex>_g<kv group>`
+//!   ([`vllm_key`]); one object per (block, KV cache group), each its own group;
+//! - [`KeyScheme::LmCache`]: LMCache's own key strings under `lmcache/` (the MP L2 adapter,
+//!   `<model>@<kv_rank>@<group>@<chunk_hash>[@salt]`) or `lmcache-v1/` (the legacy remote
+//!   plugin, `CacheEngineKey.to_string()`: `<model>@<world>@<worker>@<hash>@<dtype>[@tags]`, plus
+//!   a `.meta` sidecar)
+//!   ([`lmcache_key`]); one group per chunk (the chunk and its sidecar), never per model;
+//! - [`KeyScheme::Opaque`]: any other key; it is its own group.
+//!
+//! A stored key may carry a store namespace before the engine's key (`tenant 0x1f` or
+//! `NUL 'C' tag 0x1f`, [`crate::namespace`]); [`group_of`] keeps it and groups what follows.
+//! The schemes are disjoint by construction: an SGLang key has exactly one `@` and a
+//! `fingerprint "." component` tail, an LMCache key its prefix and at least three `@`, a vLLM
+//! key its prefix and no `@`. Composition is byte-for-byte what the adapters wrote before
+//! issue 28, so objects already on SSD or in a cluster keep their names.
+//!
+//! **The SGLang scheme.** A key is `[tag "/"] page_hash "@" fingerprint rank_tag "." component`:
 //! - `tag "/"` (optional): the tenant or namespace prefix (`extra_backend_tag`);
 //! - `page_hash`: SGLang's page hash (hex), shared by every component of the page in every
 //!   pool, so `[tag/]page_hash@` is the page's eviction group ([`group_of`]);
@@ -118,12 +138,217 @@ pub fn compose(prefix: &[u8], page_key: &[u8], suffix: &[u8], out: &mut Vec<u8>)
     out.extend_from_slice(suffix);
 }
 
-/// The page group of `key`: the bytes up to and including its first `@` (tenant tag and page
-/// hash), or the whole key when it has no `@`.
-pub fn group_of(key: &[u8]) -> &[u8] {
-    match key.iter().position(|&b| b == b'@') {
-        Some(at) => &key[..=at],
-        None => key,
+/// The engine key schemes kvtier knows (see the module doc). A scheme says how its keys are
+/// composed ([`vllm_key`], [`lmcache_key`], [`compose`]), what a key's eviction group is
+/// ([`KeyScheme::group`]) and its page facts ([`KeyScheme::facts`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KeyScheme {
+    /// SGLang HiCache and the direct linker: `[tag "/"] page_hash "@" fingerprint rank_tag
+    /// "." component`.
+    SGLang,
+    /// vLLM's offloading tier: `vllm/<model>_<digest>/<block_hash hex>_g<kv group>`.
+    Vllm,
+    /// LMCache (both plugin kinds): its own key strings under [`LMCACHE_PREFIX`] or
+    /// [`LMCACHE_LEGACY_PREFIX`].
+    LmCache,
+    /// Any other key (a caller's own names): one object, its own group.
+    Opaque,
+}
+
+/// What a scheme's keys say about pages, for the layers that rank or report them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SchemeFacts {
+    /// Name of the scheme (`sglang`, `vllm`, `lmcache`, `opaque`), e.g. for logs.
+    pub name: &'static str,
+    /// Several objects (pools, components, TP ranks) make up one page and share its group;
+    /// otherwise every object is a page of its own.
+    pub objects_per_page: ObjectsPerPage,
+    /// Pages form prefix chains whose depth the adapter passes at put time (`PutMeta::depth`,
+    /// from SGLang's `prefix_keys`). The depth is never read from the key.
+    pub depth_at_put: bool,
+}
+
+/// How many objects one page of a scheme is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ObjectsPerPage {
+    /// One object per page (vLLM blocks, opaque keys).
+    One,
+    /// A chunk and its optional metadata sidecar (LMCache's legacy plugin).
+    ChunkAndSidecar,
+    /// A page's components in every pool and rank (SGLang).
+    Many,
+}
+
+/// The prefix of every vLLM key (the tier's namespace starts with it).
+pub const VLLM_PREFIX: &str = "vllm/";
+/// The prefix of LMCache's MP L2 adapter keys.
+pub const LMCACHE_PREFIX: &str = "lmcache/";
+/// The prefix of LMCache's legacy remote-plugin keys.
+pub const LMCACHE_LEGACY_PREFIX: &str = "lmcache-v1/";
+/// The sidecar suffix of an LMCache legacy chunk's metadata object.
+pub const LMCACHE_META_SUFFIX: &str = ".meta";
+/// Fewest `@` in an LMCache key (`<model>@<kv_rank>@<group>@<hash>`; the legacy key has more).
+const LMCACHE_MIN_ATS: usize = 3;
+
+impl KeyScheme {
+    /// The scheme of an engine key (without a store namespace prefix; [`group_of`] takes a
+    /// stored key). Every scheme's grammar is checked, not one byte: see the module doc.
+    pub fn of(key: &[u8]) -> KeyScheme {
+        let ats = key.iter().filter(|&&b| b == b'@').count();
+        if ats == 1 && is_sglang_shaped(key) {
+            return KeyScheme::SGLang;
+        }
+        if ats >= LMCACHE_MIN_ATS
+            && (key.starts_with(LMCACHE_PREFIX.as_bytes())
+                || key.starts_with(LMCACHE_LEGACY_PREFIX.as_bytes()))
+        {
+            return KeyScheme::LmCache;
+        }
+        if ats == 0 && key.starts_with(VLLM_PREFIX.as_bytes()) {
+            return KeyScheme::Vllm;
+        }
+        KeyScheme::Opaque
+    }
+
+    /// The eviction group of `key` (an engine key of this scheme, no store namespace): always
+    /// a prefix of the key. SGLang: `[tag/]page_hash@`; LMCache legacy: the chunk key (its
+    /// `.meta` sidecar joins the chunk's group); every other key: itself.
+    pub fn group(self, key: &[u8]) -> &[u8] {
+        match self {
+            KeyScheme::SGLang => match key.iter().position(|&b| b == b'@') {
+                Some(at) => &key[..=at],
+                None => key,
+            },
+            KeyScheme::LmCache if key.starts_with(LMCACHE_LEGACY_PREFIX.as_bytes()) => key
+                .strip_suffix(LMCACHE_META_SUFFIX.as_bytes())
+                .unwrap_or(key),
+            KeyScheme::LmCache | KeyScheme::Vllm | KeyScheme::Opaque => key,
+        }
+    }
+
+    /// The page (block, chunk) hash a key names, when its scheme has one: SGLang's page hash,
+    /// vLLM's block hash (hex), LMCache's chunk hash (its fourth `@` field).
+    pub fn page_hash(self, key: &[u8]) -> Option<&[u8]> {
+        match self {
+            KeyScheme::SGLang => Some(page_hash_of(key)),
+            KeyScheme::Vllm => {
+                let last = &key[key.iter().rposition(|&b| b == b'/')? + 1..];
+                let cut = last.windows(2).rposition(|w| w == b"_g")?;
+                Some(&last[..cut])
+            }
+            KeyScheme::LmCache => key.split(|&b| b == b'@').nth(3),
+            KeyScheme::Opaque => None,
+        }
+    }
+
+    /// The scheme's page facts.
+    pub fn facts(self) -> SchemeFacts {
+        let (name, objects_per_page, depth_at_put) = match self {
+            KeyScheme::SGLang => ("sglang", ObjectsPerPage::Many, true),
+            KeyScheme::Vllm => ("vllm", ObjectsPerPage::One, false),
+            KeyScheme::LmCache => ("lmcache", ObjectsPerPage::ChunkAndSidecar, false),
+            KeyScheme::Opaque => ("opaque", ObjectsPerPage::One, false),
+        };
+        SchemeFacts {
+            name,
+            objects_per_page,
+            depth_at_put,
+        }
+    }
+}
+
+/// An SGLang key or suffix: one `@`, then a non-empty alphanumeric fingerprint, a `.` and a
+/// non-empty rest (rank parts and component). Looser than [`parse`] (which wants a hex
+/// fingerprint) so that grouping does not depend on the fingerprint's alphabet.
+fn is_sglang_shaped(key: &[u8]) -> bool {
+    let Some(at) = key.iter().position(|&b| b == b'@') else {
+        return false;
+    };
+    let tail = &key[at + 1..];
+    let Some(dot) = tail.iter().position(|&b| b == b'.') else {
+        return false;
+    };
+    dot > 0 && dot + 1 < tail.len() && tail[..dot].iter().all(u8::is_ascii_alphanumeric)
+}
+
+/// The store namespace prefix of a stored key (`tenant 0x1f`, `NUL 'C' tag 0x1f`), empty for
+/// a raw key: its length.
+fn namespace_len(stored: &[u8]) -> usize {
+    match crate::namespace::owner(stored) {
+        crate::namespace::Owner::Tenant { key, .. }
+        | crate::namespace::Owner::Cluster { key, .. } => stored.len() - key.len(),
+        crate::namespace::Owner::Unknown => 0,
+    }
+}
+
+/// The scheme of a stored key (store namespace prefix skipped).
+pub fn scheme_of(stored: &[u8]) -> KeyScheme {
+    KeyScheme::of(&stored[namespace_len(stored)..])
+}
+
+/// The eviction group of a stored key: its store namespace prefix (if any) followed by the
+/// group its scheme names ([`KeyScheme::group`]). Always a prefix of `stored`; a key of no
+/// known scheme is its own group.
+pub fn group_of(stored: &[u8]) -> &[u8] {
+    let ns = namespace_len(stored);
+    let inner = &stored[ns..];
+    let group = KeyScheme::of(inner).group(inner);
+    &stored[..ns + group.len()]
+}
+
+/// The SGLang page hash of a stored key or of an SGLang group (`[tag/]page_hash@`, as the
+/// engine's events name it), its store namespace skipped; `None` for any other scheme's key or
+/// group (a vLLM block or an LMCache chunk is no SGLang page, so no SGLang KV event names it).
+pub fn sglang_page_hash(stored: &[u8]) -> Option<&[u8]> {
+    let inner = &stored[namespace_len(stored)..];
+    let ats = inner.iter().filter(|&&b| b == b'@').count();
+    let group = ats == 1 && inner.last() == Some(&b'@');
+    (group || KeyScheme::of(inner) == KeyScheme::SGLang).then(|| page_hash_of(inner))
+}
+
+/// A vLLM key: `namespace "/" block_hash_hex "_g" group` (`namespace` is the tier's
+/// `vllm/<model>_<digest>`, see [`vllm_namespace`]).
+pub fn vllm_key(namespace: &str, block_hash: &[u8], kv_group: u32) -> String {
+    let mut out = String::with_capacity(namespace.len() + 2 * block_hash.len() + 8);
+    out.push_str(namespace);
+    out.push('/');
+    for b in block_hash {
+        out.push_str(&format!("{b:02x}"));
+    }
+    out.push_str(&format!("_g{kv_group}"));
+    out
+}
+
+/// The vLLM tier's namespace: `vllm/<model with '/' as '_'>_<digest>`.
+pub fn vllm_namespace(model: &str, digest: &str) -> String {
+    format!("{VLLM_PREFIX}{}_{digest}", model.replace('/', "_"))
+}
+
+/// Which LMCache plugin a key belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LmCachePlugin {
+    /// The MP L2 adapter (`KvtierL2Connector`).
+    L2,
+    /// The legacy remote-storage plugin (`KvtierRemoteConnector`).
+    Legacy,
+}
+
+/// An LMCache key: LMCache's own string under its plugin's prefix, with the `.meta` sidecar
+/// suffix for a legacy chunk's metadata object.
+pub fn lmcache_key(plugin: LmCachePlugin, lmcache_key: &str, sidecar: bool) -> String {
+    let prefix = match plugin {
+        LmCachePlugin::L2 => LMCACHE_PREFIX,
+        LmCachePlugin::Legacy => LMCACHE_LEGACY_PREFIX,
+    };
+    let suffix = if sidecar { LMCACHE_META_SUFFIX } else { "" };
+    format!("{prefix}{lmcache_key}{suffix}")
+}
+
+/// The SGLang tenant prefix of a page key (`extra_backend_tag "/"`, empty without a tag).
+pub fn sglang_tag_prefix(tag: Option<&str>) -> String {
+    match tag {
+        Some(t) if !t.is_empty() => format!("{t}/"),
+        _ => String::new(),
     }
 }
 
@@ -314,6 +539,115 @@ mod tests {
         ] {
             assert!(parse(junk).is_none());
             assert_eq!(pool_of(junk), "other");
+        }
+    }
+
+    /// Issue 28: LMCache keys (`<model>@<kv_rank>@<group>@<hash>`) used to be one group per
+    /// model (everything up to the first `@`), so a full store refused every later put.
+    #[test]
+    fn each_scheme_names_its_own_groups() {
+        // LMCache MP L2: one group per chunk, not per model.
+        let a = lmcache_key(LmCachePlugin::L2, "Qwen/Qwen3-0.6B@0@0@00aa", false);
+        let b = lmcache_key(LmCachePlugin::L2, "Qwen/Qwen3-0.6B@0@0@00bb@salt", false);
+        assert_eq!(a, "lmcache/Qwen/Qwen3-0.6B@0@0@00aa");
+        for k in [&a, &b] {
+            assert_eq!(KeyScheme::of(k.as_bytes()), KeyScheme::LmCache);
+            assert_eq!(group_of(k.as_bytes()), k.as_bytes());
+        }
+        assert_ne!(group_of(a.as_bytes()), group_of(b.as_bytes()));
+        assert_eq!(
+            KeyScheme::LmCache.page_hash(a.as_bytes()),
+            Some(&b"00aa"[..])
+        );
+        // LMCache legacy: the chunk and its .meta sidecar are one group.
+        let chunk = lmcache_key(LmCachePlugin::Legacy, "m@1@0@0abc@bfloat16", false);
+        let meta = lmcache_key(LmCachePlugin::Legacy, "m@1@0@0abc@bfloat16", true);
+        assert_eq!(meta, "lmcache-v1/m@1@0@0abc@bfloat16.meta");
+        assert_eq!(group_of(meta.as_bytes()), chunk.as_bytes());
+        assert_eq!(group_of(chunk.as_bytes()), chunk.as_bytes());
+        // vLLM: byte-for-byte the tier's former f-string; each block and KV group alone.
+        let ns = vllm_namespace("Qwen/Qwen3-0.6B", "0123456789abcdef");
+        assert_eq!(ns, "vllm/Qwen_Qwen3-0.6B_0123456789abcdef");
+        let v = vllm_key(&ns, &[0x00, 0xab, 0xff], 2);
+        assert_eq!(v, "vllm/Qwen_Qwen3-0.6B_0123456789abcdef/00abff_g2");
+        assert_eq!(KeyScheme::of(v.as_bytes()), KeyScheme::Vllm);
+        assert_eq!(group_of(v.as_bytes()), v.as_bytes());
+        assert_eq!(
+            KeyScheme::Vllm.page_hash(v.as_bytes()),
+            Some(&b"00abff"[..])
+        );
+        // SGLang: one group per page across pools; an SGLang tag that spells another
+        // engine's prefix is still SGLang (one `@`).
+        for key in [&b"lmcache/abc@0123456789ab.tp0.k"[..], b"vllm/abc@fp.swa"] {
+            assert_eq!(KeyScheme::of(key), KeyScheme::SGLang);
+            assert!(group_of(key).ends_with(b"abc@"));
+        }
+        assert_eq!(sglang_tag_prefix(Some("team")), "team/");
+        assert_eq!(sglang_tag_prefix(None), "");
+        // Opaque keys are their own group, whatever bytes they hold.
+        for key in [
+            &b"plain"[..],
+            b"@x",
+            b"a@b@c",
+            b"x@.k",
+            b"x@fp.",
+            b"lmcache/a@b",
+        ] {
+            assert_eq!(KeyScheme::of(key), KeyScheme::Opaque, "{key:?}");
+            assert_eq!(group_of(key), key);
+        }
+        assert_eq!(
+            KeyScheme::SGLang.facts().objects_per_page,
+            ObjectsPerPage::Many
+        );
+        assert!(KeyScheme::SGLang.facts().depth_at_put);
+        assert_eq!(sglang_page_hash(b"t/abc@0123456789ab.k"), Some(&b"abc"[..]));
+        assert_eq!(sglang_page_hash(b"t/abc@"), Some(&b"abc"[..]));
+        assert_eq!(sglang_page_hash(b"team\x1ft/abc@"), Some(&b"abc"[..]));
+        assert_eq!(sglang_page_hash(v.as_bytes()), None);
+        assert_eq!(sglang_page_hash(a.as_bytes()), None);
+        assert_eq!(sglang_page_hash(b"plain"), None);
+        assert_eq!(KeyScheme::LmCache.facts().name, "lmcache");
+    }
+
+    /// The store namespace (a local tenant, a cluster tag) stays in front of the group.
+    #[test]
+    fn groups_keep_the_store_namespace() {
+        use crate::namespace::{cluster_prefix, tenant_prefix};
+        for ns in [
+            tenant_prefix("team-a"),
+            cluster_prefix("prod"),
+            cluster_prefix(""),
+        ] {
+            let key = [&ns[..], b"t/abc@0123456789ab.tp0.k"].concat();
+            assert_eq!(group_of(&key), [&ns[..], b"t/abc@"].concat());
+            assert_eq!(scheme_of(&key), KeyScheme::SGLang);
+            let lm = [&ns[..], b"lmcache/m@0@0@01"].concat();
+            assert_eq!(group_of(&lm), &lm[..]);
+            assert_eq!(scheme_of(&lm), KeyScheme::LmCache);
+        }
+        // A tenant name with an `@` no longer cuts the group inside the tenant.
+        let key = [&tenant_prefix("a@b")[..], b"h@fp.k"].concat();
+        assert_eq!(group_of(&key), [&tenant_prefix("a@b")[..], b"h@"].concat());
+    }
+
+    /// Grouping never panics and always names a prefix of the key (keys come from peers).
+    #[test]
+    fn group_of_is_a_prefix_of_any_bytes() {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let alphabet = b"@./_\x1f\0Clmcache-v1vllmgtp0k";
+        for _ in 0..20_000 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let len = (state % 24) as usize;
+            let key: Vec<u8> = (0..len)
+                .map(|i| alphabet[((state >> (i % 8 * 8)) as usize + i) % alphabet.len()])
+                .collect();
+            let group = group_of(&key);
+            assert!(key.starts_with(group), "{key:?}");
+            assert!(!group.is_empty() || key.is_empty());
+            let _ = KeyScheme::of(&key).page_hash(&key);
         }
     }
 }

@@ -1,4 +1,5 @@
-//! `kvtier._native` key-scheme functions: the Python face of `kvtier_proto::keys` (issue 16).
+//! `kvtier._native` key-scheme functions: the Python face of `kvtier_proto::keys` (issues 16,
+//! 28): the SGLang, vLLM and LMCache adapters compose their keys only through these.
 //!
 //! The SGLang adapter gathers SGLang's facts (ranks, pool names, component counts, the layout
 //! facts of the fingerprint) and composes and parses keys only through these functions, so the
@@ -69,16 +70,62 @@ fn key_compose(prefix: &str, page_key: &str, suffix: &str) -> String {
     format!("{prefix}{page_key}{suffix}")
 }
 
-/// The page group `[tag/]page_hash@` of a key (the whole key without `@`).
+/// The eviction group of a key, as its scheme names it (`[tag/]page_hash@` of an SGLang key,
+/// the key itself for a vLLM block, an LMCache chunk or an opaque key; issue 28).
 #[pyfunction]
 fn key_group_of(key: &str) -> String {
     String::from_utf8_lossy(keys::group_of(key.as_bytes())).into_owned()
 }
 
-/// The page hash of a key or group.
+/// The scheme of a key (`sglang`, `vllm`, `lmcache`, `opaque`; a store namespace prefix is
+/// skipped).
+#[pyfunction]
+fn key_scheme_of(key: &str) -> &'static str {
+    keys::scheme_of(key.as_bytes()).facts().name
+}
+
+/// The tier's vLLM key namespace `vllm/<model with '/' as '_'>_<digest>`.
+#[pyfunction]
+fn key_vllm_namespace(model: &str, digest: &str) -> String {
+    keys::vllm_namespace(model, digest)
+}
+
+/// A vLLM key: `namespace/<block hash hex>_g<kv group>`.
+#[pyfunction]
+fn key_vllm(namespace: &str, block_hash: &[u8], kv_group: u32) -> String {
+    keys::vllm_key(namespace, block_hash, kv_group)
+}
+
+/// LMCache MP L2 adapter keys: each of LMCache's strings under `lmcache/`.
+#[pyfunction]
+fn key_lmcache_l2(lmcache_keys: Vec<String>) -> Vec<String> {
+    lmcache_keys
+        .iter()
+        .map(|k| keys::lmcache_key(keys::LmCachePlugin::L2, k, false))
+        .collect()
+}
+
+/// An LMCache legacy-plugin key (`lmcache-v1/<key>`, `.meta` appended for the sidecar).
+#[pyfunction]
+#[pyo3(signature = (lmcache_key, sidecar=false))]
+fn key_lmcache_legacy(lmcache_key: &str, sidecar: bool) -> String {
+    keys::lmcache_key(keys::LmCachePlugin::Legacy, lmcache_key, sidecar)
+}
+
+/// The SGLang tenant prefix of page keys: `tag/`, empty without a tag.
+#[pyfunction]
+#[pyo3(signature = (tag=None))]
+fn key_sglang_prefix(tag: Option<&str>) -> String {
+    keys::sglang_tag_prefix(tag)
+}
+
+/// The SGLang page hash of a key or group (store namespace skipped); empty for a key or group
+/// of another scheme (a vLLM block, an LMCache chunk), which names no SGLang page (issue 28).
 #[pyfunction]
 fn key_page_hash(key: &str) -> String {
-    String::from_utf8_lossy(keys::page_hash_of(key.as_bytes())).into_owned()
+    keys::sglang_page_hash(key.as_bytes())
+        .map(|h| String::from_utf8_lossy(h).into_owned())
+        .unwrap_or_default()
 }
 
 /// The metrics pool label of a key or suffix (`kv`, a side pool, `other`).
@@ -166,6 +213,14 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(key_compose, m)?)?;
     m.add_function(wrap_pyfunction!(key_group_of, m)?)?;
     m.add_function(wrap_pyfunction!(key_page_hash, m)?)?;
+    m.add_function(wrap_pyfunction!(key_scheme_of, m)?)?;
+    m.add_function(wrap_pyfunction!(key_vllm_namespace, m)?)?;
+    m.add_function(wrap_pyfunction!(key_vllm, m)?)?;
+    m.add_function(wrap_pyfunction!(key_lmcache_l2, m)?)?;
+    m.add_function(wrap_pyfunction!(key_lmcache_legacy, m)?)?;
+    m.add_function(wrap_pyfunction!(key_sglang_prefix, m)?)?;
+    // The store namespace separator (`tenant 0x1f key`), declared once in kvtier_proto.
+    m.add("NAMESPACE_SEPARATOR", kvtier_proto::namespace::SEPARATOR)?;
     m.add_function(wrap_pyfunction!(key_pool_of, m)?)?;
     m.add_function(wrap_pyfunction!(key_parse, m)?)?;
     m.add_function(wrap_pyfunction!(key_superseded_range, m)?)?;

@@ -509,7 +509,7 @@ impl ServerConfig {
                 )
             })?;
         for (tenant, quota) in &settings.tenant_dram_quota {
-            if tenant.is_empty() || tenant.len() > 128 || tenant.contains(['\0', '\x1f']) {
+            if tenant.is_empty() || !kvtier_proto::namespace::is_valid_name(tenant) {
                 return Err(ConfigError::new(
                     "tenant_dram_quota",
                     &origin_of("tenant_dram_quota"),

@@ -9,11 +9,12 @@
 //! V object, per TP rank). Losing any one component makes the page unrestorable while its
 //! siblings keep their memory, so the policies rank and propose whole *groups*, and the
 //! engine evicts a group all-or-nothing. The group of a key is derived from the key itself
-//! ([`group_of`]): kvtier's key scheme is `[tag "/"] page_hash "@" fingerprint ... "."
-//! component`, so everything up to and including the first `@` is the tenant plus the page
-//! hash, shared by every component of that page in every pool. A key without `@` is a group
-//! of its own (plain per-object eviction). The key, not a put-time field, carries the group so
-//! that every path (embedded, server, promotion from SSD) agrees without extra plumbing.
+//! ([`group_of`]), by the key's scheme (`kvtier_proto::keys::KeyScheme`, issue 28): an SGLang
+//! key `[tag "/"] page_hash "@" fingerprint ... "." component` groups by tenant plus page hash,
+//! shared by every component of that page in every pool; a vLLM block, an LMCache chunk (with
+//! its legacy `.meta` sidecar) and any key of no known scheme are a group of their own. The
+//! key, not a put-time field, carries the group so that every path (embedded, server,
+//! promotion from SSD) agrees without extra plumbing.
 //!
 //! Contract with the engine (which makes the policy's key set equal to the index's):
 //! - `on_insert` / `on_remove` are called while the engine holds the write lock of the key's
@@ -44,9 +45,9 @@ pub use prefix_depth::PrefixDepth;
 
 use crate::config::EvictionPolicyKind;
 
-/// The page group of `key`: the bytes up to and including its first `@` (tenant tag and page
-/// hash in kvtier's key scheme), or the whole key when it has no `@`. Defined with the rest of
-/// the key scheme in `kvtier_proto::keys` (issue 16).
+/// The page group of `key`, as its key scheme names it (store namespace, then an SGLang
+/// page's `[tag/]page_hash@`, an LMCache chunk, or the key itself). Defined with the rest of
+/// the key schemes in `kvtier_proto::keys` (issues 16, 28).
 pub use kvtier_proto::keys::group_of;
 
 /// What an insert or remove did to the key's group.
@@ -436,7 +437,9 @@ mod tests {
         assert_eq!(group_of(b"t/abc@fp1.tp0.swa"), b"t/abc@");
         assert_eq!(group_of(b"abc@fp2.c4.c0"), b"abc@");
         assert_eq!(group_of(b"plain-key"), b"plain-key");
-        assert_eq!(group_of(b"@x"), b"@");
+        assert_eq!(group_of(b"@x"), b"@x");
+        // Issue 28: LMCache keys are one group per chunk, not one per model.
+        assert_eq!(group_of(b"lmcache/m@0@0@0a"), b"lmcache/m@0@0@0a");
     }
 
     #[test]
