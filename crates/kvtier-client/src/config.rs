@@ -194,7 +194,9 @@ pub struct KvtierConfig {
     #[serde(deserialize_with = "strict::optional_string")]
     pub node_id: Option<String>,
     /// Cluster mode: the local node's data address `host:port` (identifies the local node when
-    /// `node_id` is unset). For `kvtier serve`, the address its data port binds.
+    /// `node_id` is unset). For `kvtier serve`, the address its data port binds. Issue 26: as
+    /// `IP:PORT` it is also the interface a client's UCX binds to (unset: the interface it
+    /// reaches its master through); a node's UCX binds to its data address's interface.
     #[serde(deserialize_with = "strict::optional_string")]
     pub node_address: Option<String>,
     /// Cluster mode: comma-separated tags. A client only places objects on nodes carrying all

@@ -603,8 +603,9 @@ pub fn print_json(doc: &Value) {
 fn data_plane_line(plane: &Value) -> String {
     if plane["transport"] == "ucx" {
         format!(
-            "UCX (UCX_TLS {}, {} MiB registered, leases held {} / total {}, refused {}, objects not remote {}; TCP frames as fallback)",
+            "UCX (UCX_TLS {}, UCX_NET_DEVICES {}, {} MiB registered, leases held {} / total {}, refused {}, objects not remote {}; TCP frames as fallback)",
             plane["ucx_tls"].as_str().unwrap_or("?"),
+            plane["ucx_net_devices"].as_str().unwrap_or("?"),
             plane["registered_bytes"].as_u64().unwrap_or(0) >> 20,
             plane["leases_held"],
             plane["leases_total"],
@@ -726,18 +727,21 @@ pub struct ClusterNode {
 
 /// Issue 17: the node's UCX data plane unless `cluster_transport = "tcp"`; a node that
 /// cannot serve it says why and serves frames only (`Err(why)`).
+/// Issue 26 §1: UCX uses only the devices behind the interface of `data` (`--data-addr`).
 fn start_ucx_node(
     settings: &kvtier_client::KvtierConfig,
     store: &crate::server::TenantStore,
+    data: std::net::SocketAddr,
 ) -> Result<std::sync::Arc<crate::ucx_node::UcxNode>, String> {
     if settings.cluster_transport == "tcp" {
         return Err("cluster_transport = \"tcp\"".into());
     }
-    match crate::ucx_node::UcxNode::start(store) {
+    match crate::ucx_node::UcxNode::start(store, data.ip()) {
         Ok(node) => {
             tracing::info!(
-                "kvtier serve: UCX data plane on (UCX_TLS {}, {} MiB registered)",
+                "kvtier serve: UCX data plane on (UCX_TLS {}, UCX_NET_DEVICES {}, {} MiB registered)",
                 node.offer().transports,
+                node.describe()["ucx_net_devices"].as_str().unwrap_or(""),
                 node.describe()["registered_bytes"].as_u64().unwrap_or(0) >> 20
             );
             Ok(std::sync::Arc::new(node))
@@ -764,7 +768,7 @@ pub fn start_cluster_node(
         .clone()
         .unwrap_or_default()
         .into_bytes();
-    let ucx = start_ucx_node(settings, &store);
+    let ucx = start_ucx_node(settings, &store, addr);
     let data_plane = match &ucx {
         Ok(node) => crate::server::DataPlane::Ucx(std::sync::Arc::downgrade(node)),
         Err(why) => crate::server::DataPlane::Frames(why.clone()),

@@ -10,7 +10,9 @@
 //! - Issue 26: the context loads only transports that protect memory (RDMA RC/DC, cma:
 //!   [`kvtier_client::transport::ucx::lanes`]); UCX's emulated lanes, which would serve a
 //!   stranger's reads and writes without any key check, are never loaded, and without an RDMA
-//!   lane [`UcxNode::start`] fails with the reason and the node serves frames only. Still
+//!   lane [`UcxNode::start`] fails with the reason and the node serves frames only. The
+//!   context uses only the devices behind the interface of the node's `--data-addr`
+//!   ([`kvtier_client::transport::ucx::devices`]; a wildcard or no device left: frames). Still
 //!   open: the read key covers the whole arena (see docs/security.md, "UCX plane").
 //! - A leased object is pinned ([`kvtier_client::Client::pin`]): its DRAM extents cannot be
 //!   evicted or reused until the lease is released or expires ([`LEASE_TIME`]); at most
@@ -35,6 +37,7 @@
 
 use std::collections::HashMap;
 use std::io;
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -231,6 +234,8 @@ pub struct UcxNodeCounters {
 /// The node's UCX plane; stops when dropped.
 pub struct UcxNode {
     offer: UcxOffer,
+    /// The UCX devices the context may use (issue 26 §1: those behind `--data-addr`).
+    devices: String,
     base: u64,
     len: u64,
     leases: Arc<Mutex<Leases>>,
@@ -255,19 +260,25 @@ impl std::fmt::Debug for UcxNode {
 }
 
 impl UcxNode {
-    /// Register `store`'s DRAM arena and start the worker; an error says why UCX is not
-    /// served (libucp absent, registration refused, no embedded engine).
-    pub fn start(store: &TenantStore) -> Result<UcxNode, String> {
+    /// Register `store`'s DRAM arena and start the worker on the devices behind the interface
+    /// of `data_ip` (the node's `--data-addr`; issue 26 §1); an error says why UCX is not
+    /// served (libucp absent, no lane or device left, registration refused, no embedded
+    /// engine).
+    pub fn start(store: &TenantStore, data_ip: IpAddr) -> Result<UcxNode, String> {
         let landing_bytes = store.config().put_landing_mib << 20;
-        Self::start_with_landing(store, landing_bytes)
+        Self::start_with_landing(store, landing_bytes, data_ip)
     }
 
     /// [`Self::start`] with a put landing area of `landing_bytes` (0: no one-sided puts).
-    pub fn start_with_landing(store: &TenantStore, landing_bytes: u64) -> Result<UcxNode, String> {
+    pub fn start_with_landing(
+        store: &TenantStore,
+        landing_bytes: u64,
+        data_ip: IpAddr,
+    ) -> Result<UcxNode, String> {
         let (base, len) = store
             .with_engine(|e| e.dram_memory())
             .ok_or("the node's store is not an embedded engine")?;
-        let context = Context::new().map_err(|e| e.to_string())?;
+        let context = Context::bound_to(data_ip).map_err(|e| e.to_string())?;
         let worker = context.worker().map_err(|e| e.to_string())?;
         let registration = context
             .register(base, len)
@@ -280,6 +291,7 @@ impl UcxNode {
             transports: context.transports().to_string(),
             host: host_id(),
         };
+        let devices = context.devices().to_string();
         let landing = if landing_bytes == 0 {
             None
         } else {
@@ -322,6 +334,7 @@ impl UcxNode {
             base: registration.base(),
             len: registration.len(),
             offer,
+            devices,
             leases,
             next_lease: AtomicU64::new(1),
             counters: UcxNodeCounters::default(),
@@ -397,6 +410,7 @@ impl UcxNode {
         serde_json::json!({
             "enabled": true,
             "ucx_tls": self.offer.transports,
+            "ucx_net_devices": self.devices,
             "registered_bytes": self.len,
             "leases_held": self.leases_held(),
             "leases_total": self.counters.leases.load(Ordering::Relaxed),

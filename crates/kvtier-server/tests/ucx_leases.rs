@@ -66,7 +66,7 @@ fn leases_are_owned_by_their_connection_and_end_with_it() {
         )
         .unwrap(),
     );
-    let node = match UcxNode::start(&store) {
+    let node = match UcxNode::start(&store, [127, 0, 0, 1].into()) {
         Ok(node) => Arc::new(node),
         Err(reason) if reason.contains("libucp") => {
             eprintln!("SKIP: UCX is not installed here ({reason})");
@@ -171,7 +171,7 @@ fn a_member_leasing_everything_cannot_block_puts() {
         )
         .unwrap(),
     );
-    let node = match UcxNode::start(&store) {
+    let node = match UcxNode::start(&store, [127, 0, 0, 1].into()) {
         Ok(node) => Arc::new(node),
         Err(reason) if reason.contains("libucp") => {
             eprintln!("SKIP: UCX is not installed here ({reason})");

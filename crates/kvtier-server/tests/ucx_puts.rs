@@ -77,7 +77,7 @@ fn puts_land_verified_and_reservations_are_owned_and_bounded() {
         )
         .unwrap(),
     );
-    let node = match UcxNode::start_with_landing(&store, 4 << 20) {
+    let node = match UcxNode::start_with_landing(&store, 4 << 20, [127, 0, 0, 1].into()) {
         Ok(node) => Arc::new(node),
         Err(reason) if reason.contains("libucp") => {
             eprintln!("SKIP: UCX is not installed here ({reason})");

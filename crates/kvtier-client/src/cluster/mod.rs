@@ -129,7 +129,16 @@ impl ClusterStore {
         // Issue 17: reads over UCX where `cluster_transport` picks it, frames otherwise.
         let choice = crate::transport::ucx::TransportChoice::parse(&config.cluster_transport)
             .map_err(ClusterError::Setup)?;
-        let transport = Arc::new(UcxTransport::new(tcp, choice, timeout));
+        // Issue 26 §1: the client's UCX binds only to the interface of its `node_address` or,
+        // without one, the interface it reaches its master from.
+        let bind = match choice {
+            crate::transport::ucx::TransportChoice::Tcp => Err("no UCX".to_string()),
+            _ => crate::transport::ucx::devices::client_address(
+                config.node_address.as_deref(),
+                &config.master_addresses(),
+            ),
+        };
+        let transport = Arc::new(UcxTransport::new(tcp, choice, timeout, bind));
         let namespace = kvtier_proto::namespace::cluster_prefix(
             config.extra_backend_tag.as_deref().unwrap_or_default(),
         );

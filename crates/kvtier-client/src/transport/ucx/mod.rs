@@ -16,6 +16,9 @@
 //!   this client creates no UCX worker (so opens no UCX socket), reads and writes over frames
 //!   and says why (`unavailable`). A node's lease reply is checked before any read
 //!   ([`check_lease_extents`]).
+//! - Issue 26 §1: the client's UCX uses only the devices behind one interface
+//!   ([`devices`]): that of its `node_address` when the config names one as an IP (the local
+//!   node's data address), else the one it reaches its first master from.
 //! - The node's worker address and remote key are asked for over an authenticated data-port
 //!   connection only (the TCP transport's handshake proves the cluster token both ways).
 //! - A read pins its objects on the node first (a lease), reads their extents, releases the
@@ -47,8 +50,10 @@
 //!   single-copy shared memory: [`auto_choice`]); where UCX would emulate one-sided reads
 //!   (UCX 1.13 over `tcp`, or `posix` / `sysv` alone) it reads over frames and says why.
 
+pub mod devices;
 pub mod ffi;
 pub mod lanes;
+mod netif;
 pub mod plane;
 
 use std::collections::{BTreeMap, HashMap};
@@ -321,12 +326,21 @@ fn set_gauge(peer: &str, ucx: bool) {
 
 impl UcxTransport {
     /// Wrap `tcp`; with `choice` other than `Tcp`, load UCX and create this client's worker
-    /// (a failure is logged with its reason and every read uses the frames).
-    pub fn new(tcp: TcpTransport, choice: TransportChoice, timeout: Duration) -> UcxTransport {
+    /// on the devices behind the interface of `bind` (issue 26 §1: the client's address from
+    /// [`devices::client_address`], or why there is none); a failure is logged with its
+    /// reason and every read uses the frames.
+    pub fn new(
+        tcp: TcpTransport,
+        choice: TransportChoice,
+        timeout: Duration,
+        bind: Result<std::net::IpAddr, String>,
+    ) -> UcxTransport {
         let mut context = None;
         let worker = match choice {
             TransportChoice::Tcp => Err("cluster_transport = \"tcp\"".to_string()),
-            _ => Context::new()
+            _ => bind
+                .map_err(|why| UcxError::NoDevice(format!("no address to bind UCX to: {why}")))
+                .and_then(Context::bound_to)
                 .and_then(|c| {
                     let worker = c.worker()?;
                     context = Some(c);

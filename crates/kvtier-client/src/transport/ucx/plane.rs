@@ -24,7 +24,8 @@
 //! - Issue 26: those emulated lanes serve any peer that reaches the worker, token or not, so
 //!   [`Context::new`] never loads them: it sets UCP's `TLS` from [`super::lanes::plan`] (RDMA
 //!   RC/DC and cma only, intersected with `UCX_TLS`) and creates nothing when no lane is left,
-//!   unless the insecure test hook is on.
+//!   unless the insecure test hook is on. [`Context::bound_to`] also sets `NET_DEVICES` to
+//!   the devices behind one interface ([`super::devices`]), so UCX binds nowhere else.
 //! - A local memory handle is passed to UCX ([`Endpoint::get_with`] / [`Endpoint::put_with`])
 //!   only when it belongs to the worker's own context and covers the whole buffer; the
 //!   caller's `Arc<Registration>` keeps it mapped until the transfer returned.
@@ -73,6 +74,9 @@ pub enum UcxError {
     /// kvtier's transport allow-list leaves no UCX lane here (see [`super::lanes`]).
     #[error("UCX refused: {0}")]
     NoProtectedLane(String),
+    /// No UCX device behind the interface UCX may bind to (see [`super::devices`]).
+    #[error("UCX refused: {0}")]
+    NoDevice(String),
 }
 
 /// A `ucp_config_t` read from the environment; released on drop.
@@ -126,6 +130,9 @@ struct ContextRaw {
     /// The transport list the context was created with (kvtier's allow-list applied, or
     /// `UCX_TLS` as given under the insecure test hook).
     tls: String,
+    /// The devices the context may use (`NET_DEVICES` as kvtier set it, or `UCX_NET_DEVICES`
+    /// as the environment gives it for [`Context::new`]).
+    devices: String,
 }
 
 // SAFETY: a UCP context is used from any thread once created (memory map/unmap and rkey pack
@@ -159,12 +166,36 @@ impl Context {
     /// ([`super::lanes::plan`]: the operator's `UCX_TLS` intersected with the transports that
     /// protect memory, set with `ucp_config_modify` before `ucp_init`); where that leaves no
     /// UCX lane the error is [`UcxError::NoProtectedLane`] and nothing of UCX is created.
+    ///
+    /// Its devices are `UCX_NET_DEVICES` as the environment gives it (all by default): for
+    /// tests and probes only. kvtier's node and client use [`Self::bound_to`].
     pub fn new() -> Result<Context, UcxError> {
+        Self::create(None)
+    }
+
+    /// [`Self::new`] restricted to the devices behind the interface of `ip` (issue 26 §1:
+    /// [`super::devices::plan`], intersected with `UCX_NET_DEVICES`, set with
+    /// `ucp_config_modify("NET_DEVICES", ...)` before `ucp_init`): a node passes its
+    /// `--data-addr`, a client [`super::devices::client_address`]. A wildcard, an address no
+    /// interface holds, or no device left is [`UcxError::NoDevice`] and nothing of UCX is
+    /// created.
+    pub fn bound_to(ip: std::net::IpAddr) -> Result<Context, UcxError> {
+        Self::create(Some(ip))
+    }
+
+    fn create(bind: Option<std::net::IpAddr>) -> Result<Context, UcxError> {
         let tls = super::lanes::plan().map_err(UcxError::NoProtectedLane)?;
+        let devices = match bind {
+            Some(ip) => Some(super::devices::plan(ip).map_err(UcxError::NoDevice)?),
+            None => None,
+        };
         let ucp = Ucp::get().map_err(UcxError::Unavailable)?;
         let config = UcpConfig::read(ucp)?;
         if let Some(tls) = &tls {
             config.modify("TLS", tls)?;
+        }
+        if let Some(devices) = &devices {
+            config.modify("NET_DEVICES", devices)?;
         }
         let mut params: ffi::Params = ffi::zeroed();
         params.field_mask = ffi::UCP_PARAM_FIELD_FEATURES | ffi::UCP_PARAM_FIELD_MT_WORKERS_SHARED;
@@ -185,12 +216,24 @@ impl Context {
         };
         check(ucp, "ucp_init", status)?;
         let tls = tls.unwrap_or_else(|| format!("{} (INSECURE test hook)", super::ucx_tls()));
-        Ok(Context(Arc::new(ContextRaw { ucp, raw, tls })))
+        let devices = devices
+            .unwrap_or_else(|| std::env::var("UCX_NET_DEVICES").unwrap_or_else(|_| "all".into()));
+        Ok(Context(Arc::new(ContextRaw {
+            ucp,
+            raw,
+            tls,
+            devices,
+        })))
     }
 
     /// The transports this context may use (`UCX_TLS` as kvtier set it).
     pub fn transports(&self) -> &str {
         &self.0.tls
+    }
+
+    /// The devices this context may use (`UCX_NET_DEVICES` as kvtier set it).
+    pub fn devices(&self) -> &str {
+        &self.0.devices
     }
 
     /// Register `len` bytes at `base` for remote access. The memory must stay mapped for as
