@@ -232,11 +232,10 @@ pub struct HeldKeys {
 
 impl HeldKeys {
     fn insert(&self, key: &[u8]) {
-        let hash = key_hash(key);
-        let mut keys = self.keys.lock();
-        if !keys.contains_key(&hash) {
-            keys.insert(hash, key.to_vec());
-        }
+        self.keys
+            .lock()
+            .entry(key_hash(key))
+            .or_insert_with(|| key.to_vec());
     }
 
     fn remove(&self, key: &[u8]) {
