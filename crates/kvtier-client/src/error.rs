@@ -66,7 +66,8 @@ impl ClientError {
     pub fn is_infrastructure(&self) -> bool {
         match self {
             ClientError::Object { error, .. } => error.is_infrastructure(),
-            ClientError::Cluster(_) | ClientError::Server { .. } => true,
+            ClientError::Cluster(e) => e.is_infrastructure(),
+            ClientError::Server { .. } => true,
             _ => false,
         }
     }

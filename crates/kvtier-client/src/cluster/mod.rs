@@ -133,6 +133,25 @@ fn node_error(e: &TransportError) -> ObjectError {
 }
 
 impl ClusterError {
+    /// Issue 29: a fault of the cluster (a master unreachable, no leader, a node down, a
+    /// timeout, a malformed reply), not of the caller's setup or credential.
+    pub fn is_infrastructure(&self) -> bool {
+        match self {
+            ClusterError::Setup(_) => false,
+            ClusterError::Rpc { code, .. } => !matches!(
+                code,
+                tonic::Code::InvalidArgument
+                    | tonic::Code::OutOfRange
+                    | tonic::Code::Unauthenticated
+                    | tonic::Code::PermissionDenied
+            ),
+            ClusterError::Connect { .. }
+            | ClusterError::NoLeader { .. }
+            | ClusterError::BadReply(_)
+            | ClusterError::Node { .. } => true,
+        }
+    }
+
     /// Issue 27: the master refused the cluster token (Unauthenticated / PermissionDenied):
     /// retrying cannot help.
     pub fn is_credential_refused(&self) -> bool {
