@@ -323,6 +323,7 @@ fn master_rpcs_need_a_fresh_proof_of_the_token_and_live_nodes_keep_their_identit
                 node_id: "node-a".into(),
                 free_bytes: 0,
                 node_secret: vec![0; 16],
+                copy_failures: Vec::new(),
             })
             .await
             .unwrap()

@@ -18,6 +18,14 @@
 //! lease can lapse and a follower can win, and two masters never both act as leader (up to
 //! clock-rate drift between the hosts).
 //!
+//! A campaign that ends (the keep-alive stream broke: etcd restarted or was unreachable)
+//! starts again with the same lease while etcd still has it (issue 29). etcd keeps leases
+//! across its restart and re-arms them with their full TTL, so the election key stays bound to
+//! the leader's lease: a leader that took a new lease could not win until the old one lapsed
+//! (4-5.5 s with no leader after etcd was back for 0.5 s, with a 2 s TTL and its re-arm). With
+//! the lease reused, the leader finds the key still its own and leads again within a poll of
+//! etcd's return; a lease etcd no longer has is replaced by a new one.
+//!
 //! Without etcd, [`Leadership::single`] makes the one master the leader for good.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -123,7 +131,26 @@ async fn campaign_once(
         .with_connect_timeout(Duration::from_secs(2))
         .with_timeout(Duration::from_secs(2));
     let mut client = Client::connect(&config.endpoints, Some(options)).await?;
-    let lease = client.lease_grant(ttl_secs, None).await?.id();
+    // The last campaign's lease, while etcd still has it: an election key bound to it is
+    // still ours (a new lease would wait for it to lapse).
+    let previous = *leadership.lease.read();
+    let reused = match previous {
+        Some(id) => match client.lease_time_to_live(id, None).await {
+            Ok(r) if r.ttl() > 0 => Some(id),
+            Ok(_) => None,
+            // "lease not found" and the like: take a new one.
+            Err(etcd_client::Error::GRpcStatus(_)) => None,
+            Err(e) => return Err(e),
+        },
+        None => None,
+    };
+    let lease = match reused {
+        Some(id) => {
+            tracing::info!("kvtier master: campaigning again with etcd lease {id:x}");
+            id
+        }
+        None => client.lease_grant(ttl_secs, None).await?.id(),
+    };
     *leadership.lease.write() = Some(lease);
     let (mut keeper, mut replies) = client.lease_keep_alive(lease).await?;
     let ttl = Duration::from_secs(u64::try_from(ttl_secs).unwrap_or(1));

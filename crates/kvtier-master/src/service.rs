@@ -26,8 +26,8 @@ use tonic::{Request, Response, Status};
 use crate::admission::{Admission, Caps};
 use crate::auth::{Authenticated, RpcAuthenticator, MAX_RPCS_PER_CONNECTION};
 use crate::directory::{
-    Claim, Directory, NodeSpec, NodeState, PlaceRequest, ReplicationPolicy,
-    MAX_REPAIR_TASKS_PER_HEARTBEAT,
+    Claim, CopyFailureKind, Directory, KeyHash, NodeSpec, NodeState, PlaceRequest,
+    ReplicationPolicy, MAX_REPAIR_TASKS_PER_HEARTBEAT,
 };
 use crate::election::{campaign, ElectionConfig, Leadership};
 use crate::limits::{
@@ -62,6 +62,10 @@ pub struct MasterConfig {
     /// The cluster token every RPC must prove (never empty: [`run`] refuses to start without).
     pub token: Vec<u8>,
 }
+
+/// Issue 29: most failed-copy hashes read from one heartbeat (a node has at most
+/// `MAX_REPAIR_TASKS_PER_SOURCE` tasks in flight; the rest are ignored and lapse).
+const MAX_COPY_FAILURES_READ: usize = 1024;
 
 impl Default for MasterConfig {
     fn default() -> Self {
@@ -139,6 +143,43 @@ impl MasterService {
             .lock()
             .get(node_id)
             .is_some_and(|s| secrets_equal(s, secret))
+    }
+
+    /// Issue 29: a heartbeat's reports of failed copy tasks (the node's own, its secret
+    /// checked by the caller). At most [`MAX_COPY_FAILURES_READ`] hashes are read; malformed
+    /// hashes and unknown targets are skipped (the task then lapses at its timeout).
+    fn copy_failures(&self, node_id: &str, failures: &[CopyFailure]) {
+        let now = Instant::now();
+        let mut budget = MAX_COPY_FAILURES_READ;
+        let mut failed = 0usize;
+        for f in failures {
+            if budget == 0 {
+                break;
+            }
+            let Ok(target) = u16::try_from(f.target) else {
+                continue;
+            };
+            let kind = match CopyFailureReason::try_from(f.reason) {
+                Ok(CopyFailureReason::CopyFailureNotHeld) => CopyFailureKind::NotHeld,
+                Ok(CopyFailureReason::CopyFailurePush) => CopyFailureKind::Push,
+                _ => CopyFailureKind::Commit,
+            };
+            let take = f.key_hashes.len().min(budget);
+            budget -= take;
+            let hashes: Vec<KeyHash> = f.key_hashes[..take]
+                .iter()
+                .filter_map(|h| KeyHash::from_bytes(h))
+                .collect();
+            failed += self
+                .directory
+                .copy_failed(node_id, target, &hashes, kind, now);
+        }
+        if failed > 0 {
+            tracing::info!(
+                "kvtier master: node {node_id:?} reported {failed} failed copy tasks; planning \
+                 them again"
+            );
+        }
     }
 
     /// The id of the node registered under `index`.
@@ -362,6 +403,9 @@ impl Master for MasterService {
         // the real one, after another registration took its secret) registers again.
         let known = self.node_secret_ok(&r.node_id, &r.node_secret)
             && self.directory.heartbeat(&r.node_id, r.free_bytes);
+        if known {
+            self.copy_failures(&r.node_id, &r.copy_failures);
+        }
         let copy_tasks = if known {
             self.directory
                 .take_repair_tasks(&r.node_id, MAX_REPAIR_TASKS_PER_HEARTBEAT, Instant::now())

@@ -45,9 +45,36 @@ fn reply(r: BatchResult) -> BatchReply {
     (r.ok, errors)
 }
 
+// Issue 29 §3: the cluster's faults are told apart from the caller's (both stay
+// RuntimeErrors for callers that catch that).
+pyo3::create_exception!(
+    kvtier,
+    UnavailableError,
+    PyRuntimeError,
+    "The cluster could not serve the call (no master leads, a node is down or unreachable, no \
+     node has room, a timeout); the same call may succeed later."
+);
+pyo3::create_exception!(
+    kvtier,
+    BusyError,
+    PyRuntimeError,
+    "Another writer is storing this object right now (its claim is not committed yet)."
+);
+
+/// One object's error text for a batch reply, naming the key once (issue 29: an object's
+/// cluster error already names it, and says whether the cluster or the caller failed).
+fn keyed_error(key: &str, e: &ClientError) -> String {
+    match e {
+        ClientError::Object { .. } => e.to_string(),
+        e => format!("{key}: {e}"),
+    }
+}
+
 fn map_error(e: ClientError) -> PyErr {
     match e {
         ClientError::Config(c) => PyValueError::new_err(c.to_string()),
+        e if e.is_busy() => BusyError::new_err(e.to_string()),
+        e if e.is_infrastructure() => UnavailableError::new_err(e.to_string()),
         other => PyRuntimeError::new_err(other.to_string()),
     }
 }
@@ -359,7 +386,7 @@ impl Store {
                 match client.put_slice(key.as_bytes(), buf.as_bytes(), depth) {
                     Ok(_) => result.ok.push(true),
                     Err(e) => {
-                        result.note_error(format!("{key}: {e}"));
+                        result.note_error(keyed_error(key, &e));
                         result.ok.push(false);
                     }
                 }
@@ -396,7 +423,7 @@ impl Store {
                         result.ok.push(false)
                     }
                     Err(e) => {
-                        result.note_error(format!("{key}: {e}"));
+                        result.note_error(keyed_error(key, &e));
                         result.ok.push(false);
                     }
                 }
@@ -629,7 +656,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<linker::LinkerCore>()?; // issue 18
     m.add_class::<batch_queue::BatchQueue>()?; // issue 19
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    // Issue 27: Rust's records reach `logging` under `kvtier`.
+    m.add("UnavailableError", m.py().get_type::<UnavailableError>())?; // issue 29
+    m.add("BusyError", m.py().get_type::<BusyError>())?; // issue 29
+                                                         // Issue 27: Rust's records reach `logging` under `kvtier`.
     pylog::install(m.py());
     m.add_function(wrap_pyfunction!(pylog::refresh_log_level, m)?)?;
     m.add_function(wrap_pyfunction!(pylog::flush_logs, m)?)?;

@@ -434,6 +434,9 @@ async fn agent_loop(
                 node_id: config.node_id.clone(),
                 free_bytes: free,
                 node_secret: reply.node_secret.clone(),
+                // Issue 29: planned again at once. Lost if this heartbeat fails: those
+                // tasks lapse at the master's timeout instead.
+                copy_failures: copier.take_failures(),
             };
             match link
                 .call(|mut c| {

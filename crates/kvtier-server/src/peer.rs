@@ -41,7 +41,7 @@
 //!   `"out"` for gets sent), besides the port-wide [`DataPortCounters`]. One-sided UCX
 //!   traffic counts there too: committed puts in, released leases out ([`crate::ucx_node`]).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::io::{self, BufReader, IoSlice, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -53,6 +53,7 @@ use crate::server::TenantStore;
 use kvtier_client::metrics::names;
 use kvtier_client::transport::tcp::write_all_vectored;
 use kvtier_engine::PinnedObject;
+use kvtier_master::directory::{key_hash, KeyHash};
 use kvtier_proto::auth::{
     proof, verify, ObjectIntegrity, NONCE_LEN, PEER_CLIENT_LABEL, PEER_NODE_LABEL,
 };
@@ -220,26 +221,36 @@ mod tests {
     }
 }
 
+/// The cluster keys peers stored on this node since it started, by their directory hash
+/// (issue 29: the re-replication worker maps a copy task's hashes to keys here, so an object
+/// stored a moment ago is found at once; an index rebuilt from time to time answered
+/// `not_held` for it).
 #[derive(Debug, Default)]
 pub struct HeldKeys {
-    keys: Mutex<HashSet<Vec<u8>>>,
+    keys: Mutex<HashMap<KeyHash, Vec<u8>>>,
 }
 
 impl HeldKeys {
     fn insert(&self, key: &[u8]) {
-        let mut keys = self.keys.lock();
-        if !keys.contains(key) {
-            keys.insert(key.to_vec());
-        }
+        self.keys
+            .lock()
+            .entry(key_hash(key))
+            .or_insert_with(|| key.to_vec());
     }
 
     fn remove(&self, key: &[u8]) {
-        self.keys.lock().remove(key);
+        self.keys.lock().remove(&key_hash(key));
+    }
+
+    /// The key stored under `hash` since start, if any (the store may have dropped it since:
+    /// the caller's read finds out).
+    pub fn key_of(&self, hash: &KeyHash) -> Option<Vec<u8>> {
+        self.keys.lock().get(hash).cloned()
     }
 
     /// Every key still in `store`.
     pub fn snapshot(&self, store: &TenantStore) -> Vec<Vec<u8>> {
-        let keys: Vec<Vec<u8>> = self.keys.lock().iter().cloned().collect();
+        let keys: Vec<Vec<u8>> = self.keys.lock().values().cloned().collect();
         let present = store.exists_keys(&keys);
         keys.into_iter()
             .zip(present)
@@ -249,7 +260,7 @@ impl HeldKeys {
 
     /// Forget and return the keys the store no longer holds (evicted or removed).
     pub fn take_dropped(&self, store: &TenantStore) -> Vec<Vec<u8>> {
-        let keys: Vec<Vec<u8>> = self.keys.lock().iter().cloned().collect();
+        let keys: Vec<Vec<u8>> = self.keys.lock().values().cloned().collect();
         let present = store.exists_keys(&keys);
         let dropped: Vec<Vec<u8>> = keys
             .into_iter()
@@ -258,7 +269,7 @@ impl HeldKeys {
             .collect();
         let mut held = self.keys.lock();
         for k in &dropped {
-            held.remove(k);
+            held.remove(&key_hash(k));
         }
         dropped
     }

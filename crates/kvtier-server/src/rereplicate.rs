@@ -10,16 +10,24 @@
 //! its next registration does not bring them back.
 //!
 //! Failures are logged and counted, never fatal: a hash this node no longer holds (evicted
-//! since), a target that refused or is unreachable, a commit that failed. The master plans
-//! the task again after its timeout. Counters: [`names::NODE_REREPLICATION_TASKS`]
+//! since), a target that refused or is unreachable, a commit that failed. They are also
+//! reported in the node's next heartbeat ([`Rereplicator::take_failures`]), and the master
+//! plans those tasks again at once (issue 29; before, only after its 20 s timeout).
+//!
+//! Hashes map to keys through [`HeldKeys`] (every key peers stored since start, by hash, kept
+//! as they are stored), then through an index of what the store held at start. So an object
+//! stored a moment before its copy task is found: `not_held` means not held (issue 29: an
+//! index rebuilt at most every 5 s answered `not_held` for newer objects). Counters: [`names::NODE_REREPLICATION_TASKS`]
 //! `{outcome="received"|"done"|"failed"}` per object and
 //! [`names::NODE_REREPLICATION_FAILURES`]`{reason}`.
 //!
 //! Bounds: the master hands a node at most 256 objects per heartbeat and 512 in flight; the
 //! worker queues at most [`QUEUED_REPLIES`] replies' tasks (more are refused as `busy`), reads
-//! and pushes at most [`PUSH_BYTES`] of objects at a time, and keeps the hash-to-key index of
-//! the store only while tasks keep coming (about 100 bytes per held object, rebuilt at most
-//! every [`INDEX_REFRESH`] when a hash is not in it, freed after [`INDEX_IDLE`] without tasks).
+//! and pushes at most [`PUSH_BYTES`] of objects at a time, keeps at most
+//! [`MAX_REPORTED_FAILURES`] failed hashes for the next heartbeat, and keeps the hash-to-key
+//! index of the keys held at start only while tasks keep coming (about 100 bytes per object,
+//! rebuilt at most every [`INDEX_REFRESH`] when a hash is not in it, freed after
+//! [`INDEX_IDLE`] without tasks).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -34,7 +42,8 @@ use kvtier_client::metrics::names;
 use kvtier_client::transport::tcp::{TcpTransport, TcpTransportConfig};
 use kvtier_client::transport::{PutItem, Transport};
 use kvtier_master::directory::{key_hash, KeyHash};
-use kvtier_master::rpc::{CommitPutsRequest, CopyTask, NodeList};
+use kvtier_master::rpc::{CommitPutsRequest, CopyFailure, CopyFailureReason, CopyTask, NodeList};
+use parking_lot::Mutex;
 
 use crate::peer::HeldKeys;
 
@@ -47,6 +56,36 @@ pub const PUSH_BYTES: usize = 32 << 20;
 pub const INDEX_REFRESH: Duration = Duration::from_secs(5);
 /// The index is freed after this long without tasks.
 pub const INDEX_IDLE: Duration = Duration::from_secs(30);
+/// Most failed hashes kept for the next heartbeat (the master reads 1,024; the rest lapse at
+/// its task timeout).
+pub const MAX_REPORTED_FAILURES: usize = 1024;
+
+/// Failed copy tasks waiting for the next heartbeat.
+#[derive(Debug, Default)]
+struct Failures {
+    list: Vec<CopyFailure>,
+    hashes: usize,
+}
+
+impl Failures {
+    fn add(&mut self, target: u32, reason: CopyFailureReason, hashes: Vec<KeyHash>) {
+        let room = MAX_REPORTED_FAILURES.saturating_sub(self.hashes);
+        let key_hashes: Vec<Vec<u8>> = hashes
+            .into_iter()
+            .take(room)
+            .map(|h| h.to_bytes().to_vec())
+            .collect();
+        if key_hashes.is_empty() {
+            return;
+        }
+        self.hashes += key_hashes.len();
+        self.list.push(CopyFailure {
+            target,
+            key_hashes,
+            reason: reason as i32,
+        });
+    }
+}
 
 /// How the worker reaches the others.
 #[derive(Clone, Debug)]
@@ -60,6 +99,7 @@ pub struct RereplicatorConfig {
 /// The running worker; stops when dropped.
 pub struct Rereplicator {
     tx: Option<SyncSender<Vec<CopyTask>>>,
+    failures: Arc<Mutex<Failures>>,
     stop: Arc<AtomicBool>,
     handle: Option<JoinHandle<()>>,
 }
@@ -88,23 +128,27 @@ impl Rereplicator {
         let (tx, rx) = mpsc::sync_channel(QUEUED_REPLIES);
         let stop = Arc::new(AtomicBool::new(false));
         let flag = Arc::clone(&stop);
+        let failures = Arc::new(Mutex::new(Failures::default()));
+        let reports = Arc::clone(&failures);
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
         let handle = std::thread::Builder::new()
             .name("kvtier-rereplicate".into())
             .spawn(move || {
-                let mut worker = Worker::new(config, store, held, runtime, flag);
+                let mut worker = Worker::new(config, store, held, runtime, flag, reports);
                 worker.run(rx);
             })?;
         Ok(Rereplicator {
             tx: Some(tx),
+            failures,
             stop,
             handle: Some(handle),
         })
     }
 
-    /// Queue one heartbeat reply's tasks; refused (counted `busy`) while the worker is behind.
+    /// Queue one heartbeat reply's tasks; refused (counted `busy`, reported as failed) while
+    /// the worker is behind.
     pub fn submit(&self, tasks: Vec<CopyTask>) {
         let objects: usize = tasks.iter().map(|t| t.key_hashes.len()).sum();
         if objects == 0 {
@@ -112,17 +156,36 @@ impl Rereplicator {
         }
         count_tasks("received", objects);
         let Some(tx) = &self.tx else { return };
-        match tx.try_send(tasks) {
-            Ok(()) => {}
-            Err(TrySendError::Full(_)) => {
-                count_failures("busy", objects);
+        let refused = match tx.try_send(tasks) {
+            Ok(()) => return,
+            Err(TrySendError::Full(tasks)) => {
                 eprintln!(
                     "kvtier serve: re-replication: {objects} copy tasks refused, the worker is \
                      still busy (the master plans them again)"
                 );
+                tasks
             }
-            Err(TrySendError::Disconnected(_)) => count_failures("busy", objects),
+            Err(TrySendError::Disconnected(tasks)) => tasks,
+        };
+        count_failures("busy", objects);
+        let mut failures = self.failures.lock();
+        for task in refused {
+            let hashes = task
+                .key_hashes
+                .iter()
+                .filter_map(|h| KeyHash::from_bytes(h))
+                .collect();
+            // Not the target's fault: no reason that makes the master avoid it.
+            failures.add(task.target, CopyFailureReason::CopyFailureCommit, hashes);
         }
+    }
+
+    /// The copy tasks that failed since the last call, for the next heartbeat (issue 29: the
+    /// master plans them again at once).
+    pub fn take_failures(&self) -> Vec<CopyFailure> {
+        let mut failures = self.failures.lock();
+        failures.hashes = 0;
+        std::mem::take(&mut failures.list)
     }
 }
 
@@ -143,6 +206,8 @@ struct Worker {
     link: MasterLink,
     transport: TcpTransport,
     stop: Arc<AtomicBool>,
+    failures: Arc<Mutex<Failures>>,
+    /// Keys the store held at start (the rest are in `held`), by hash.
     index: HashMap<KeyHash, Vec<u8>>,
     index_built: Option<Instant>,
 }
@@ -154,6 +219,7 @@ impl Worker {
         held: Arc<HeldKeys>,
         runtime: tokio::runtime::Runtime,
         stop: Arc<AtomicBool>,
+        failures: Arc<Mutex<Failures>>,
     ) -> Worker {
         let link = MasterLink::new(
             config.masters.clone(),
@@ -178,6 +244,7 @@ impl Worker {
             link,
             transport,
             stop,
+            failures,
             index: HashMap::new(),
             index_built: None,
         }
@@ -210,26 +277,39 @@ impl Worker {
         }
     }
 
-    /// Every key this node holds, by hash.
+    /// Every cluster key the store lists, by hash (what it held at start is among them; what
+    /// peers stored since is in `held` as well).
     fn rebuild_index(&mut self) {
         let mut index = HashMap::new();
-        let listed = crate::node::keys_in_store(&self.store);
-        let held = self.held.snapshot(&self.store);
-        for key in listed.into_iter().chain(held) {
+        for key in crate::node::keys_in_store(&self.store) {
             index.entry(key_hash(&key)).or_insert(key);
         }
         self.index = index;
         self.index_built = Some(Instant::now());
     }
 
+    /// Each hash's key: stored by a peer since start (`held`, always current), else held at
+    /// start (the index; listed again after [`INDEX_REFRESH`] when a hash is in neither).
     fn resolve(&mut self, hashes: &[KeyHash]) -> Vec<Option<Vec<u8>>> {
+        let mut keys: Vec<Option<Vec<u8>>> = hashes.iter().map(|h| self.held.key_of(h)).collect();
+        let missing = |index: &HashMap<KeyHash, Vec<u8>>, keys: &[Option<Vec<u8>>]| {
+            hashes
+                .iter()
+                .zip(keys)
+                .any(|(h, k)| k.is_none() && !index.contains_key(h))
+        };
         let stale = self
             .index_built
             .is_none_or(|t| t.elapsed() >= INDEX_REFRESH);
-        if stale && hashes.iter().any(|h| !self.index.contains_key(h)) {
+        if stale && missing(&self.index, &keys) {
             self.rebuild_index();
         }
-        hashes.iter().map(|h| self.index.get(h).cloned()).collect()
+        for (h, k) in hashes.iter().zip(keys.iter_mut()) {
+            if k.is_none() {
+                *k = self.index.get(h).cloned();
+            }
+        }
+        keys
     }
 
     /// Carry out one task: read, push, commit. Never panics on a peer's or the store's fault.
@@ -240,8 +320,16 @@ impl Worker {
             .filter_map(|h| KeyHash::from_bytes(h))
             .collect();
         let malformed = task.key_hashes.len() - hashes.len();
-        let keys: Vec<Vec<u8>> = self.resolve(&hashes).into_iter().flatten().collect();
-        let mut not_held = malformed + (hashes.len() - keys.len());
+        let mut not_held_hashes: Vec<KeyHash> = Vec::new();
+        let mut keys: Vec<Vec<u8>> = Vec::with_capacity(hashes.len());
+        for (hash, key) in hashes.iter().zip(self.resolve(&hashes)) {
+            match key {
+                Some(key) => keys.push(key),
+                None => not_held_hashes.push(*hash),
+            }
+        }
+        let mut not_held = malformed + not_held_hashes.len();
+        let mut push_failed_hashes: Vec<KeyHash> = Vec::new();
         let mut push_failed = 0usize;
         let mut push_error: Option<String> = None;
         let mut pushed: Vec<Vec<u8>> = Vec::with_capacity(keys.len());
@@ -261,7 +349,10 @@ impl Worker {
                         bytes += value.len();
                         values.push((at, value));
                     }
-                    None => not_held += 1,
+                    None => {
+                        not_held += 1;
+                        not_held_hashes.push(key_hash(key));
+                    }
                 }
                 at += 1;
             }
@@ -279,12 +370,31 @@ impl Worker {
                     Ok(()) => pushed.push(keys[*i].clone()),
                     Err(e) => {
                         push_failed += 1;
+                        push_failed_hashes.push(key_hash(&keys[*i]));
                         push_error.get_or_insert_with(|| e.to_string());
                     }
                 }
             }
         }
-        let (committed, commit_failed, commit_error) = self.commit(task, &pushed);
+        let (committed, commit_failed, commit_error, uncommitted) = self.commit(task, &pushed);
+        {
+            let mut failures = self.failures.lock();
+            failures.add(
+                task.target,
+                CopyFailureReason::CopyFailureNotHeld,
+                not_held_hashes,
+            );
+            failures.add(
+                task.target,
+                CopyFailureReason::CopyFailurePush,
+                push_failed_hashes,
+            );
+            failures.add(
+                task.target,
+                CopyFailureReason::CopyFailureCommit,
+                uncommitted,
+            );
+        }
         count_tasks("done", committed);
         count_failures("not_held", not_held);
         count_failures("push", push_failed);
@@ -317,10 +427,15 @@ impl Worker {
         Some(value)
     }
 
-    /// Commit `keys` as replicas on the task's target; (committed, not committed, why).
-    fn commit(&self, task: &CopyTask, keys: &[Vec<u8>]) -> (usize, usize, Option<String>) {
+    /// Commit `keys` as replicas on the task's target; (committed, not committed, why, the
+    /// hashes to report as failed: those the commit call itself failed for).
+    fn commit(
+        &self,
+        task: &CopyTask,
+        keys: &[Vec<u8>],
+    ) -> (usize, usize, Option<String>, Vec<KeyHash>) {
         if keys.is_empty() {
-            return (0, 0, None);
+            return (0, 0, None, Vec::new());
         }
         let request = CommitPutsRequest {
             claim: 0,
@@ -349,20 +464,28 @@ impl Worker {
                     let _ = self.transport.remove(&task.target_address, &orphans);
                 }
                 let failed = orphans.len();
+                // Forgotten keys have no task left to plan again: nothing to report.
                 (
                     keys.len() - failed,
                     failed,
                     (failed > 0).then(|| "no longer in the directory".to_string()),
+                    Vec::new(),
                 )
             }
             Ok(_) => (
                 0,
                 keys.len(),
                 Some("the master answered a different number of commits".into()),
+                keys.iter().map(|k| key_hash(k)).collect(),
             ),
             // The copies stay on the target; the master plans the task again, and the
             // target's next registration lists them.
-            Err(e) => (0, keys.len(), Some(e.to_string())),
+            Err(e) => (
+                0,
+                keys.len(),
+                Some(e.to_string()),
+                keys.iter().map(|k| key_hash(k)).collect(),
+            ),
         }
     }
 }

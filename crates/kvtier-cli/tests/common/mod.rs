@@ -403,7 +403,10 @@ pub fn spawn_master(addr: &str, lease_ms: u64, extra: &[&str]) -> Proc {
 /// killed when dropped.
 pub struct Etcd {
     pub endpoint: String,
-    _proc: Proc,
+    proc: Proc,
+    /// Its command line, for [`Etcd::restart`] (same ports, same data).
+    args: Vec<String>,
+    client_port: u16,
     _dir: tempfile::TempDir,
 }
 
@@ -426,44 +429,67 @@ impl Etcd {
         let peer_url = format!("http://127.0.0.1:{peer_port}");
         let cluster = format!("kvtier-test={peer_url}");
         let data_dir = dir.path().join("etcd");
-        let proc = Proc::spawn_program(
-            ETCD_BINARY,
-            "etcd",
-            &[
-                "--name",
-                "kvtier-test",
-                "--data-dir",
-                data_dir.to_str().unwrap(),
-                "--listen-client-urls",
-                &client_url,
-                "--advertise-client-urls",
-                &client_url,
-                "--listen-peer-urls",
-                &peer_url,
-                "--initial-advertise-peer-urls",
-                &peer_url,
-                "--initial-cluster",
-                &cluster,
-                "--initial-cluster-state",
-                "new",
-                "--logger",
-                "zap",
-                "--log-level",
-                "error",
-            ],
-            &[],
-        );
+        let args: Vec<String> = [
+            "--name",
+            "kvtier-test",
+            "--data-dir",
+            data_dir.to_str().unwrap(),
+            "--listen-client-urls",
+            &client_url,
+            "--advertise-client-urls",
+            &client_url,
+            "--listen-peer-urls",
+            &peer_url,
+            "--initial-advertise-peer-urls",
+            &peer_url,
+            "--initial-cluster",
+            &cluster,
+            "--initial-cluster-state",
+            "new",
+            "--logger",
+            "zap",
+            "--log-level",
+            "error",
+        ]
+        .iter()
+        .map(|a| a.to_string())
+        .collect();
+        let proc = Etcd::spawn(&args);
         let etcd = Etcd {
             endpoint: client_url,
-            _proc: proc,
+            proc,
+            args,
+            client_port,
             _dir: dir,
         };
+        etcd.wait_ready();
+        etcd
+    }
+
+    fn spawn(args: &[String]) -> Proc {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Proc::spawn_program(ETCD_BINARY, "etcd", &args, &[])
+    }
+
+    fn wait_ready(&self) {
+        let port = self.client_port;
         wait_for(
             Duration::from_secs(10),
             "etcd to accept connections",
-            || TcpStream::connect(("127.0.0.1", client_port)).is_ok(),
+            || TcpStream::connect(("127.0.0.1", port)).is_ok(),
         );
-        etcd
+    }
+
+    /// SIGKILL etcd (its data stays for [`Etcd::restart`]).
+    pub fn kill(&mut self) {
+        self.proc.kill();
+    }
+
+    /// Start etcd again on the same ports with the same data (its leases come back re-armed)
+    /// and wait until it accepts connections.
+    pub fn restart(&mut self) {
+        self.proc = Etcd::spawn(&self.args);
+        self.wait_ready();
     }
 }
 

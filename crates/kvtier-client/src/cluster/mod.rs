@@ -41,6 +41,55 @@ use crate::transport::ucx::UcxTransport;
 use crate::transport::{GetItem, PutItem, Transport, TransportError};
 use master::MasterLink;
 
+/// Issue 29 §3: why one object of a cluster put or get failed, typed. The texts say what
+/// happened; [`ObjectError::is_infrastructure`] tells a cluster fault (no leader, a node
+/// down, no room, a timeout: retry later or elsewhere) from the caller's own mistake.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ObjectError {
+    /// No live node lists the object (a miss, not a fault).
+    #[error("not found")]
+    NotFound,
+    /// Another writer claimed the key first and has not committed yet.
+    #[error("another writer is storing this object right now")]
+    Busy,
+    /// No live node (with the required tags) has room for it.
+    #[error("no room: no live node (with the required tags) has room")]
+    NoRoom,
+    /// The master could not be reached, no master leads, or it failed the call.
+    #[error("master unavailable: {0}")]
+    Master(String),
+    /// A node could not be reached, is marked down, timed out or failed the transfer.
+    #[error("node unavailable: {0}")]
+    Node(String),
+    /// The bytes reached no node, or the master did not commit them (claim lapsed).
+    #[error("not stored: {0}")]
+    NotStored(String),
+    /// The master's reply did not match the request.
+    #[error("kvtier master sent a malformed reply: {0}")]
+    BadReply(String),
+    /// The caller's input for this object (its buffer) was refused before any I/O.
+    #[error("{0}")]
+    Caller(String),
+    /// The master refused the request itself (a bad key or size): the caller's to fix.
+    #[error("refused by the master: {0}")]
+    Refused(String),
+}
+
+impl ObjectError {
+    /// A fault of the cluster (master, nodes, room, timeouts), not of the caller's request:
+    /// the same call may succeed later.
+    pub fn is_infrastructure(&self) -> bool {
+        matches!(
+            self,
+            ObjectError::NoRoom
+                | ObjectError::Master(_)
+                | ObjectError::Node(_)
+                | ObjectError::NotStored(_)
+                | ObjectError::BadReply(_)
+        )
+    }
+}
+
 /// Errors of the cluster control path.
 #[derive(Debug, thiserror::Error)]
 pub enum ClusterError {
@@ -66,7 +115,43 @@ pub enum ClusterError {
     },
 }
 
+/// A master call's failure as an object's: the master refusing the request's content is the
+/// caller's; anything else (unreachable, no leader, a timeout, overload) the cluster's.
+fn master_error(e: &ClusterError) -> ObjectError {
+    match e {
+        ClusterError::Rpc {
+            code: tonic::Code::InvalidArgument | tonic::Code::OutOfRange,
+            ..
+        } => ObjectError::Refused(e.to_string()),
+        e => ObjectError::Master(e.to_string()),
+    }
+}
+
+/// A node transfer's failure as an object's.
+fn node_error(e: &TransportError) -> ObjectError {
+    ObjectError::Node(e.to_string())
+}
+
 impl ClusterError {
+    /// Issue 29: a fault of the cluster (a master unreachable, no leader, a node down, a
+    /// timeout, a malformed reply), not of the caller's setup or credential.
+    pub fn is_infrastructure(&self) -> bool {
+        match self {
+            ClusterError::Setup(_) => false,
+            ClusterError::Rpc { code, .. } => !matches!(
+                code,
+                tonic::Code::InvalidArgument
+                    | tonic::Code::OutOfRange
+                    | tonic::Code::Unauthenticated
+                    | tonic::Code::PermissionDenied
+            ),
+            ClusterError::Connect { .. }
+            | ClusterError::NoLeader { .. }
+            | ClusterError::BadReply(_)
+            | ClusterError::Node { .. } => true,
+        }
+    }
+
     /// Issue 27: the master refused the cluster token (Unauthenticated / PermissionDenied):
     /// retrying cannot help.
     pub fn is_credential_refused(&self) -> bool {
@@ -97,7 +182,7 @@ pub struct ClusterStore {
 }
 
 /// One node's part of a put: (object index, its result) per object sent there.
-type NodeOutcome = (u32, Vec<(usize, Result<(), String>)>);
+type NodeOutcome = (u32, Vec<(usize, Result<(), ObjectError>)>);
 
 /// Where one object of a get comes from.
 struct Fetch {
@@ -259,7 +344,7 @@ impl ClusterStore {
         keys: &[Vec<u8>],
         values: &[Result<&[u8], String>],
         depths: &[Option<u32>],
-    ) -> Vec<Result<(), String>> {
+    ) -> Vec<Result<(), ObjectError>> {
         self.put_objects_noting(keys, values, depths, &mut Vec::new())
     }
 
@@ -271,12 +356,16 @@ impl ClusterStore {
         values: &[Result<&[u8], String>],
         depths: &[Option<u32>],
         fresh: &mut Vec<bool>,
-    ) -> Vec<Result<(), String>> {
+    ) -> Vec<Result<(), ObjectError>> {
         fresh.clear();
         fresh.resize(keys.len(), false);
-        let mut out: Vec<Result<(), String>> = values
+        let mut out: Vec<Result<(), ObjectError>> = values
             .iter()
-            .map(|v| v.as_ref().map(|_| ()).map_err(Clone::clone))
+            .map(|v| {
+                v.as_ref()
+                    .map(|_| ())
+                    .map_err(|e| ObjectError::Caller(e.clone()))
+            })
             .collect();
         let wanted: Vec<usize> = (0..keys.len()).filter(|&i| values[i].is_ok()).collect();
         if wanted.is_empty() {
@@ -298,16 +387,18 @@ impl ClusterStore {
         })) {
             Ok(p) => p,
             Err(e) => {
-                let reason = e.to_string();
+                let error = master_error(&e);
                 for &i in &wanted {
-                    out[i] = Err(reason.clone());
+                    out[i] = Err(error.clone());
                 }
                 return out;
             }
         };
         if placed.placements.len() != wanted.len() {
             for &i in &wanted {
-                out[i] = Err("master answered a different number of placements".into());
+                out[i] = Err(ObjectError::BadReply(
+                    "a different number of placements".into(),
+                ));
             }
             return out;
         }
@@ -325,13 +416,14 @@ impl ClusterStore {
                     }
                 }
                 Ok(PlaceStatus::Present) => {}
-                Ok(PlaceStatus::Busy) => {
-                    out[i] = Err("another writer is storing this object right now".into())
+                Ok(PlaceStatus::Busy) => out[i] = Err(ObjectError::Busy),
+                Ok(PlaceStatus::NoSpace) => out[i] = Err(ObjectError::NoRoom),
+                Err(_) => {
+                    out[i] = Err(ObjectError::BadReply(format!(
+                        "unknown placement status {}",
+                        placement.status
+                    )))
                 }
-                Ok(PlaceStatus::NoSpace) => {
-                    out[i] = Err("no live node (with the required tags) has room".into())
-                }
-                Err(_) => out[i] = Err(format!("unknown placement status {}", placement.status)),
             }
         }
         let (stored, write_errors) = self.write_to_nodes(keys, values, depths, &per_node);
@@ -361,24 +453,27 @@ impl ClusterStore {
                     fresh[i] = committed;
                     if !committed {
                         out[i] = Err(match (stored.get(&i), write_errors.get(&i)) {
-                            (Some(n), _) if !n.is_empty() => {
-                                "the master did not commit the put (claim lapsed)".to_string()
-                            }
-                            (_, Some(e)) => format!("no node stored the object: {e}"),
-                            _ => "no node stored the object".to_string(),
+                            (Some(n), _) if !n.is_empty() => ObjectError::NotStored(
+                                "the master did not commit the put (claim lapsed)".to_string(),
+                            ),
+                            // The node's own failure says what happened (down, timeout).
+                            (_, Some(e)) => e.clone(),
+                            _ => ObjectError::NotStored("no node stored the object".to_string()),
                         });
                     }
                 }
             }
             Ok(_) => {
                 for &slot in &to_commit {
-                    out[wanted[slot]] = Err("master answered a different number of commits".into());
+                    out[wanted[slot]] = Err(ObjectError::BadReply(
+                        "a different number of commits".into(),
+                    ));
                 }
             }
             Err(e) => {
-                let reason = e.to_string();
+                let error = master_error(&e);
                 for &slot in &to_commit {
-                    out[wanted[slot]] = Err(reason.clone());
+                    out[wanted[slot]] = Err(error.clone());
                 }
             }
         }
@@ -393,12 +488,17 @@ impl ClusterStore {
         values: &[Result<&[u8], String>],
         depths: &[Option<u32>],
         per_node: &HashMap<u32, Vec<usize>>,
-    ) -> (HashMap<usize, Vec<u32>>, HashMap<usize, String>) {
-        let run = |node: u32, objects: &[usize]| -> Vec<(usize, Result<(), String>)> {
+    ) -> (HashMap<usize, Vec<u32>>, HashMap<usize, ObjectError>) {
+        let run = |node: u32, objects: &[usize]| -> Vec<(usize, Result<(), ObjectError>)> {
             let Some(address) = self.node_address_of(node) else {
                 return objects
                     .iter()
-                    .map(|&i| (i, Err(format!("node {node} is not live"))))
+                    .map(|&i| {
+                        (
+                            i,
+                            Err(ObjectError::Node(format!("node {node} is not live"))),
+                        )
+                    })
                     .collect();
             };
             let items: Vec<PutItem<'_>> = objects
@@ -413,7 +513,7 @@ impl ClusterStore {
             objects
                 .iter()
                 .zip(results)
-                .map(|(&i, r)| (i, r.map_err(|e| e.to_string())))
+                .map(|(&i, r)| (i, r.map_err(|e| node_error(&e))))
                 .collect()
         };
         let outcomes: Vec<NodeOutcome> = if per_node.len() <= 1 {
@@ -434,7 +534,7 @@ impl ClusterStore {
             })
         };
         let mut stored: HashMap<usize, Vec<u32>> = HashMap::new();
-        let mut errors: HashMap<usize, String> = HashMap::new();
+        let mut errors: HashMap<usize, ObjectError> = HashMap::new();
         for (node, results) in outcomes {
             for (i, r) in results {
                 match r {
@@ -453,17 +553,17 @@ impl ClusterStore {
         &self,
         keys: &[Vec<u8>],
         dsts: Vec<Result<&mut [u8], String>>,
-    ) -> Vec<Result<(), String>> {
-        let mut out: Vec<Result<(), String>> = Vec::with_capacity(keys.len());
+    ) -> Vec<Result<(), ObjectError>> {
+        let mut out: Vec<Result<(), ObjectError>> = Vec::with_capacity(keys.len());
         let mut slots: Vec<Option<&mut [u8]>> = Vec::with_capacity(keys.len());
         for d in dsts {
             match d {
                 Ok(d) => {
-                    out.push(Err("not found".into()));
+                    out.push(Err(ObjectError::NotFound));
                     slots.push(Some(d));
                 }
                 Err(e) => {
-                    out.push(Err(e));
+                    out.push(Err(ObjectError::Caller(e)));
                     slots.push(None);
                 }
             }
@@ -475,9 +575,9 @@ impl ClusterStore {
         let reply = match self.lookup(wanted.iter().map(|&i| keys[i].clone()).collect()) {
             Ok(r) => r,
             Err(e) => {
-                let reason = e.to_string();
+                let error = master_error(&e);
                 for &i in &wanted {
-                    out[i] = Err(reason.clone());
+                    out[i] = Err(error.clone());
                 }
                 return out;
             }
@@ -561,7 +661,15 @@ impl ClusterStore {
                                     "kvtier cluster: an object failed its checksum; a miss"
                                 );
                             }
-                            out[i] = Err(e.to_string());
+                            out[i] = Err(match e {
+                                // The node evicted it: a miss unless another copy answers.
+                                TransportError::NotFound { .. } => ObjectError::NotFound,
+                                // A wrong-sized buffer is the caller's.
+                                TransportError::SizeMismatch { .. } => {
+                                    ObjectError::Caller(e.to_string())
+                                }
+                                e => node_error(&e),
+                            });
                         }
                     }
                     slots[i] = Some(d);
@@ -675,7 +783,7 @@ impl ClusterStore {
             for r in chunk {
                 if let Err(e) = r {
                     ok = false;
-                    if is_put || e != "not found" {
+                    if is_put || *e != ObjectError::NotFound {
                         result.note_error(format!(
                             "{}: {e}",
                             String::from_utf8_lossy(page_keys[page].as_ref())

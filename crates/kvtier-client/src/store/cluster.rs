@@ -7,7 +7,7 @@ use kvtier_proto::{ExistsV2Answer, ExistsV2Query};
 
 use super::{owned_keys, Store};
 use crate::batch::{BatchResult, MemRef, PageBatch};
-use crate::cluster::ClusterStore;
+use crate::cluster::{ClusterStore, ObjectError};
 use crate::error::ClientError;
 use crate::memory::RegionRegistry;
 
@@ -70,7 +70,7 @@ impl Store for ClusterStore {
         let keys = [self.namespaced(key)];
         match self.put_objects(&keys, &[Ok(value)], &[depth]).remove(0) {
             Ok(()) => Ok(PutOutcome::Stored),
-            Err(reason) => Err(ClientError::BatchShape(reason)),
+            Err(error) => Err(ClientError::object(key, error)),
         }
     }
 
@@ -78,8 +78,8 @@ impl Store for ClusterStore {
         let keys = [self.namespaced(key)];
         match self.get_objects(&keys, vec![Ok(dst)]).remove(0) {
             Ok(()) => Ok(()),
-            Err(reason) if reason == "not found" => Err(ClientError::Engine(EngineError::NotFound)),
-            Err(reason) => Err(ClientError::BatchShape(reason)),
+            Err(ObjectError::NotFound) => Err(ClientError::Engine(EngineError::NotFound)),
+            Err(error) => Err(ClientError::object(key, error)),
         }
     }
 
@@ -149,7 +149,7 @@ impl ClusterStore {
     pub(crate) fn roll_back_failed_pages(
         &self,
         keys: &[Vec<u8>],
-        results: &[Result<(), String>],
+        results: &[Result<(), ObjectError>],
         fresh: &[bool],
         comps: usize,
     ) {

@@ -772,6 +772,50 @@ mod tests {
         d.check_invariants().unwrap();
     }
 
+    /// Issue 29: a failed copy task reported by its holder is planned again by the next tick
+    /// (not after REPAIR_TASK_TIMEOUT); after a push failure, elsewhere. Another node cannot
+    /// fail a task that is not its own.
+    #[test]
+    fn a_reported_failure_is_planned_again_at_once_avoiding_a_refusing_target() {
+        let d = dir();
+        let a = d.register(spec("a", GIB, &[]), &[]).unwrap();
+        let b = d.register(spec("b", GIB, &[]), &[]).unwrap();
+        d.register(spec("c", 2 * GIB, &[]), &[]).unwrap();
+        // Copies on a and b (c stays free: register it last with the most room).
+        let (claim, out) = d.claim(&req("a", 2), &[b"k"], &[1000]);
+        assert!(matches!(&out[0], Claim::Write(_)));
+        assert!(d.commit(claim, b"k", &[a]).unwrap());
+        let now = after_grace();
+        assert_eq!(d.plan_repairs(now), 1);
+        let batches = d.take_repair_tasks("a", 10, now);
+        assert_eq!(all_hashes(&batches), vec![key_hash(b"k")]);
+        let first = batches[0].target;
+        assert_ne!(first, b, "the most free space: c");
+        // Not b's task: nothing happens.
+        let h = [key_hash(b"k")];
+        assert_eq!(d.copy_failed("b", first, &h, CopyFailureKind::Push, now), 0);
+        assert_eq!(d.repair_stats().in_flight, 1);
+        // a's push to c failed: failed now, planned again at once, to b this time.
+        assert_eq!(d.copy_failed("a", first, &h, CopyFailureKind::Push, now), 1);
+        let stats = d.repair_stats();
+        assert_eq!((stats.in_flight, stats.failed), (0, 1));
+        assert_eq!(d.plan_repairs(now), 1, "planned again by the next tick");
+        let again = d.take_repair_tasks("a", 10, now);
+        assert_eq!(again[0].target, b, "the refusing target is avoided");
+        // A failure for a task already gone counts nothing.
+        assert_eq!(d.copy_failed("a", first, &h, CopyFailureKind::Push, now), 0);
+        // After two leases c may be chosen again.
+        assert_eq!(
+            d.copy_failed("a", b, &h, CopyFailureKind::Commit, now),
+            1,
+            "a commit failure does not avoid the target"
+        );
+        let later = now + Duration::from_secs(1);
+        assert_eq!(d.plan_repairs(later), 1);
+        assert_eq!(d.take_repair_tasks("a", 10, later)[0].target, first);
+        d.check_invariants().unwrap();
+    }
+
     #[test]
     fn key_hashes_round_trip_their_wire_form() {
         let h = key_hash(b"some key");

@@ -40,6 +40,20 @@ pub(super) struct RepairState {
     /// Since when some entry had no target (rescanned after [`REPAIR_RETRY_STUCK`], or when a
     /// node registers).
     pub(super) stuck_since: Option<Instant>,
+    /// Issue 29: targets a source could not push to (refused, unreachable), not chosen again
+    /// until then (a live node whose data port is cut would otherwise get every re-plan).
+    pub(super) avoid: HashMap<u16, Instant>,
+}
+
+/// Why a holder reports that a handed-out copy task failed ([`Directory::copy_failed`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyFailureKind {
+    /// The holder does not have the object (evicted since; its drop report follows).
+    NotHeld,
+    /// The target refused the object or could not be reached: it is avoided a while.
+    Push,
+    /// Pushed, but the commit failed.
+    Commit,
 }
 
 /// How often entries that found no target are looked at again (a node may have room now).
@@ -58,6 +72,7 @@ impl RepairState {
             grace_over: false,
             no_target: 0,
             stuck_since: None,
+            avoid: HashMap::new(),
         }
     }
 
@@ -131,14 +146,15 @@ pub struct RepairBatch {
     pub hashes: Vec<KeyHash>,
 }
 
-/// The target of one copy: live, not a holder, room for `size` more bytes than planned this
-/// tick, and every tag the live holders share; the most estimated free space wins.
+/// The target of one copy: live, not a holder, not `avoid`ed, room for `size` more bytes than
+/// planned this tick, and every tag the live holders share; the most estimated free space wins.
 pub(super) fn repair_target(
     nodes: &[NodeState],
     entry: &Replicas,
     live: &[bool],
     size: u64,
     planned: &[u64],
+    avoid: &HashMap<u16, Instant>,
 ) -> Option<u16> {
     let holders: Vec<&NodeState> = entry
         .nodes()
@@ -154,7 +170,7 @@ pub(super) fn repair_target(
         .collect();
     nodes
         .iter()
-        .filter(|n| n.alive && !entry.holds(n.index))
+        .filter(|n| n.alive && !entry.holds(n.index) && !avoid.contains_key(&n.index))
         .filter(|n| {
             n.estimated_free()
                 .saturating_sub(planned.get(usize::from(n.index)).copied().unwrap_or(0))
@@ -216,6 +232,7 @@ impl Directory {
         }
         let nodes = self.nodes();
         let live: Vec<bool> = nodes.iter().map(|n| n.alive).collect();
+        repair.avoid.retain(|_, until| *until > now);
         let lapsed: Vec<KeyHash> = repair
             .tasks
             .iter()
@@ -291,7 +308,7 @@ impl Directory {
                         }
                         continue;
                     };
-                    match repair_target(&nodes, entry, &live, size, &planned_bytes) {
+                    match repair_target(&nodes, entry, &live, size, &planned_bytes, &repair.avoid) {
                         Some(target) => {
                             planned_bytes[usize::from(target)] += size;
                             repair.add(hash, source, target, now + REPAIR_TASK_TIMEOUT);
@@ -320,6 +337,51 @@ impl Directory {
             }
         }
         planned
+    }
+
+    /// Issue 29: the live node `node_id` reports that its copy tasks of `hashes` to `target`
+    /// failed. Each such task still in flight fails now and its entry is planned again by the
+    /// next tick (lease / 4), not after [`REPAIR_TASK_TIMEOUT`]; after a push failure the
+    /// target is avoided for two leases. Only tasks handed to this node are touched (a node
+    /// cannot fail another's). Returns how many tasks failed.
+    pub fn copy_failed(
+        &self,
+        node_id: &str,
+        target: u16,
+        hashes: &[KeyHash],
+        why: CopyFailureKind,
+        now: Instant,
+    ) -> usize {
+        let Some(source) = self
+            .nodes
+            .read()
+            .iter()
+            .find(|n| n.alive && n.spec.node_id == node_id)
+            .map(|n| n.index)
+        else {
+            return 0;
+        };
+        let mut repair = self.repair.lock();
+        let mut failed = 0;
+        for &hash in hashes {
+            let ours = repair
+                .tasks
+                .get(&hash)
+                .is_some_and(|t| t.handed && t.source == source && t.target == target);
+            if ours && repair.remove(hash).is_some() {
+                failed += 1;
+                repair.dirty |= shard_bit(hash);
+            }
+        }
+        if failed > 0 {
+            self.counters
+                .failed
+                .fetch_add(failed as u64, Ordering::Relaxed);
+            if why == CopyFailureKind::Push {
+                repair.avoid.insert(target, now + 2 * self.lease());
+            }
+        }
+        failed
     }
 
     /// Hand the live node `node_id` up to `max` of its queued copy tasks, grouped by target;
