@@ -36,11 +36,12 @@ fi
 # Issue 26: kvtier refuses UCX's emulated lanes (tcp, posix) by default, as they would serve
 # any peer's read or write; this protocol rerun uses the INSECURE test hook (docs/security.md),
 # as there is no RDMA here. The default's refusal is tested by cluster_ucx, ucx_stranger and
-# test_cluster_ucx.py.
+# test_cluster_ucx.py. `--workspace` as above: the same feature set, so the test binaries built
+# above are reused (`-p kvtier-cli` would build every one of them again, ~2.5 min).
 phase "cluster tests over UCX (TEST_CLUSTER_TRANSPORT=ucx UCX_TLS=tcp UCX_NET_DEVICES=lo TEST_INSECURE_UCX_EMULATED_RMA=1)"
 TEST_CLUSTER_TRANSPORT=ucx UCX_TLS=tcp UCX_NET_DEVICES=lo TEST_INSECURE_UCX_EMULATED_RMA=1 \
-  cargo test --release --quiet \
-  -p kvtier-cli --test cluster --test cluster_failover --test cluster_eviction \
+  cargo test --workspace --release --quiet \
+  --test cluster --test cluster_failover --test cluster_eviction \
   --test cluster_node_stop --test cluster_ops --test cluster_rereplication \
   --test cluster_page_rollback --test peer_metrics 2>&1 | tee target/cargo-test-ucx.log
 if ! grep -qE '^test result: ok\. [1-9][0-9]* passed' target/cargo-test-ucx.log; then

@@ -188,11 +188,11 @@ class Node(sm.Served):
                 "--raw",
                 "--json",
             ],
-            check=True,
             capture_output=True,
             text=True,
             timeout=30,
         )
+        assert out.returncode == 0, f"kvtier inspect exit {out.returncode}: {out.stderr[-2000:]}"
         doc = json.loads(out.stdout)
         assert not any(s.get("truncated") for s in doc["stores"]), doc
         return sorted(k["key"] for store in doc["stores"] for k in store["prefix"])
