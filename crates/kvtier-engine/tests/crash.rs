@@ -22,6 +22,16 @@ use kvtier_engine::{
 
 const ROUNDS: u64 = 6;
 const THREADS: u64 = 2;
+/// Puts one writer thread makes per round at most (then it idles until killed). The SSD tier
+/// is a cache: once it fills past its high watermark it evicts whole segments, and an evicted
+/// object is not a lost one. Unbounded writers filled the old 1 GiB tier in about 1 run in 12
+/// (late kills), and the reclaimer's evictions of round-0 objects failed the test though
+/// nothing was lost to the crash. Bounded: at most ~63 MiB per thread and round (`len_of`
+/// averages ~31 KiB), ~760 MiB over every round and thread, twice that with the copies reads
+/// write back, under the high watermark of `SSD_CAPACITY`.
+const PUTS_PER_ROUND: u64 = 2000;
+/// Far above what the bounded rounds write, so the reclaimer never evicts here.
+const SSD_CAPACITY: u64 = 4 << 30;
 
 /// Odd rounds write and recover through io_uring (posix where the kernel refuses it).
 fn config(dir: &Path, round: u64) -> EngineConfig {
@@ -37,7 +47,7 @@ fn config(dir: &Path, round: u64) -> EngineConfig {
         ssd_enabled: true,
         ssd_storage_dir: dir.to_path_buf(),
         ssd_segment_size_bytes: 4 << 20,
-        ssd_capacity_bytes: 1 << 30,
+        ssd_capacity_bytes: SSD_CAPACITY,
         ssd_durability_mode: SsdDurabilityMode::Strict,
         ssd_copy_worker_threads: 2,
         ..EngineConfig::default()
@@ -80,7 +90,7 @@ fn crash_child_writer() {
                     .append(true)
                     .open(dir.join(format!("ack-{round}-{t}")))
                     .unwrap();
-                for i in 0.. {
+                for i in 0..PUTS_PER_ROUND {
                     let key = key_of(round, t, i);
                     let v = value_for(&key, len_of(i));
                     let meta = PutMeta {
@@ -103,6 +113,10 @@ fn crash_child_writer() {
                             ack.sync_data().unwrap();
                         }
                     }
+                }
+                // Done for this round: idle until the parent's SIGKILL.
+                loop {
+                    std::thread::sleep(Duration::from_secs(1));
                 }
             });
         }
@@ -147,11 +161,13 @@ fn acknowledged_strict_puts_survive_sigkill() {
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
-        // Let it write for a random while (and at least until it acknowledged something).
-        let run_for = Duration::from_millis(150 + rng.below(700));
+        // Kill at a random point of its progress (thread 0 acknowledged `kill_at` puts), not
+        // of the clock, so a fast machine does not reach PUTS_PER_ROUND and kill an idle
+        // writer; bounded in time all the same.
+        let kill_at = 1 + rng.below(PUTS_PER_ROUND * 9 / 10);
         let t0 = Instant::now();
-        while t0.elapsed() < run_for
-            || (acks(dir.path(), round, 0).0.is_empty() && t0.elapsed() < Duration::from_secs(10))
+        while (acks(dir.path(), round, 0).0.len() as u64) < kill_at
+            && t0.elapsed() < Duration::from_secs(10)
         {
             assert!(
                 child.try_wait().unwrap().is_none(),
@@ -159,6 +175,7 @@ fn acknowledged_strict_puts_survive_sigkill() {
             );
             std::thread::sleep(Duration::from_millis(10));
         }
+        let run_for = t0.elapsed();
         child.kill().unwrap(); // SIGKILL
         child.wait().unwrap();
 
@@ -203,7 +220,7 @@ fn acknowledged_strict_puts_survive_sigkill() {
             }
         }
         eprintln!(
-            "round {round}: killed after {run_for:?}; fsck good {} torn {} corrupt {}; \
+            "round {round}: killed after {run_for:?} (at {kill_at} puts of thread 0); fsck good {} torn {} corrupt {}; \
              recovered {} objects in {:?} ({:.2} GB/s scan)",
             report.counts.good,
             report.counts.torn,
