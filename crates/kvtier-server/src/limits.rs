@@ -3,7 +3,7 @@
 //! Each constant stays declared next to the code that enforces it and is re-exported here.
 
 pub use crate::fault_guard::MAX_GUARDED_MAPPINGS;
-pub use crate::peer::{HELLO_TIMEOUT, MAX_CONNECTIONS, MAX_UNAUTHENTICATED};
+pub use crate::peer::{HELLO_TIMEOUT, MAX_CONNECTIONS, MAX_UNAUTHENTICATED, STOP_WAIT};
 use kvtier_master::limits::{MAX_KEYS_PER_CALL, MAX_RPC_MESSAGE_BYTES};
 use kvtier_proto::limits::{MAX_KEYS_PER_BATCH, MAX_KEY_LEN};
 

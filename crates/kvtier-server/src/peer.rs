@@ -98,6 +98,9 @@ fn connection_caps(descriptors: Option<u64>) -> (usize, usize) {
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 /// How often the reaper looks for connections past their handshake deadline.
 const REAPER_PERIOD: Duration = Duration::from_millis(100);
+/// How long stopping the port waits for its connection threads to end (their sockets are cut
+/// first, so they end within a read; a thread stuck beyond this is logged and left).
+pub const STOP_WAIT: Duration = Duration::from_secs(5);
 
 /// Remove up to [`MAX_CLEARED_KEYS`] of the cluster keys under `prefix` (a cluster prefix,
 /// checked by the caller: [`namespace::is_cluster_prefix`]) from the store (any tier) and from
@@ -485,6 +488,21 @@ impl DataPort {
         }
         for c in self.shared.conns.lock().open.values() {
             let _ = c.stream.shutdown(Shutdown::Both);
+        }
+        // Wait (bounded) for the connection threads: each holds the port's state, and with it
+        // the UCX node, whose teardown must not race the process's exit (a node stopped by
+        // SIGTERM aborted in UCX's atexit cleanup while a connection thread still held it).
+        let deadline = Instant::now() + STOP_WAIT;
+        while Arc::strong_count(&self.shared) > 1 {
+            if Instant::now() >= deadline {
+                tracing::warn!(
+                    "kvtier serve: {} data-port connection thread(s) still running {:?} after stop",
+                    Arc::strong_count(&self.shared) - 1,
+                    STOP_WAIT
+                );
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(2));
         }
     }
 }

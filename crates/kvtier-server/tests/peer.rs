@@ -359,3 +359,61 @@ fn keys_outside_the_cluster_namespace_are_refused_on_every_op() {
     assert_eq!(back, secret);
     port.shutdown();
 }
+
+/// Stopping the port waits for its connection threads: each holds the port's state (and with
+/// it the store and, on a node, the UCX node), which must be gone when `shutdown` returns so
+/// that nothing of it is torn down during the process's exit (a UCX node's teardown racing
+/// exit aborted a stopped node). Authenticated connections, a request in flight and raw
+/// half-open ones are all open when it stops.
+#[test]
+fn shutdown_returns_after_every_connection_thread_has_ended() {
+    for round in 0..5 {
+        let (port, node) = port(b"s3cret");
+        let peer = port.local_addr().to_string();
+        let t = transport(b"s3cret");
+        let value = pattern(round, 256 << 10);
+        let key = ck(&format!("stop-{round}"));
+        let put = t.put(
+            &peer,
+            &[PutItem {
+                key: &key,
+                value: &value,
+                depth: None,
+            }],
+        );
+        assert!(put.iter().all(Result::is_ok), "{put:?}");
+        // Raw connections that never finish a handshake.
+        let raw: Vec<std::net::TcpStream> = (0..4)
+            .map(|_| std::net::TcpStream::connect(&peer).unwrap())
+            .collect();
+        // A reader busy with gets while the port stops.
+        let reader = {
+            let peer = peer.clone();
+            let key = key.clone();
+            std::thread::spawn(move || {
+                let mut buffer = vec![0u8; 256 << 10];
+                for _ in 0..50 {
+                    let _ = t.get(
+                        &peer,
+                        &mut [GetItem {
+                            key: &key,
+                            dst: &mut buffer,
+                        }],
+                    );
+                }
+            })
+        };
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while port.open_connections() < 5 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        port.shutdown();
+        assert_eq!(
+            Arc::strong_count(&node),
+            1,
+            "round {round}: a connection thread still holds the port's state after shutdown"
+        );
+        reader.join().unwrap();
+        drop(raw);
+    }
+}
