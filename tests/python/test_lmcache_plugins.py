@@ -318,7 +318,16 @@ def test_lmcache_engine_store_lookup_retrieve_from_kvtier():
         remote = mgr.storage_backends["RemoteBackend-kvtier"]
         conn = remote.connection._connector
         wait(lambda: conn._store.stats()["objects"] >= 4, "4 chunks in kvtier")
-        mgr.storage_backends["LocalCPUBackend"].clear()
+        # clear() skips chunks still referenced (the remote put releases its reference after
+        # kvtier has stored them): clear until none is left, so the retrieve below must come
+        # from kvtier.
+        local = mgr.storage_backends["LocalCPUBackend"]
+
+        def local_emptied():
+            local.clear()
+            return len(local.hot_cache) == 0
+
+        wait(local_emptied, "LMCache's local CPU copies cleared")
         hits_before = conn._store.stats()["hits"]
         assert eng.lookup(tokens) == 64
         ret = eng.retrieve(tokens)
