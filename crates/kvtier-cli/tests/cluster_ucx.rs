@@ -778,8 +778,11 @@ fn stat_names_the_data_plane() {
         line.contains("data plane: UCX (UCX_TLS tcp (INSECURE test hook),"),
         "{human}"
     );
-    assert!(line.contains("16 MiB registered"), "{human}");
+    // Issue 26: the arena is not registered; nothing is before a lease.
+    assert!(line.contains("0 KiB registered for leases"), "{human}");
     let plane = &doc["data_plane"];
+    assert_eq!(plane["arena_bytes"], 16u64 << 20, "{doc}");
+    assert_eq!(plane["registered_bytes"], 0, "{doc}");
     assert_eq!(plane["transport"], "ucx", "{doc}");
     assert_eq!(plane["enabled"], true, "{doc}");
     assert_eq!(plane["ucx_tls"], "tcp (INSECURE test hook)", "{doc}");

@@ -68,7 +68,7 @@ pub enum ProtoError {
 
     /// Parallel lists of one batch whose lengths disagree (only an encoder can see this; the
     /// wire format sends the count once, so a decoded batch is always consistent).
-    #[error("{what} has {found} entries but the batch has {expected} keys")]
+    #[error("{what} has {found} entries where {expected} were expected")]
     LengthMismatch {
         what: &'static str,
         expected: usize,

@@ -1,20 +1,23 @@
 //! Bodies of the UCX data plane's control messages on the peer data port (issue 17).
 //!
 //! They travel on an authenticated data-port connection ([`crate::peer`]), so a node hands its
-//! UCX worker address and the remote key of its DRAM arena only to peers that proved the
-//! cluster token. Page bytes then move one-sided (UCP get) straight between the node's arena
-//! and the client's buffer; these messages only pin and release what is read:
+//! UCX worker address and its remote keys only to peers that proved the cluster token. Page
+//! bytes then move one-sided (UCP get) straight between the node's arena and the client's
+//! buffer; these messages only pin and release what is read:
 //!
 //! 1. `PeerUcxHello` (client -> node, empty body): the node answers [`UcxOffer`] (its worker
-//!    address, the packed remote key of its arena, the lease bounds), or `UNSUPPORTED` when it
-//!    runs without UCX.
+//!    address and the lease bounds), or `UNSUPPORTED` when it runs without UCX. No key: the
+//!    arena as a whole is never registered for remote access (issue 26).
 //! 2. `PeerUcxLease` ([`UcxLeaseRequest`]): the node pins each object found with the expected
 //!    length and answers [`UcxLeaseReply`]: one lease id for the batch and, per object, its
-//!    extents in the arena (address, length, in order). A pinned object cannot be evicted or
-//!    its memory reused until the lease is released or expires (`lease_ms`); at most
-//!    `max_leases` leases are held per node (a new one beyond that is refused, `BUSY`).
-//! 3. `PeerUcxRelease` ([`UcxRelease`]): drops the pins; answered with an empty body. A lease
-//!    released twice or unknown is not an error (it may have expired).
+//!    extents in the arena (address, length, in order), each with the packed remote key of a
+//!    registration of exactly that extent (whole DRAM blocks of that object), made for this
+//!    lease and unmapped when it ends. A pinned object cannot be evicted or its memory reused
+//!    until the lease is released or expires (`lease_ms`); at most `max_leases` leases are held
+//!    per node (a new one beyond that is refused, `BUSY`).
+//! 3. `PeerUcxRelease` ([`UcxRelease`]): drops the pins and the lease's registrations;
+//!    answered with an empty body. A lease released twice or unknown is not an error (it may
+//!    have expired).
 //!
 //! The reader still verifies each object's end-to-end checksum trailer after the read: a lease
 //! that expired mid-read (a stalled client) can never yield wrong bytes as a hit.
@@ -37,10 +40,11 @@
 //!
 //! Wire forms (same primitives as [`crate::codec`]):
 //! ```text
-//! UcxOffer        := bytes(worker_address) bytes(rkey) varint(max_leases) varint(lease_ms)
-//!                    str(transports)
+//! UcxOffer        := bytes(worker_address) varint(max_leases) varint(lease_ms)
+//!                    str(transports) str(host)
 //! UcxLeaseRequest := varint(n) n*( bytes(key) varint(expected_len) )
-//! UcxLeaseReply   := varint(lease_id) varint(n) n*( u8 status [status 0: varint(m) m*(varint(addr) varint(len))] )
+//! UcxLeaseReply   := varint(lease_id) varint(n) n*( u8 status
+//!                    [status 0: varint(m) m*(varint(addr) varint(len) bytes(rkey))] )
 //! UcxRelease      := varint(lease_id)
 //! UcxLanding      := bytes(rkey) varint(size) varint(max_connection_bytes) varint(reservation_ms)
 //! UcxReserveRequest := varint(n) n*( bytes(key) varint(len) varint(depth + 1, 0: none) )
@@ -138,8 +142,12 @@ pub fn check_lease_extents(extents: &[(u64, u64)], object: u64) -> Result<(), Le
 /// What the node found for one object of a lease request.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum LeaseItem {
-    /// Pinned: the object's extents in the node's arena, in order.
-    Extents(Vec<(u64, u64)>),
+    /// Pinned: the object's extents in the node's arena, in order, and for each the packed
+    /// remote key of a registration covering exactly that extent, for this lease only.
+    Extents {
+        extents: Vec<(u64, u64)>,
+        keys: Vec<Vec<u8>>,
+    },
     /// Not stored on the node.
     NotFound,
     /// Stored with another length.
@@ -169,7 +177,6 @@ impl Decode for UcxHello {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct UcxOffer {
     pub worker_address: Vec<u8>,
-    pub rkey: Vec<u8>,
     pub max_leases: u64,
     pub lease_ms: u64,
     /// The node's UCX transport configuration as it sees it (for logs).
@@ -206,7 +213,6 @@ impl Encode for UcxOffer {
             &self.worker_address,
             MAX_UCX_ADDRESS_LEN,
         )?;
-        put_bytes(out, "remote key", &self.rkey, MAX_UCX_RKEY_LEN)?;
         put_varint(out, self.max_leases);
         put_varint(out, self.lease_ms);
         put_bytes(
@@ -225,7 +231,6 @@ impl Decode for UcxOffer {
             worker_address: reader
                 .read_bytes("worker address", MAX_UCX_ADDRESS_LEN)?
                 .to_vec(),
-            rkey: reader.read_bytes("remote key", MAX_UCX_RKEY_LEN)?.to_vec(),
             max_leases: reader.read_varint("max leases")?,
             lease_ms: reader.read_varint("lease ms")?,
             transports: reader.read_string("transports", MAX_TRANSPORTS_LEN)?,
@@ -264,12 +269,20 @@ impl Encode for UcxLeaseReply {
         put_len(out, "lease items", self.items.len(), MAX_LEASE_OBJECTS)?;
         for item in &self.items {
             match item {
-                LeaseItem::Extents(extents) => {
+                LeaseItem::Extents { extents, keys } => {
+                    if keys.len() != extents.len() {
+                        return Err(ProtoError::LengthMismatch {
+                            what: "a leased object's remote keys",
+                            expected: extents.len(),
+                            found: keys.len(),
+                        });
+                    }
                     out.push(0);
                     put_len(out, "extents", extents.len(), MAX_LEASE_EXTENTS)?;
-                    for (addr, len) in extents {
+                    for ((addr, len), key) in extents.iter().zip(keys) {
                         put_varint(out, *addr);
                         put_varint(out, *len);
+                        put_bytes(out, "extent key", key, MAX_UCX_RKEY_LEN)?;
                     }
                 }
                 LeaseItem::NotFound => out.push(1),
@@ -289,14 +302,16 @@ impl Decode for UcxLeaseReply {
         for _ in 0..n {
             items.push(match reader.read_u8("lease item")? {
                 0 => {
-                    let m = reader.read_count("extents", MAX_LEASE_EXTENTS, 2)?;
+                    let m = reader.read_count("extents", MAX_LEASE_EXTENTS, 3)?;
                     let mut extents = Vec::with_capacity(m);
+                    let mut keys = Vec::with_capacity(m);
                     for _ in 0..m {
                         let addr = reader.read_varint("extent address")?;
                         let len = reader.read_varint("extent length")?;
                         extents.push((addr, len));
+                        keys.push(reader.read_bytes("extent key", MAX_UCX_RKEY_LEN)?.to_vec());
                     }
-                    LeaseItem::Extents(extents)
+                    LeaseItem::Extents { extents, keys }
                 }
                 1 => LeaseItem::NotFound,
                 2 => LeaseItem::SizeMismatch,
@@ -651,7 +666,6 @@ mod tests {
     fn bodies_round_trip_and_reject_garbage() {
         let offer = UcxOffer {
             worker_address: vec![1; 300],
-            rkey: vec![2; 40],
             max_leases: 256,
             lease_ms: 5000,
             transports: "posix,cma,self".into(),
@@ -671,7 +685,10 @@ mod tests {
         let reply = UcxLeaseReply {
             lease_id: 7,
             items: vec![
-                LeaseItem::Extents(vec![(0x7f00_0000_0000, 4096), (0x7f00_0001_0000, 10)]),
+                LeaseItem::Extents {
+                    extents: vec![(0x7f00_0000_0000, 4096), (0x7f00_0001_0000, 10)],
+                    keys: vec![vec![2; 40], vec![5; 3]],
+                },
                 LeaseItem::NotFound,
                 LeaseItem::SizeMismatch,
                 LeaseItem::NotRemote,

@@ -603,10 +603,10 @@ pub fn print_json(doc: &Value) {
 fn data_plane_line(plane: &Value) -> String {
     if plane["transport"] == "ucx" {
         format!(
-            "UCX (UCX_TLS {}, UCX_NET_DEVICES {}, {} MiB registered, leases held {} / total {}, refused {}, objects not remote {}; TCP frames as fallback)",
+            "UCX (UCX_TLS {}, UCX_NET_DEVICES {}, {} KiB registered for leases, leases held {} / total {}, refused {}, objects not remote {}; TCP frames as fallback)",
             plane["ucx_tls"].as_str().unwrap_or("?"),
             plane["ucx_net_devices"].as_str().unwrap_or("?"),
-            plane["registered_bytes"].as_u64().unwrap_or(0) >> 20,
+            plane["registered_bytes"].as_u64().unwrap_or(0) >> 10,
             plane["leases_held"],
             plane["leases_total"],
             plane["leases_refused_full"],
@@ -739,10 +739,10 @@ fn start_ucx_node(
     match crate::ucx_node::UcxNode::start(store, data.ip()) {
         Ok(node) => {
             tracing::info!(
-                "kvtier serve: UCX data plane on (UCX_TLS {}, UCX_NET_DEVICES {}, {} MiB registered)",
+                "kvtier serve: UCX data plane on (UCX_TLS {}, UCX_NET_DEVICES {}, arena of {} MiB, each leased extent registered for its lease only)",
                 node.offer().transports,
                 node.describe()["ucx_net_devices"].as_str().unwrap_or(""),
-                node.describe()["registered_bytes"].as_u64().unwrap_or(0) >> 20
+                node.arena_len() >> 20
             );
             Ok(std::sync::Arc::new(node))
         }

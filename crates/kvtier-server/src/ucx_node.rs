@@ -1,8 +1,9 @@
-//! A cluster node's side of the UCX data plane (issue 17): the node registers its DRAM arena
-//! with UCX, runs a worker with a progress thread, hands its worker address and the arena's
-//! remote key to authenticated peers, and pins objects for their one-sided reads (leases).
+//! A cluster node's side of the UCX data plane (issue 17): the node runs a worker with a
+//! progress thread, hands its worker address to authenticated peers, and pins objects for
+//! their one-sided reads (leases), each leased extent registered with UCX for that lease only.
 //!
-//! Owns: the node's UCX context, worker, arena registration, progress thread and lease table.
+//! Owns: the node's UCX context, worker, progress thread, lease table (with each lease's
+//! registrations) and put landing area.
 //!
 //! Invariants:
 //! - Only the data port calls [`serve`], on connections that passed the cluster-token
@@ -12,8 +13,13 @@
 //!   stranger's reads and writes without any key check, are never loaded, and without an RDMA
 //!   lane [`UcxNode::start`] fails with the reason and the node serves frames only. The
 //!   context uses only the devices behind the interface of the node's `--data-addr`
-//!   ([`kvtier_client::transport::ucx::devices`]; a wildcard or no device left: frames). Still
-//!   open: the read key covers the whole arena (see docs/security.md, "UCX plane").
+//!   ([`kvtier_client::transport::ucx::devices`]; a wildcard or no device left: frames).
+//! - Issue 26: the arena is never registered as a whole. A lease registers each of its
+//!   extents (whole DRAM blocks of one leased object: blocks are page multiples, so the
+//!   registration's pages hold nothing else) for remote reads only, hands the packed keys to
+//!   the lease's connection, and unmaps them when the lease ends, before its pins drop: a key
+//!   reaches only what one lease pinned, for as long as it is pinned, never a local tenant's
+//!   memory (the data port leases cluster keys only).
 //! - A leased object is pinned ([`kvtier_client::Client::pin`]): its DRAM extents cannot be
 //!   evicted or reused until the lease is released or expires ([`LEASE_TIME`]); at most
 //!   [`MAX_LEASES`] leases are held (a new one beyond is refused, the reader uses frames), so
@@ -32,8 +38,8 @@
 //!   aborts it; [`UcxNode::release_connection`] frees them), expires after
 //!   [`RESERVATION_TIME`], at most [`MAX_RESERVATIONS`] are held, and one connection holds at
 //!   most half the landing area, so no peer can fill it for ever.
-//! - Drop order: the progress thread stops, the leases' pins drop, then the registration, then
-//!   the worker and context (each handle holds what it needs alive).
+//! - Drop order: the progress thread stops, each lease's registrations are unmapped and then
+//!   its pins drop, then the worker and context (each handle holds what it needs alive).
 
 use std::collections::HashMap;
 use std::io;
@@ -86,6 +92,9 @@ const PROGRESS_WAIT: Duration = Duration::from_millis(100);
 struct Lease {
     /// The data-port connection that took it.
     connection: u64,
+    /// One registration per leased extent. Declared before the pins: unmapped first, so no
+    /// key outlives the pin of the memory it reaches.
+    registrations: Vec<Registration>,
     _pins: Vec<PinnedObject>,
     /// The pinned objects' bytes (trailers included): what the reader moves one-sided.
     bytes: u64,
@@ -229,6 +238,10 @@ pub struct UcxNodeCounters {
     pub commits_refused_checksum: AtomicU64,
     /// Commits of ids that are not a live reservation of the committing connection.
     pub commits_unknown: AtomicU64,
+    /// Bytes registered for leases in all (each lease's extents, unmapped when it ends).
+    pub registered_bytes: AtomicU64,
+    /// Leased extents UCX refused to register (the object is read over frames).
+    pub registrations_refused: AtomicU64,
 }
 
 /// The node's UCX plane; stops when dropped.
@@ -245,9 +258,8 @@ pub struct UcxNode {
     progress: Option<JoinHandle<()>>,
     landing: Option<Arc<Landing>>,
     worker: Worker,
-    // Dropped after the leases' pins (`leases` is only held by this struct and the progress
-    // thread, joined in `drop`).
-    _registration: Registration,
+    /// Registers each lease's extents.
+    context: Context,
 }
 
 impl std::fmt::Debug for UcxNode {
@@ -280,12 +292,8 @@ impl UcxNode {
             .ok_or("the node's store is not an embedded engine")?;
         let context = Context::bound_to(data_ip).map_err(|e| e.to_string())?;
         let worker = context.worker().map_err(|e| e.to_string())?;
-        let registration = context
-            .register(base, len)
-            .map_err(|e| format!("cannot register the DRAM arena: {e}"))?;
         let offer = UcxOffer {
             worker_address: worker.address().map_err(|e| e.to_string())?,
-            rkey: registration.pack_key().map_err(|e| e.to_string())?,
             max_leases: MAX_LEASES as u64,
             lease_ms: LEASE_TIME.as_millis() as u64,
             transports: context.transports().to_string(),
@@ -331,8 +339,8 @@ impl UcxNode {
                 .map_err(|e| format!("cannot start the UCX progress thread: {e}"))?
         };
         Ok(UcxNode {
-            base: registration.base(),
-            len: registration.len(),
+            base: base as u64,
+            len: len as u64,
             offer,
             devices,
             leases,
@@ -342,7 +350,7 @@ impl UcxNode {
             progress: Some(progress),
             landing,
             worker,
-            _registration: registration,
+            context,
         })
     }
 
@@ -411,7 +419,10 @@ impl UcxNode {
             "enabled": true,
             "ucx_tls": self.offer.transports,
             "ucx_net_devices": self.devices,
-            "registered_bytes": self.len,
+            "arena_bytes": self.len,
+            "registered_bytes": self.registered_bytes(),
+            "registered_bytes_total": self.counters.registered_bytes.load(Ordering::Relaxed),
+            "registrations_refused": self.counters.registrations_refused.load(Ordering::Relaxed),
             "leases_held": self.leases_held(),
             "leases_total": self.counters.leases.load(Ordering::Relaxed),
             "leased_bytes_total": self.counters.leased_bytes.load(Ordering::Relaxed),
@@ -457,6 +468,7 @@ impl UcxNode {
         drop(expired);
         let (start, end) = (self.base, self.base + self.len);
         let mut pins = Vec::new();
+        let mut registrations = Vec::new();
         let mut items = Vec::with_capacity(request.objects.len());
         let mut bytes = 0u64;
         for (key, expected) in &request.objects {
@@ -487,10 +499,16 @@ impl UcxNode {
                 items.push(LeaseItem::NotRemote);
                 continue;
             }
+            let Some((object_registrations, keys)) = self.register_extents(&extents) else {
+                self.counters.not_remote.fetch_add(1, Ordering::Relaxed);
+                items.push(LeaseItem::NotRemote);
+                continue;
+            };
             pin.count_read();
             bytes += pin.len();
             pins.push(pin);
-            items.push(LeaseItem::Extents(extents));
+            registrations.extend(object_registrations);
+            items.push(LeaseItem::Extents { extents, keys });
         }
         let lease_id = self.next_lease.fetch_add(1, Ordering::Relaxed);
         self.counters.leases.fetch_add(1, Ordering::Relaxed);
@@ -508,6 +526,7 @@ impl UcxNode {
                 lease_id,
                 Lease {
                     connection,
+                    registrations,
                     _pins: pins,
                     bytes,
                     expires: Instant::now() + LEASE_TIME,
@@ -516,6 +535,59 @@ impl UcxNode {
         }
         drop(leases);
         Ok(UcxLeaseReply { lease_id, items })
+    }
+
+    /// Register each extent of one pinned object for remote reads (this lease only) and pack
+    /// its key; `None` when UCX refuses one (logged; the object is read over frames).
+    fn register_extents(
+        &self,
+        extents: &[(u64, u64)],
+    ) -> Option<(Vec<Registration>, Vec<Vec<u8>>)> {
+        let mut registrations = Vec::with_capacity(extents.len());
+        let mut keys = Vec::with_capacity(extents.len());
+        for &(addr, len) in extents {
+            // The extent lies inside the arena (checked by the caller) and stays mapped while
+            // the registration lives: the lease drops it before the pin.
+            let registered = usize::try_from(len)
+                .map_err(|e| e.to_string())
+                .and_then(|len| {
+                    self.context
+                        .register_prot(addr as usize as *mut u8, len, false)
+                        .map_err(|e| e.to_string())
+                })
+                .and_then(|r| r.pack_key().map(|key| (r, key)).map_err(|e| e.to_string()));
+            match registered {
+                Ok((registration, key)) => {
+                    registrations.push(registration);
+                    keys.push(key);
+                }
+                Err(e) => {
+                    self.counters
+                        .registrations_refused
+                        .fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(
+                        "kvtier serve: UCX refused to register a leased extent of {len} bytes at \
+                         {addr:#x} ({e}); the object is read over frames"
+                    );
+                    return None;
+                }
+            }
+        }
+        self.counters
+            .registered_bytes
+            .fetch_add(extents.iter().map(|e| e.1).sum::<u64>(), Ordering::Relaxed);
+        Some((registrations, keys))
+    }
+
+    /// Bytes registered with UCX now for the held leases (what their keys reach in all).
+    pub fn registered_bytes(&self) -> u64 {
+        self.leases
+            .lock()
+            .held
+            .values()
+            .flat_map(|lease| lease.registrations.iter())
+            .map(Registration::len)
+            .sum()
     }
 
     /// Drop the pins of `connection`'s lease `lease_id` (unknown, expired or another

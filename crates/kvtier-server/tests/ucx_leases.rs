@@ -102,9 +102,24 @@ fn leases_are_owned_by_their_connection_and_end_with_it() {
     // A lease taken and released on one session: nothing stays pinned.
     {
         let mut session = owner.session(&peer).unwrap();
+        assert_eq!(
+            node.registered_bytes(),
+            0,
+            "nothing is registered before a lease"
+        );
         let lease: UcxLeaseReply = session.control(Opcode::PeerUcxLease, &request).unwrap();
-        assert!(matches!(lease.items[0], LeaseItem::Extents(_)), "{lease:?}");
         assert_eq!(node.leases_held(), 1);
+        // Issue 26: the lease's keys reach exactly its extents (whole blocks of this object),
+        // registered for this lease alone; the arena as a whole never is.
+        let LeaseItem::Extents { extents, keys } = &lease.items[0] else {
+            panic!("not leased: {lease:?}");
+        };
+        assert_eq!(keys.len(), extents.len());
+        assert!(keys.iter().all(|k| !k.is_empty()));
+        let leased: u64 = extents.iter().map(|e| e.1).sum();
+        assert_eq!(leased, (value.len() + CHECKSUM_LEN) as u64);
+        assert_eq!(node.registered_bytes(), leased);
+        assert!(leased < node.arena_len());
         let _: UcxHello = session
             .control(
                 Opcode::PeerUcxRelease,
@@ -114,6 +129,8 @@ fn leases_are_owned_by_their_connection_and_end_with_it() {
             )
             .unwrap();
         assert_eq!(node.leases_held(), 0);
+        // Released: the registrations are unmapped with it.
+        assert_eq!(node.registered_bytes(), 0);
     }
 
     // The attack: another authenticated connection releases (guessed) lease ids of the first.
@@ -222,7 +239,7 @@ fn a_member_leasing_everything_cannot_block_puts() {
         let leased = lease
             .items
             .iter()
-            .filter(|i| matches!(i, LeaseItem::Extents(_)))
+            .filter(|i| matches!(i, LeaseItem::Extents { .. }))
             .count() as u64
             * object;
         assert!(

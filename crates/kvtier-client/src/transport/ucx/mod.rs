@@ -636,7 +636,7 @@ impl UcxTransport {
         if self.choice != TransportChoice::Ucx {
             auto_worth_trying(&offer, &self.host).map_err(|why| (why, false))?;
         }
-        let mut endpoint = worker
+        let endpoint = worker
             .connect(&offer.worker_address)
             .map_err(|e| (e.to_string(), true))?;
         let reason = match self.choice {
@@ -648,9 +648,6 @@ impl UcxTransport {
             // `auto` decides on what UCX negotiated for this peer, not on what it could offer.
             _ => auto_choice(&parse_lanes(&endpoint.describe())).map_err(|why| (why, false))?,
         };
-        endpoint
-            .set_remote_key(&offer.rkey)
-            .map_err(|e| (e.to_string(), true))?;
         let reason = if endpoint.has_peer_failure_handling() {
             reason
         } else {
@@ -709,10 +706,16 @@ impl UcxTransport {
         let mut results: Vec<Option<Result<(), TransportError>>> = Vec::with_capacity(items.len());
         let mut extents: Vec<RemoteExtent> = Vec::new();
         let mut dsts: Vec<&mut [u8]> = Vec::new();
+        // Issue 26: each leased extent comes with the key of its own registration.
+        let mut keys: Vec<&[u8]> = Vec::new();
+        let mut key_of: Vec<usize> = Vec::new();
         let mut bytes = 0u64;
         for ((item, leased), trailer) in items.iter_mut().zip(&lease.items).zip(&mut trailers) {
             match leased {
-                LeaseItem::Extents(parts) => {
+                LeaseItem::Extents {
+                    extents: parts,
+                    keys: part_keys,
+                } => {
                     let object = (item.dst.len() + CHECKSUM_LEN) as u64;
                     let reads = match object_reads(parts, &mut *item.dst, &mut trailer[..]) {
                         Ok(reads) => reads,
@@ -722,9 +725,12 @@ impl UcxTransport {
                         }
                     };
                     bytes += object;
-                    for (extent, dst) in reads {
+                    let first_key = keys.len();
+                    keys.extend(part_keys.iter().map(Vec::as_slice));
+                    for (part, extent, dst) in reads {
                         extents.push(extent);
                         dsts.push(dst);
+                        key_of.push(first_key + part);
                     }
                     results.push(Some(Ok(())));
                 }
@@ -747,7 +753,7 @@ impl UcxTransport {
             let locals = self.locals(dsts.iter().map(|d| &**d));
             endpoint
                 .lock()
-                .get_with(&extents, &mut dsts, &locals, self.timeout)
+                .get_keyed(&keys, &key_of, &extents, &mut dsts, &locals, self.timeout)
         };
         drop(dsts);
         release(&mut session);
@@ -768,7 +774,12 @@ impl UcxTransport {
     }
 }
 
-/// The one-sided reads of one leased object: its extents (as the node answered them) split
+/// One read of a leased object: the index of the extent it reads from (whose key it uses),
+/// the remote range and the destination it fills.
+type ObjectRead<'a> = (usize, RemoteExtent, &'a mut [u8]);
+
+/// The one-sided reads of one leased object, each with the index of the extent it reads from
+/// (whose key it uses): its extents (as the node answered them) split
 /// over `dst` (the value) and then `trailer` (its checksum), in order. The extents are
 /// checked first ([`check_lease_extents`]: none empty or wrapping, exactly the object's
 /// length in all), so a hostile node's reply is refused with the sizes named, before any read
@@ -777,12 +788,12 @@ fn object_reads<'a>(
     parts: &[(u64, u64)],
     dst: &'a mut [u8],
     trailer: &'a mut [u8],
-) -> Result<Vec<(RemoteExtent, &'a mut [u8])>, LeaseExtentError> {
+) -> Result<Vec<ObjectRead<'a>>, LeaseExtentError> {
     check_lease_extents(parts, (dst.len() + trailer.len()) as u64)?;
     let mut reads = Vec::new();
     let mut rest: &'a mut [u8] = dst;
     let mut tail: &'a mut [u8] = trailer;
-    for &(addr, len) in parts {
+    for (part, &(addr, len)) in parts.iter().enumerate() {
         let (mut addr, mut len) = (addr, len);
         while len > 0 {
             let target = if rest.is_empty() {
@@ -801,6 +812,7 @@ fn object_reads<'a>(
             let (head, after) = std::mem::take(target).split_at_mut(n);
             *target = after;
             reads.push((
+                part,
                 RemoteExtent {
                     remote: addr,
                     len: n,
@@ -1182,13 +1194,14 @@ mod tests {
         let mut trailer = [0u8; 8];
         // A well-formed reply: split over the value, then the trailer.
         let reads = object_reads(&[(0x1000, 10), (0x8000, 14)], &mut dst, &mut trailer).unwrap();
-        let shape: Vec<(u64, usize, usize)> = reads
+        let shape: Vec<(usize, u64, usize, usize)> = reads
             .iter()
-            .map(|(e, d)| (e.remote, e.len, d.len()))
+            .map(|(part, e, d)| (*part, e.remote, e.len, d.len()))
             .collect();
+        // Each read names the extent (and so the key) it reads from.
         assert_eq!(
             shape,
-            vec![(0x1000, 10, 10), (0x8000, 6, 6), (0x8006, 8, 8)]
+            vec![(0, 0x1000, 10, 10), (1, 0x8000, 6, 6), (1, 0x8006, 8, 8)]
         );
         // What made a reader spin and abort: lengths that wrap to the object's size when
         // summed with `+`, an empty extent, a 2 GiB extent, an address that wraps.

@@ -612,6 +612,25 @@ impl std::fmt::Debug for Endpoint {
     }
 }
 
+/// Remote keys unpacked on an endpoint for one call ([`Endpoint::get_keyed`]), destroyed
+/// (under the worker's lock) when dropped. UCX releases a key without touching its endpoint,
+/// so this is sound after a forced close too.
+struct UnpackedKeys {
+    worker: Arc<WorkerRaw>,
+    keys: Vec<ffi::RKey>,
+}
+
+impl Drop for UnpackedKeys {
+    fn drop(&mut self) {
+        let _guard = self.worker.lock.lock();
+        for key in self.keys.drain(..) {
+            // SAFETY: each key came from `ucp_ep_rkey_unpack` and is destroyed once, after
+            // every request that used it completed or was released (`Endpoint::run`).
+            unsafe { (self.worker.context.ucp.rkey_destroy)(key) };
+        }
+    }
+}
+
 /// How long a forced close waits for the endpoint's requests to be released.
 const CLOSE_BOUND: Duration = Duration::from_secs(1);
 
@@ -690,6 +709,9 @@ impl Endpoint {
         let ucp = self.worker.context.ucp;
         let raw = self.raw;
         let rkey = self.rkey;
+        if rkey.is_null() {
+            return Err(UcxError::Invalid("no remote key set".into()));
+        }
         self.run(timeout, |issue| {
             for ((extent, dst), memh) in extents.iter().zip(dsts.iter_mut()).zip(&memhs) {
                 let param = request_param(*memh);
@@ -711,6 +733,84 @@ impl Endpoint {
             }
             Ok(())
         })
+    }
+
+    /// [`Self::get_with`] with a remote key per read (issue 26: a node registers each leased
+    /// extent on its own): `keys` are packed keys, unpacked on this endpoint for this call only
+    /// and destroyed before it returns; `key_of[i]` is the index in `keys` of `extents[i]`'s.
+    pub fn get_keyed(
+        &mut self,
+        keys: &[&[u8]],
+        key_of: &[usize],
+        extents: &[RemoteExtent],
+        dsts: &mut [&mut [u8]],
+        locals: &[Option<Arc<Registration>>],
+        timeout: Duration,
+    ) -> Result<(), UcxError> {
+        if extents.len() != dsts.len()
+            || extents.len() != key_of.len()
+            || key_of.iter().any(|&k| k >= keys.len())
+            || extents
+                .iter()
+                .zip(dsts.iter())
+                .any(|(e, d)| e.len != d.len())
+        {
+            return Err(UcxError::Invalid(
+                "extents, destinations and keys differ".into(),
+            ));
+        }
+        let memhs = self.memhs(locals, dsts.iter().map(|d| (d.as_ptr() as u64, d.len())))?;
+        let unpacked = self.unpack_keys(keys)?;
+        let ucp = self.worker.context.ucp;
+        let raw = self.raw;
+        let rkeys = &unpacked.keys;
+        self.run(timeout, |issue| {
+            for (((extent, dst), memh), &key) in
+                extents.iter().zip(dsts.iter_mut()).zip(&memhs).zip(key_of)
+            {
+                let param = request_param(*memh);
+                // SAFETY: as in `get_with`; `rkeys[key]` was unpacked on this endpoint and
+                // is destroyed only after `run` returned (by `unpacked`'s drop).
+                let ptr = unsafe {
+                    (ucp.get_nbx)(
+                        raw,
+                        dst.as_mut_ptr().cast(),
+                        extent.len,
+                        extent.remote,
+                        rkeys[key],
+                        &param,
+                    )
+                };
+                issue(ptr)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Unpack `packed` keys on this endpoint (under the worker's lock); destroyed when the
+    /// returned guard drops.
+    fn unpack_keys(&self, packed: &[&[u8]]) -> Result<UnpackedKeys, UcxError> {
+        if self.closed {
+            return Err(UcxError::Closed);
+        }
+        let ucp = self.worker.context.ucp;
+        let mut unpacked = UnpackedKeys {
+            worker: Arc::clone(&self.worker),
+            keys: Vec::with_capacity(packed.len()),
+        };
+        let _guard = self.worker.lock.lock();
+        for key in packed {
+            if key.is_empty() {
+                return Err(UcxError::Invalid("empty UCX remote key".into()));
+            }
+            let mut rkey: ffi::RKey = std::ptr::null_mut();
+            // SAFETY: live endpoint under its worker's lock; `key` is a buffer UCP only reads
+            // (a malformed one is rejected with a status); `rkey` is written on success.
+            let status = unsafe { (ucp.ep_rkey_unpack)(self.raw, key.as_ptr().cast(), &mut rkey) };
+            check(ucp, "ucp_ep_rkey_unpack", status)?;
+            unpacked.keys.push(rkey);
+        }
+        Ok(unpacked)
     }
 
     /// Write each source to the matching extent, one-sided (see [`Self::get`]); completed
@@ -744,6 +844,9 @@ impl Endpoint {
         let ucp = self.worker.context.ucp;
         let raw = self.raw;
         let rkey = self.rkey;
+        if rkey.is_null() {
+            return Err(UcxError::Invalid("no remote key set".into()));
+        }
         self.run(timeout, |issue| {
             for ((extent, src), memh) in extents.iter().zip(srcs.iter()).zip(&memhs) {
                 let param = request_param(*memh);
@@ -840,9 +943,6 @@ impl Endpoint {
     ) -> Result<(), UcxError> {
         if self.closed {
             return Err(UcxError::Closed);
-        }
-        if self.rkey.is_null() {
-            return Err(UcxError::Invalid("no remote key set".into()));
         }
         let ucp = self.worker.context.ucp;
         let worker = Arc::clone(&self.worker);
