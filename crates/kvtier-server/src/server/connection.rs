@@ -42,6 +42,7 @@ use kvtier_proto::{
 use super::documents::{inspect_document, stats_document};
 use super::ledger::Kind;
 use super::page_io::{page_io, wire_result};
+use super::refusal::Refusal;
 use super::session::{Opener, Session};
 use super::Shared;
 
@@ -56,28 +57,6 @@ const MAX_QUEUED_FDS: usize = crate::limits::MAX_QUEUED_FDS as usize;
 /// Largest frame-body buffer a connection keeps between requests; a larger one (after a big
 /// frame) is released, so idle connections do not hold memory.
 const KEPT_BUFFER_BYTES: usize = 1 << 20;
-
-/// A request failed as a whole: answered with an [`ErrorReply`].
-#[derive(Debug)]
-pub(super) struct Refusal {
-    code: u16,
-    message: String,
-}
-
-impl Refusal {
-    pub(super) fn new(code: u16, message: impl Into<String>) -> Self {
-        Refusal {
-            code,
-            message: message.into(),
-        }
-    }
-}
-
-impl From<ProtoError> for Refusal {
-    fn from(e: ProtoError) -> Self {
-        Refusal::new(error_code::MALFORMED, e.to_string())
-    }
-}
 
 pub(super) fn send_error(
     stream: &mut UnixStream,

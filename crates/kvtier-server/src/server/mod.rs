@@ -14,7 +14,9 @@
 //! - [`tenant`]: the stores the server hosts (`main`, `tenant:<name>`), embedded engines
 //!   reached directly, and their metrics;
 //! - [`page_io`]: a page batch from a session's mappings into its tenant's store;
-//! - [`documents`]: the `Stats` / `Inspect` documents and the server's Prometheus samples.
+//! - [`documents`]: the `Stats` / `Inspect` documents and the server's Prometheus samples;
+//! - [`refusal`]: a request refused as a whole, which sessions and connections both return
+//!   (its own module, so `connection` and `session` do not import each other).
 //!
 //! Invariants kept across them: nothing a client sends can stop the server (see
 //! [`connection`]); a session's mappings are dropped when its last connection closes (a
@@ -27,6 +29,7 @@ mod connection;
 mod documents;
 mod ledger;
 mod page_io;
+mod refusal;
 mod session;
 mod tenant;
 

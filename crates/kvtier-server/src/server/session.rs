@@ -27,8 +27,8 @@ use std::time::Instant;
 use kvtier_proto::server::{error_code, RegisterRegion};
 use parking_lot::RwLock;
 
-use super::connection::Refusal;
 use super::ledger::Kind;
+use super::refusal::Refusal;
 use super::tenant::{TenantMetrics, TenantStore};
 use super::Shared;
 use crate::shm::Mapping;

@@ -39,14 +39,16 @@ impl SsdTier {
         // Lock order: mutation → SSD index shards → segment table → slot generation locks.
         let _m = sh.mutation.read_recursive();
         let shards: Vec<_> = sh.index.shards.iter().map(|s| s.read()).collect();
-        let t = sh.table.lock();
+        let t = sh.segments.table.lock();
         let next_seq = sh.seq.load(Relaxed);
-        if t.slots.len() != sh.nseg as usize || sh.slot_gens.len() != sh.nseg as usize {
+        if t.slots.len() != sh.settings.nseg as usize
+            || sh.segments.slot_gens.len() != sh.settings.nseg as usize
+        {
             return Err(format!(
                 "ssd: {} slots / {} generation locks for {} segments",
                 t.slots.len(),
-                sh.slot_gens.len(),
-                sh.nseg
+                sh.segments.slot_gens.len(),
+                sh.settings.nseg
             ));
         }
         let mut per_seg = vec![Sums::default(); t.slots.len()];
@@ -65,7 +67,7 @@ impl SsdTier {
                 let Some(m) = t.slots.get(e.seg as usize) else {
                     return Err(format!(
                         "ssd: entry {name} names segment {} of {}",
-                        e.seg, sh.nseg
+                        e.seg, sh.settings.nseg
                     ));
                 };
                 if !matches!(
@@ -138,10 +140,10 @@ impl SsdTier {
                     s.depth
                 ));
             }
-            if m.write_off < FIRST_RECORD || m.write_off > sh.seg_size {
+            if m.write_off < FIRST_RECORD || m.write_off > sh.settings.seg_size {
                 return Err(format!(
                     "ssd: segment {i} write offset {} outside [{FIRST_RECORD}, {}]",
-                    m.write_off, sh.seg_size
+                    m.write_off, sh.settings.seg_size
                 ));
             }
             match m.state {
@@ -166,7 +168,7 @@ impl SsdTier {
             }
             // The evictor bumps the slot lock's generation before the table's (window).
             if m.state != SegState::Evicting {
-                let g = *sh.slot_gens[i].read();
+                let g = *sh.segments.slot_gens[i].read();
                 if g != m.generation {
                     return Err(format!(
                         "ssd: segment {i} generation {} in the table but {g} in its slot lock",
@@ -196,12 +198,12 @@ impl SsdTier {
                 c.0, c.1, c.2
             ));
         }
-        let q = sh.queue.lock();
-        if q.jobs.len() > sh.queue_depth {
+        let q = sh.copies.queue.lock();
+        if q.jobs.len() > sh.settings.queue_depth {
             return Err(format!(
                 "ssd: copy queue holds {} jobs, depth {}",
                 q.jobs.len(),
-                sh.queue_depth
+                sh.settings.queue_depth
             ));
         }
         if q.jobs.is_empty() && q.running == 0 && inflight != 0 {
@@ -256,13 +258,13 @@ mod tests {
         tier.check_invariants().unwrap();
         let seg = sh.index.get(b"k/7").unwrap().seg as usize;
 
-        sh.table.lock().slots[seg].live_bytes += 1;
+        sh.segments.table.lock().slots[seg].live_bytes += 1;
         let err = tier.check_invariants().unwrap_err();
         assert!(
             err.contains(&format!("segment {seg}")) && err.contains("accounts"),
             "{err}"
         );
-        sh.table.lock().slots[seg].live_bytes -= 1;
+        sh.segments.table.lock().slots[seg].live_bytes -= 1;
         tier.check_invariants().unwrap();
 
         inc(&sh.c.bytes_used, 1);
@@ -270,27 +272,27 @@ mod tests {
         assert!(err.contains("counters"), "{err}");
         dec(&sh.c.bytes_used, 1);
 
-        let gen = sh.table.lock().slots[seg].generation;
-        sh.table.lock().slots[seg].generation = gen + 1;
+        let gen = sh.segments.table.lock().slots[seg].generation;
+        sh.segments.table.lock().slots[seg].generation = gen + 1;
         let err = tier.check_invariants().unwrap_err();
         assert!(err.contains("has generation"), "{err}");
-        sh.table.lock().slots[seg].generation = gen;
+        sh.segments.table.lock().slots[seg].generation = gen;
 
         let key: Arc<[u8]> = Arc::from(&b"k/7"[..]);
-        let keys = std::mem::take(&mut sh.table.lock().slots[seg].keys);
+        let keys = std::mem::take(&mut sh.segments.table.lock().slots[seg].keys);
         let err = tier.check_invariants().unwrap_err();
         assert!(err.contains("key list"), "{err}");
-        sh.table.lock().slots[seg].keys = keys;
+        sh.segments.table.lock().slots[seg].keys = keys;
 
         let e7 = sh.index.shard(&key).write().remove(&*key).unwrap();
         let err = tier.check_invariants().unwrap_err();
         assert!(err.contains("accounts"), "{err}");
         sh.index.shard(&key).write().insert(key, e7);
 
-        let active = sh.table.lock().active.take();
+        let active = sh.segments.table.lock().active.take();
         let err = tier.check_invariants().unwrap_err();
         assert!(err.contains("active segment"), "{err}");
-        sh.table.lock().active = active;
+        sh.segments.table.lock().active = active;
         tier.check_invariants().unwrap();
     }
 }

@@ -8,12 +8,15 @@
 //! the duration of the `pread`; nothing waits while holding a slot generation lock except
 //! for I/O, so recycling a segment waits only for in-flight reads of that segment.
 //!
-//! Split by the state each part owns (issue 16): this file holds [`SsdTier`], the `Shared`
-//! state and the calls that span parts (submit, remove, clear, flush, stats); `index` the
-//! key -> record map; `segments` the segment table and space reservation; `pipeline` the
-//! copy queue and batch writes; `read` the read path and its bounce buffers; `reclaim`
-//! segment eviction and the background thread; `recovery` opening the tier and rebuilding
-//! the index; `invariants` checks the invariants the others state (tests only).
+//! Split by the state each part owns (issue 16; issue 28 grouped `Shared` the same way):
+//! this file holds [`SsdTier`], the `Shared` state with the groups that span parts
+//! (`Settings`, the checkpoint's validity, the stop signal) and the calls that span parts
+//! (submit, remove, clear, flush, stats); `index` the key -> record map; `segments` the
+//! segment files, generations and table (`Segments`) and space reservation; `pipeline` the
+//! copy queue (`CopyQueue`) and batch writes; `read` the read path and its bounce buffers;
+//! `reclaim` segment eviction, its victim policy (`SegmentVictimPolicy`) and the background
+//! thread; `recovery` opening the tier and rebuilding the index; `invariants` checks the
+//! invariants the others state (tests only).
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::BuildHasher;
@@ -93,7 +96,40 @@ fn dec(c: &AtomicU64, n: u64) {
     c.fetch_sub(n, Relaxed);
 }
 
+/// The state the tier's threads share, grouped by the part that owns it (each group's type
+/// lives in that part's file); what stays here spans parts: the indexes, the sequence and
+/// access clocks, the mutation lock, counters and the recovery report.
 struct Shared {
+    /// Fixed at open.
+    settings: Settings,
+    /// `segments`: the segment files, their generations and the segment table.
+    segments: Segments,
+    /// `pipeline`: the copy queue.
+    copies: CopyQueue,
+    /// `reclaim`: which sealed segment to evict.
+    victim: Box<dyn SegmentVictimPolicy>,
+    /// Whether the index checkpoint on disk is current, and the lock that writes or deletes it.
+    checkpoint: CheckpointState,
+    /// Tells the background threads to stop.
+    stop: StopSignal,
+    index: SsdIndex,
+    dram_index: Arc<Index>,
+    /// Sequence numbers: record and segment generations (monotonic across restarts).
+    seq: AtomicU64,
+    /// The access clock segments' `last_access` is read from.
+    tick: AtomicU64,
+    mutation: RwLock<()>,
+    faults: Arc<Faults>,
+    c: Counters,
+    /// A write or sync failed and none has succeeded since.
+    degraded: AtomicBool,
+    recovery: RecoveryReport,
+    /// The directory lock, held for the tier's life.
+    _lock: std::fs::File,
+}
+
+/// What the tier was opened with: geometry, durability, I/O and reclaim settings.
+struct Settings {
     dir: PathBuf,
     seg_size: u64,
     nseg: u32,
@@ -101,31 +137,24 @@ struct Shared {
     direct: bool,
     /// The backend segment files use (`posix` when `io_uring` was asked for but refused).
     io_backend: SsdIoBackend,
-    policy: EvictionPolicyKind,
+    /// Reclaim watermarks, as fractions of the segments.
     high: f64,
     low: f64,
     batch_max_ops: usize,
     queue_depth: usize,
-    files: Vec<OnceLock<SegFile>>,
-    slot_gens: Vec<RwLock<u64>>,
-    table: Mutex<SegTable>,
-    table_cv: Condvar,
-    index: SsdIndex,
-    dram_index: Arc<Index>,
-    queue: Mutex<QueueInner>,
-    queue_cv: Condvar,
-    seq: AtomicU64,
-    tick: AtomicU64,
-    mutation: RwLock<()>,
-    ckpt_valid: AtomicBool,
-    ckpt_lock: Mutex<()>,
-    faults: Arc<Faults>,
-    c: Counters,
-    degraded: AtomicBool,
-    shutdown: Mutex<bool>,
-    shutdown_cv: Condvar,
-    recovery: RecoveryReport,
-    _lock: std::fs::File,
+}
+
+/// The index checkpoint's validity: deleted before the first mutation that would make it
+/// stale, written by `flush`.
+struct CheckpointState {
+    valid: AtomicBool,
+    lock: Mutex<()>,
+}
+
+/// Set once at shutdown; the background thread waits on it between rounds.
+struct StopSignal {
+    flag: Mutex<bool>,
+    changed: Condvar,
 }
 
 /// The SSD tier of one engine.
@@ -159,12 +188,12 @@ impl Shared {
     }
 
     fn file(&self, seg: u32) -> Option<&SegFile> {
-        self.files[seg as usize].get()
+        self.segments.files[seg as usize].get()
     }
 
     /// Largest payload one record can carry.
     fn max_payload(&self) -> u64 {
-        self.seg_size - FIRST_RECORD - ALIGN as u64
+        self.settings.seg_size - FIRST_RECORD - ALIGN as u64
     }
 
     fn note_write_result<T>(&self, r: &io::Result<T>) {
@@ -173,7 +202,7 @@ impl Shared {
             Err(e) => {
                 inc(&self.c.write_errors, 1);
                 if !self.degraded.swap(true, Relaxed) {
-                    tracing::warn!(dir = %self.dir.display(), error = %e, "kvtier SSD tier degraded: write failed");
+                    tracing::warn!(dir = %self.settings.dir.display(), error = %e, "kvtier SSD tier degraded: write failed");
                 }
             }
         }
@@ -181,15 +210,15 @@ impl Shared {
 
     /// Delete the checkpoint before the first mutation that would make it stale.
     fn invalidate_checkpoint(&self) {
-        if !self.ckpt_valid.load(Relaxed) {
+        if !self.checkpoint.valid.load(Relaxed) {
             return;
         }
-        let _g = self.ckpt_lock.lock();
-        if self.ckpt_valid.load(Relaxed) {
-            if let Err(e) = checkpoint::remove(&self.dir) {
+        let _g = self.checkpoint.lock.lock();
+        if self.checkpoint.valid.load(Relaxed) {
+            if let Err(e) = checkpoint::remove(&self.settings.dir) {
                 tracing::warn!(error = %e, "kvtier: cannot delete the SSD index checkpoint");
             }
-            self.ckpt_valid.store(false, Relaxed);
+            self.checkpoint.valid.store(false, Relaxed);
         }
     }
 }
@@ -247,11 +276,11 @@ impl SsdTier {
             ticket: ticket.clone(),
             queued: Instant::now(),
         };
-        let mut q = self.sh.queue.lock();
-        if q.jobs.len() >= self.sh.queue_depth {
+        let mut q = self.sh.copies.queue.lock();
+        if q.jobs.len() >= self.sh.settings.queue_depth {
             inc(&self.sh.c.queue_full_waits, 1);
-            while q.jobs.len() >= self.sh.queue_depth && !q.closed {
-                self.sh.queue_cv.wait(&mut q);
+            while q.jobs.len() >= self.sh.settings.queue_depth && !q.closed {
+                self.sh.copies.changed.wait(&mut q);
             }
         }
         if q.closed {
@@ -261,12 +290,12 @@ impl SsdTier {
         }
         q.jobs.push_back(job);
         drop(q);
-        self.sh.queue_cv.notify_all();
+        self.sh.copies.changed.notify_all();
         ticket
     }
 
     pub(crate) fn pending(&self) -> usize {
-        let q = self.sh.queue.lock();
+        let q = self.sh.copies.queue.lock();
         q.jobs.len() + q.running
     }
 
@@ -300,12 +329,12 @@ impl SsdTier {
             n += s.len() as u64;
             s.clear();
         }
-        let mut t = sh.table.lock();
+        let mut t = sh.segments.table.lock();
         let mut touched = Vec::new();
         for (i, m) in t.slots.iter_mut().enumerate() {
             if matches!(m.state, SegState::Active | SegState::Sealed) {
                 let new_gen = sh.next_seq();
-                let mut g = sh.slot_gens[i].write();
+                let mut g = sh.segments.slot_gens[i].write();
                 let _ = sh.write_seg_header(i as u32, new_gen, false);
                 *g = new_gen;
                 *m = SegMeta::new(SegState::Free);
@@ -315,7 +344,7 @@ impl SsdTier {
         }
         t.active = None;
         drop(t);
-        if sh.strict {
+        if sh.settings.strict {
             for seg in touched {
                 if let Some(f) = sh.file(seg) {
                     let r = f.sync();
@@ -337,12 +366,12 @@ impl SsdTier {
         let _m = sh.mutation.write();
         sh.sync_dirty().map_err(EngineError::SsdWrite)?;
         let mut c = Checkpoint {
-            segment_size: sh.seg_size,
+            segment_size: sh.settings.seg_size,
             next_seq: sh.seq.load(Relaxed),
             ..Checkpoint::default()
         };
         {
-            let t = sh.table.lock();
+            let t = sh.segments.table.lock();
             for (i, m) in t.slots.iter().enumerate() {
                 if matches!(
                     m.state,
@@ -361,21 +390,21 @@ impl SsdTier {
                 });
             }
         }
-        let _g = sh.ckpt_lock.lock();
-        checkpoint::write(&sh.dir, &c).map_err(EngineError::SsdWrite)?;
-        sh.ckpt_valid.store(true, Relaxed);
+        let _g = sh.checkpoint.lock.lock();
+        checkpoint::write(&sh.settings.dir, &c).map_err(EngineError::SsdWrite)?;
+        sh.checkpoint.valid.store(true, Relaxed);
         Ok(())
     }
 
     /// Stop the worker threads after they drained the queue (idempotent).
     pub(crate) fn shutdown(&self) {
         {
-            let mut q = self.sh.queue.lock();
+            let mut q = self.sh.copies.queue.lock();
             q.closed = true;
         }
-        self.sh.queue_cv.notify_all();
-        *self.sh.shutdown.lock() = true;
-        self.sh.shutdown_cv.notify_all();
+        self.sh.copies.changed.notify_all();
+        *self.sh.stop.flag.lock() = true;
+        self.sh.stop.changed.notify_all();
         for h in self.threads.lock().drain(..) {
             let _ = h.join();
         }
@@ -385,15 +414,15 @@ impl SsdTier {
         let sh = &self.sh;
         let g = |c: &AtomicU64| c.load(Relaxed);
         s.ssd_enabled = true;
-        s.ssd_direct_io = sh.direct;
-        s.ssd_io_uring = sh.io_backend == SsdIoBackend::IoUring;
+        s.ssd_direct_io = sh.settings.direct;
+        s.ssd_io_uring = sh.settings.io_backend == SsdIoBackend::IoUring;
         s.ssd_degraded = sh.degraded.load(Relaxed);
         s.ssd_objects = g(&sh.c.objects);
         s.ssd_bytes_used = g(&sh.c.bytes_used);
         s.ssd_bytes_allocated = g(&sh.c.bytes_allocated);
-        s.ssd_capacity_bytes = u64::from(sh.nseg) * sh.seg_size;
-        s.ssd_segments_total = u64::from(sh.nseg);
-        s.ssd_segments_in_use = sh.table.lock().in_use();
+        s.ssd_capacity_bytes = u64::from(sh.settings.nseg) * sh.settings.seg_size;
+        s.ssd_segments_total = u64::from(sh.settings.nseg);
+        s.ssd_segments_in_use = sh.segments.table.lock().in_use();
         s.ssd_hits = g(&sh.c.hits);
         s.ssd_read_bytes = g(&sh.c.read_bytes);
         s.ssd_writes = g(&sh.c.writes);
@@ -407,6 +436,7 @@ impl SsdTier {
         s.ssd_copies_dropped = g(&sh.c.dropped);
         s.ssd_copy_queue_depth = self.pending() as u64;
         s.ssd_copy_lag_seconds = sh
+            .copies
             .queue
             .lock()
             .jobs

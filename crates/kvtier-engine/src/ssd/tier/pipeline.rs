@@ -131,6 +131,27 @@ pub(super) struct Job {
     pub(super) queued: Instant,
 }
 
+/// The copy queue: jobs waiting for a worker, and the condition its producers, workers and
+/// waiters for progress wait on.
+pub(super) struct CopyQueue {
+    pub(super) queue: Mutex<QueueInner>,
+    pub(super) changed: Condvar,
+}
+
+impl CopyQueue {
+    pub(super) fn new() -> CopyQueue {
+        CopyQueue {
+            queue: Mutex::new(QueueInner {
+                jobs: VecDeque::new(),
+                running: 0,
+                finished: 0,
+                closed: false,
+            }),
+            changed: Condvar::new(),
+        }
+    }
+}
+
 pub(super) struct QueueInner {
     pub(super) jobs: VecDeque<Job>,
     /// Popped by a worker and not finished yet.
@@ -144,7 +165,7 @@ impl Shared {
     // ---- copy pipeline ----
 
     pub(super) fn pop_batch(&self) -> Option<Vec<Job>> {
-        let mut q = self.queue.lock();
+        let mut q = self.copies.queue.lock();
         loop {
             if !q.jobs.is_empty() {
                 let mut batch = Vec::new();
@@ -152,7 +173,8 @@ impl Shared {
                 while let Some(j) = q.jobs.front() {
                     let len = j.object.len() as usize;
                     if !batch.is_empty()
-                        && (batch.len() >= self.batch_max_ops || bytes + len > BATCH_MAX_BYTES)
+                        && (batch.len() >= self.settings.batch_max_ops
+                            || bytes + len > BATCH_MAX_BYTES)
                     {
                         break;
                     }
@@ -160,36 +182,36 @@ impl Shared {
                     batch.push(q.jobs.pop_front().expect("front exists"));
                 }
                 q.running += batch.len();
-                self.queue_cv.notify_all();
+                self.copies.changed.notify_all();
                 return Some(batch);
             }
             if q.closed {
                 return None;
             }
-            self.queue_cv.wait(&mut q);
+            self.copies.changed.wait(&mut q);
         }
     }
 
     pub(super) fn finish_batch(&self, n: usize) {
-        let mut q = self.queue.lock();
+        let mut q = self.copies.queue.lock();
         q.running -= n;
         q.finished += 1;
-        self.queue_cv.notify_all();
+        self.copies.changed.notify_all();
     }
 
     /// Wait until at least one more batch finished, or nothing is pending.
     pub(super) fn wait_progress(&self) {
-        let mut q = self.queue.lock();
+        let mut q = self.copies.queue.lock();
         let seen = q.finished;
         while q.finished == seen && (!q.jobs.is_empty() || q.running > 0) {
-            self.queue_cv.wait(&mut q);
+            self.copies.changed.wait(&mut q);
         }
     }
 
     pub(super) fn wait_idle(&self) {
-        let mut q = self.queue.lock();
+        let mut q = self.copies.queue.lock();
         while !q.jobs.is_empty() || q.running > 0 {
-            self.queue_cv.wait(&mut q);
+            self.copies.changed.wait(&mut q);
         }
     }
 
@@ -332,7 +354,7 @@ impl Shared {
         }
         drop(pieces);
         inc(&self.c.batches, 1);
-        if self.strict {
+        if self.settings.strict {
             let mut segs: Vec<u32> = planned
                 .iter()
                 .zip(&ok)
@@ -390,7 +412,7 @@ impl Shared {
                 let mut shard = self.index.shard(&job.key).write();
                 if current && !shard.contains_key(&*job.key) {
                     shard.insert(Arc::clone(&job.key), entry);
-                    let mut t = self.table.lock();
+                    let mut t = self.segments.table.lock();
                     self.account(&mut t, &job.key, &entry);
                     t.slots[seg as usize].last_access = self.tick.fetch_add(1, Relaxed);
                     true
@@ -405,13 +427,13 @@ impl Shared {
             results.push((job, seg, Ok(())));
         }
         {
-            let mut t = self.table.lock();
+            let mut t = self.segments.table.lock();
             for (_, seg, _) in &results {
                 t.slots[*seg as usize].inflight -= 1;
             }
             // Reservations abandoned before writing still count as in flight until here.
         }
-        self.table_cv.notify_all();
+        self.segments.table_cv.notify_all();
         done.extend(results.into_iter().map(|(job, _, r)| (job, r)));
         done
     }

@@ -90,7 +90,7 @@ impl SsdTier {
             };
         }
         let verdict = {
-            let g = sh.slot_gens[e.seg as usize].read();
+            let g = sh.segments.slot_gens[e.seg as usize].read();
             if *g != e.generation {
                 return SsdRead::Miss;
             }
@@ -103,7 +103,7 @@ impl SsdTier {
             Ok(true) => {
                 inc(&sh.c.hits, 1);
                 inc(&sh.c.read_bytes, e.loc.payload_len);
-                let mut t = sh.table.lock();
+                let mut t = sh.segments.table.lock();
                 let m = &mut t.slots[e.seg as usize];
                 if m.generation == e.generation {
                     m.last_access = sh.tick.fetch_add(1, Relaxed);

@@ -2,7 +2,8 @@
 //! background thread between the high and low watermarks) and the background thread itself
 //! (relaxed-mode syncs, watermark reclaim).
 //!
-//! Owns: the victim choice. Invariant: a victim is a sealed segment with no write in flight;
+//! Owns: the victim choice (the cold window here, the pick behind [`SegmentVictimPolicy`]).
+//! Invariant: a victim is a sealed segment with no write in flight;
 //! its index entries are dropped and its in-flight reads drained before its generation is
 //! bumped and its header rewritten free.
 
@@ -13,11 +14,12 @@ pub(super) fn background(sh: &Shared) {
     let mut last_sync = Instant::now();
     loop {
         {
-            let mut stop = sh.shutdown.lock();
+            let mut stop = sh.stop.flag.lock();
             if *stop {
                 break;
             }
-            sh.shutdown_cv
+            sh.stop
+                .changed
                 .wait_for(&mut stop, Duration::from_millis(100));
             if *stop {
                 break;
@@ -25,10 +27,10 @@ pub(super) fn background(sh: &Shared) {
         }
         {
             let _m = sh.mutation.read_recursive();
-            let total = f64::from(sh.table.lock().max_segments);
-            let high = (sh.high * total).ceil() as u64;
-            let low = (sh.low * total).floor() as u64;
-            let used = sh.table.lock().in_use();
+            let total = f64::from(sh.segments.table.lock().max_segments);
+            let high = (sh.settings.high * total).ceil() as u64;
+            let low = (sh.settings.low * total).floor() as u64;
+            let used = sh.segments.table.lock().in_use();
             if used >= high.max(1) {
                 let mut used = used;
                 while used > low && sh.evict_one() {
@@ -36,7 +38,7 @@ pub(super) fn background(sh: &Shared) {
                 }
             }
         }
-        if !sh.strict && last_sync.elapsed() >= RELAXED_SYNC_EVERY {
+        if !sh.settings.strict && last_sync.elapsed() >= RELAXED_SYNC_EVERY {
             let _ = sh.sync_dirty();
             last_sync = Instant::now();
         }
@@ -47,7 +49,7 @@ impl Shared {
     /// Pick and evict one sealed segment. Returns whether one was evicted.
     pub(super) fn evict_one(&self) -> bool {
         let (victim, generation, keys) = {
-            let mut t = self.table.lock();
+            let mut t = self.segments.table.lock();
             let Some(v) = self.pick_victim(&t) else {
                 return false;
             };
@@ -56,7 +58,7 @@ impl Shared {
             let keys = std::mem::take(&mut m.keys);
             let generation = m.generation;
             while t.slots[v as usize].inflight > 0 {
-                self.table_cv.wait(&mut t);
+                self.segments.table_cv.wait(&mut t);
             }
             (v, generation, keys)
         };
@@ -75,13 +77,13 @@ impl Shared {
         self.invalidate_checkpoint();
         let new_gen = self.next_seq();
         {
-            let mut g = self.slot_gens[victim as usize].write();
+            let mut g = self.segments.slot_gens[victim as usize].write();
             // A failed header write leaves an in-use header: its records would be recovered
             // after a restart (they are intact), which is harmless for a cache.
             let _ = self.write_seg_header(victim, new_gen, false);
             *g = new_gen;
         }
-        let mut t = self.table.lock();
+        let mut t = self.segments.table.lock();
         let m = &mut t.slots[victim as usize];
         *m = SegMeta::new(SegState::Free);
         m.generation = new_gen;
@@ -92,8 +94,7 @@ impl Shared {
     }
 
     /// The victim among sealed segments with no write in flight: an empty one if any, else
-    /// among the coldest quarter (by last access) the one whose live objects are deepest in
-    /// their prefix chains on average (`prefix_depth`), or simply the coldest (`lru`).
+    /// the policy's pick among the coldest quarter (by last access).
     pub(super) fn pick_victim(&self, t: &SegTable) -> Option<u32> {
         let mut sealed: Vec<(u32, &SegMeta)> = t
             .slots
@@ -108,16 +109,54 @@ impl Shared {
         sealed.sort_by_key(|(_, m)| m.last_access);
         let window = sealed.len().div_ceil(4).max(1);
         let cold = &sealed[..window.min(sealed.len())];
-        match self.policy {
-            EvictionPolicyKind::Lru => cold.first().map(|(i, _)| *i),
-            EvictionPolicyKind::PrefixDepth => cold
-                .iter()
-                .max_by(|(_, a), (_, b)| {
-                    let da = a.depth_sum as f64 / a.live_objects.max(1) as f64;
-                    let db = b.depth_sum as f64 / b.live_objects.max(1) as f64;
-                    da.total_cmp(&db).then(b.last_access.cmp(&a.last_access))
-                })
-                .map(|(i, _)| *i),
+        let victim = self.victim.pick(cold);
+        if let Some(v) = victim {
+            debug_assert!(
+                cold.iter().any(|(i, _)| *i == v),
+                "victim {v} is not a candidate"
+            );
         }
+        victim
+    }
+}
+
+/// Which sealed segment to evict, among candidates the reclaimer already narrowed to the
+/// coldest (the segment-level counterpart of the DRAM tier's `EvictionPolicy`).
+pub(super) trait SegmentVictimPolicy: Send + Sync {
+    /// `cold`: sealed segments with live objects and no I/O in flight, coldest first (never
+    /// empty when called by the reclaimer); the one to evict, or `None`.
+    fn pick(&self, cold: &[(u32, &SegMeta)]) -> Option<u32>;
+}
+
+/// `lru`: the coldest segment.
+struct ColdestSegment;
+
+impl SegmentVictimPolicy for ColdestSegment {
+    fn pick(&self, cold: &[(u32, &SegMeta)]) -> Option<u32> {
+        cold.first().map(|(i, _)| *i)
+    }
+}
+
+/// `prefix_depth`: the segment whose live objects are deepest in their prefix chains on
+/// average (the least reusable pages), ties to the colder one.
+struct DeepestPrefixes;
+
+impl SegmentVictimPolicy for DeepestPrefixes {
+    fn pick(&self, cold: &[(u32, &SegMeta)]) -> Option<u32> {
+        cold.iter()
+            .max_by(|(_, a), (_, b)| {
+                let da = a.depth_sum as f64 / a.live_objects.max(1) as f64;
+                let db = b.depth_sum as f64 / b.live_objects.max(1) as f64;
+                da.total_cmp(&db).then(b.last_access.cmp(&a.last_access))
+            })
+            .map(|(i, _)| *i)
+    }
+}
+
+/// The segment victim policy that goes with the engine's eviction policy.
+pub(super) fn victim_policy(kind: EvictionPolicyKind) -> Box<dyn SegmentVictimPolicy> {
+    match kind {
+        EvictionPolicyKind::Lru => Box::new(ColdestSegment),
+        EvictionPolicyKind::PrefixDepth => Box::new(DeepestPrefixes),
     }
 }

@@ -55,6 +55,16 @@ impl SegMeta {
     }
 }
 
+/// The segments: their files (opened on first use), the generation each slot's records
+/// carry (held for reading across a `pread`, for writing while a slot is recycled), and the
+/// table of their states, with the condition evictions wait on for in-flight I/O.
+pub(super) struct Segments {
+    pub(super) files: Vec<OnceLock<SegFile>>,
+    pub(super) slot_gens: Vec<RwLock<u64>>,
+    pub(super) table: Mutex<SegTable>,
+    pub(super) table_cv: Condvar,
+}
+
 pub(super) struct SegTable {
     pub(super) slots: Vec<SegMeta>,
     pub(super) active: Option<u32>,
@@ -91,7 +101,7 @@ impl Shared {
         SegmentHeader {
             id: seg,
             generation,
-            segment_size: self.seg_size,
+            segment_size: self.settings.seg_size,
             in_use,
         }
         .encode(b.as_mut_slice());
@@ -103,11 +113,11 @@ impl Shared {
     /// Reserve `len` bytes in the active segment, activating a free one when needed.
     /// `Ok(None)`: no free segment; the caller must evict one and retry.
     pub(super) fn reserve(&self, len: u64) -> Result<Option<(u32, u64, u64)>, io::Error> {
-        let mut t = self.table.lock();
+        let mut t = self.segments.table.lock();
         loop {
             if let Some(a) = t.active {
                 let m = &mut t.slots[a as usize];
-                if m.write_off + len <= self.seg_size {
+                if m.write_off + len <= self.settings.seg_size {
                     let off = m.write_off;
                     m.write_off += len;
                     m.inflight += 1;
@@ -131,7 +141,7 @@ impl Shared {
             };
             match self.activate(slot as u32, &mut t) {
                 Ok(()) => {
-                    self.shutdown_cv.notify_all();
+                    self.stop.changed.notify_all();
                 }
                 Err(e) if e.raw_os_error() == Some(rustix::io::Errno::NOSPC.raw_os_error()) => {
                     inc(&self.c.enospc, 1);
@@ -157,25 +167,25 @@ impl Shared {
     /// write its header. Called with the table locked.
     pub(super) fn activate(&self, slot: u32, t: &mut SegTable) -> io::Result<()> {
         self.invalidate_checkpoint();
-        let path = sio::segment_path(&self.dir, slot);
+        let path = sio::segment_path(&self.settings.dir, slot);
         if self.file(slot).is_none() {
-            let f = SegFile::open(&path, true, self.direct, Arc::clone(&self.faults))?
-                .with_backend(self.io_backend);
-            if let Err(e) = f.preallocate(self.seg_size) {
+            let f = SegFile::open(&path, true, self.settings.direct, Arc::clone(&self.faults))?
+                .with_backend(self.settings.io_backend);
+            if let Err(e) = f.preallocate(self.settings.seg_size) {
                 drop(f);
                 let _ = std::fs::remove_file(&path);
                 return Err(e);
             }
-            sio::sync_dir(&self.dir)?;
-            let _ = self.files[slot as usize].set(f);
+            sio::sync_dir(&self.settings.dir)?;
+            let _ = self.segments.files[slot as usize].set(f);
         } else if let Some(f) = self.file(slot) {
-            if f.len()? != self.seg_size {
-                f.preallocate(self.seg_size)?;
+            if f.len()? != self.settings.seg_size {
+                f.preallocate(self.settings.seg_size)?;
             }
         }
         let generation = self.next_seq();
         {
-            let mut g = self.slot_gens[slot as usize].write();
+            let mut g = self.segments.slot_gens[slot as usize].write();
             self.write_seg_header(slot, generation, true)?;
             *g = generation;
         }
@@ -201,7 +211,7 @@ impl Shared {
 
     pub(super) fn unaccount(&self, e: &SsdEntry) {
         {
-            let mut t = self.table.lock();
+            let mut t = self.segments.table.lock();
             let m = &mut t.slots[e.seg as usize];
             if m.generation == e.generation {
                 m.live_objects = m.live_objects.saturating_sub(1);
@@ -219,7 +229,7 @@ impl Shared {
     /// Overwrite the first block of a record with a dead marker (if the segment still has
     /// the record's generation).
     pub(super) fn write_dead(&self, seg: u32, generation: u64, offset: u64, rec_len: u64) {
-        let g = self.slot_gens[seg as usize].read();
+        let g = self.segments.slot_gens[seg as usize].read();
         if *g != generation {
             return;
         }
@@ -229,19 +239,19 @@ impl Shared {
         let r = file.write_at(b.as_slice(), offset);
         self.note_write_result(&r);
         drop(g);
-        if self.strict && r.is_ok() {
+        if self.settings.strict && r.is_ok() {
             let r = file.sync();
             inc(&self.c.syncs, 1);
             self.note_write_result(&r);
         } else {
-            self.table.lock().slots[seg as usize].dirty = true;
+            self.segments.table.lock().slots[seg as usize].dirty = true;
         }
     }
 
     /// fdatasync every dirty segment.
     pub(super) fn sync_dirty(&self) -> io::Result<()> {
         let dirty: Vec<u32> = {
-            let mut t = self.table.lock();
+            let mut t = self.segments.table.lock();
             t.slots
                 .iter_mut()
                 .enumerate()
@@ -255,7 +265,7 @@ impl Shared {
                 inc(&self.c.syncs, 1);
                 self.note_write_result(&r);
                 if let Err(e) = r {
-                    self.table.lock().slots[seg as usize].dirty = true;
+                    self.segments.table.lock().slots[seg as usize].dirty = true;
                     first_err.get_or_insert(e);
                 }
             }
