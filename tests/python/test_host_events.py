@@ -125,6 +125,24 @@ class Router:
         finally:
             d.close(linger=0)
 
+    def snapshot(self, prefix: bytes):
+        """kvtier's snapshot request on the replay socket: ``(seq, batch)`` or None (nothing
+        published yet), after which the end marker must come."""
+        d = self.ctx.socket(zmq.DEALER)
+        try:
+            d.connect(self.replay_ep)
+            d.send_multipart((b"", b"SNAPSHOT", prefix))
+            assert d.poll(5000), "no snapshot answer"
+            parts = d.recv_multipart()
+            if parts[2] == (-1).to_bytes(8, "big", signed=True):
+                return None
+            _, topic, seq, payload = parts
+            assert d.poll(5000), "no end marker after the snapshot"
+            assert d.recv_multipart()[2] == (-1).to_bytes(8, "big", signed=True)
+            return int.from_bytes(seq, "big"), payload
+        finally:
+            d.close(linger=0)
+
     def close(self):
         if self.sub is not None:
             self.disconnect()
@@ -393,3 +411,70 @@ def test_vllm_blocks_on_the_host_stream_carry_vllms_own_hashes(kvtier_bin, tmp_p
             router.close()
         served.stop()
         ve.remove_leftover_regions()
+
+
+def test_late_router_takes_a_snapshot_of_one_namespace(kvtier_bin, tmp_path):
+    """A router that joins late asks for a snapshot of one vLLM model namespace: exactly the
+    blocks of that namespace kvtier holds, then the live stream from the snapshot's sequence
+    on keeps it exact (explicit removes and new stores included)."""
+    from vllm.distributed.kv_events import KVEventBatch
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    from kvtier import _native
+
+    dec = msgspec.msgpack.Decoder(type=KVEventBatch)
+    served = serve(kvtier_bin, tmp_path, dram="64MiB")
+    router = None
+    try:
+        store = client(served)
+        ns_a, ns_b = "vllm/model-a_00000000000000aa", "vllm/model-b_00000000000000bb"
+        blocks = [hashlib.sha256(b"blk%d" % i).digest() for i in range(12)]
+
+        def keys(ns, bs):
+            return [_native.key_vllm(ns, b, 0) for b in bs]
+
+        def put(ks):
+            ok, err = store.put_buffers(ks, [np.zeros(OBJ, np.uint8)] * len(ks), None)
+            assert all(ok), err
+
+        put(keys(ns_a, blocks[:8]) + keys(ns_b, blocks[8:]))
+        put_pages(store, [page_hash(i) for i in range(3)])
+        store.remove_keys(keys(ns_a, blocks[:2]))  # explicit removes: gone from the snapshot
+        time.sleep(0.3)  # the stream's next rounds
+        router = Router(*endpoints(served))
+        snap = router.snapshot((ns_a + "/").encode())
+        assert snap is not None
+        seq, payload = snap
+        batch = dec.decode(payload)
+        kinds = [type(e).__name__ for e in batch.events]
+        assert kinds[0] == "AllBlocksCleared" and set(kinds[1:]) <= {"BlockStored"}
+        held = {h for e in batch.events[1:] for h in e.block_hashes}
+
+        def truth():
+            found = store.exists_keys(keys(ns_a, blocks[:8]))
+            return {maybe_convert_block_hash(b) for b, f in zip(blocks[:8], found) if f}
+
+        assert held == truth() and len(held) == 6
+        # The live stream from the snapshot on: what was published after it, then new changes.
+        store.remove_keys(keys(ns_a, blocks[2:4]))
+        put(keys(ns_a, [hashlib.sha256(b"new%d" % i).digest() for i in range(2)]))
+        router.receive()
+        later = router.replay(seq + 1)
+        assert sorted(later) == list(range(seq + 1, seq + 1 + len(later)))
+        new = {maybe_convert_block_hash(hashlib.sha256(b"new%d" % i).digest()) for i in range(2)}
+        for s_ in sorted(later):
+            for e in dec.decode(later[s_]).events:
+                name = type(e).__name__
+                if name == "BlockStored":
+                    held |= set(e.block_hashes)  # only model a changed since
+                elif name == "BlockRemoved":
+                    held -= set(e.block_hashes)
+        assert held == truth() | new
+        # The empty prefix is everything held: the 3 SGLang pages and model b's blocks too.
+        everything = dec.decode(router.snapshot(b"")[1]).events
+        assert sum(len(e.block_hashes) for e in everything[1:]) == 3 + 4 + 4 + 2
+        assert served.stat()["server"]["host_events"]["snapshots"] == 2
+    finally:
+        if router is not None:
+            router.close()
+        served.stop()

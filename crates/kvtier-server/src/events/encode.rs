@@ -48,7 +48,12 @@ pub enum Event {
     Cleared,
 }
 
-/// The engine key inside a stored key or group (its store namespace skipped).
+/// The engine key inside a stored key or group (its store namespace skipped): what a
+/// snapshot's prefix is matched against.
+pub fn engine_key(stored: &[u8]) -> &[u8] {
+    inner(stored)
+}
+
 fn inner(stored: &[u8]) -> &[u8] {
     match namespace::owner(stored) {
         Owner::Tenant { key, .. } | Owner::Cluster { key, .. } => key,

@@ -9,6 +9,15 @@
 //! `[empty, topic, seq, batch]`, then the end marker `[empty, empty, -1 (8 bytes), empty]`,
 //! exactly as vLLM's `ZmqEventPublisher` does.
 //!
+//! **Snapshots for late joiners**: the replay socket also answers `[empty, "SNAPSHOT",
+//! prefix]` with one batch `[empty, topic, seq, batch]` holding `AllBlocksCleared` and then a
+//! `BlockStored` for every block the stream has published as held (and not removed since)
+//! whose engine key starts with `prefix` (e.g. a vLLM namespace `vllm/<model>_<digest>/` or an
+//! SGLang tag `tag/`; empty: everything), then the end marker. `seq` is the last batch the
+//! snapshot includes: the router applies the snapshot, then live batches above `seq`
+//! (replaying any it missed), instead of replaying from 0. vLLM's own publisher ignores such a
+//! request (it is not a 3-frame replay request), so routers can tell the two apart.
+//!
 //! Off unless the operator names `host_events_endpoint` (an IP literal: nothing listens on an
 //! interface the operator did not name). Bounded everywhere a peer could make the server hold
 //! something: at most `host_events_max_subscribers` connections per endpoint (more are closed
@@ -112,6 +121,7 @@ struct Counters {
     bad_peers: AtomicU64,
     subscriber_drops: AtomicU64,
     replays: AtomicU64,
+    snapshots: AtomicU64,
 }
 
 fn add(c: &AtomicU64, n: u64) {
@@ -129,8 +139,20 @@ struct Subscriber {
     queue: SyncSender<Arc<Published>>,
 }
 
+/// What the stream has published as held: each stored group (with its store namespace, so
+/// one page held by two tenants is two entries, as on the live stream) -> its name on the
+/// stream, and the last batch applied.
+#[derive(Default)]
+struct Held {
+    groups: std::collections::HashMap<Box<[u8]>, encode::Mapped>,
+    /// Sequence of the last batch applied (`None` before the first).
+    last_seq: Option<u64>,
+}
+
 struct Inner {
     config: EventsConfig,
+    /// Updated with the sequence under one lock, so a snapshot is exactly "batches 0..=seq".
+    held: Mutex<Held>,
     stop: AtomicBool,
     ring: Mutex<VecDeque<Arc<Published>>>,
     subscribers: Mutex<Vec<Subscriber>>,
@@ -177,6 +199,7 @@ impl HostEvents {
         }
         let inner = Arc::new(Inner {
             config,
+            held: Mutex::new(Held::default()),
             stop: AtomicBool::new(false),
             ring: Mutex::new(VecDeque::new()),
             subscribers: Mutex::new(Vec::new()),
@@ -242,6 +265,7 @@ impl HostEvents {
             "bad_peers": get(&c.bad_peers),
             "subscriber_drops": get(&c.subscriber_drops),
             "replays": get(&c.replays),
+            "snapshots": get(&c.snapshots),
         })
     }
 
@@ -280,6 +304,8 @@ fn produce(inner: &Inner, stores: &[Arc<TenantStore>]) {
         // Read the flag before draining, so the last round publishes what came before it.
         let stopping = inner.stop.load(Ordering::SeqCst);
         let mut events = Vec::new();
+        // Changes to the held set, in order (`None`: cleared).
+        let mut changes: Vec<Change> = Vec::new();
         let c = &inner.counters;
         for (store, seen) in stores.iter().zip(dropped_seen.iter_mut()) {
             // Bounded: at most the ring's capacity, DRAIN_BATCH per call.
@@ -291,12 +317,15 @@ fn produce(inner: &Inner, stores: &[Arc<TenantStore>]) {
                     match ev.kind {
                         EventKind::Cleared => {
                             events.push(Event::Cleared);
+                            changes.push(None);
                             add(&c.published_cleared, 1);
                         }
                         kind => match encode::map_group(&ev.group) {
                             Some(m) => {
                                 let stored = kind == EventKind::Stored;
                                 push(&mut events, stored, m);
+                                let key: Box<[u8]> = ev.group.as_ref().into();
+                                changes.push(Some((key, stored.then_some(m))));
                                 if stored {
                                     add(&c.published_stored, 1);
                                 } else {
@@ -323,7 +352,7 @@ fn produce(inner: &Inner, stores: &[Arc<TenantStore>]) {
             }
         }
         if !events.is_empty() {
-            publish(inner, &events);
+            publish(inner, &events, changes);
         }
         if stopping {
             return;
@@ -332,12 +361,34 @@ fn produce(inner: &Inner, stores: &[Arc<TenantStore>]) {
     }
 }
 
-fn publish(inner: &Inner, events: &[Event]) {
-    let ts = SystemTime::now()
+fn now_ts() -> f64 {
+    SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64());
-    let payload = encode::encode_batch(ts, events, "CPU", &inner.config.ownership);
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// One change of the held set: a group (as stored) with its name or removed (`None`
+/// name); `None` is a clear.
+type Change = Option<(Box<[u8]>, Option<encode::Mapped>)>;
+
+fn publish(inner: &Inner, events: &[Event], changes: Vec<Change>) {
+    let payload = encode::encode_batch(now_ts(), events, "CPU", &inner.config.ownership);
+    // The held set and the sequence move together (see `Inner::held`).
+    let mut held = inner.held.lock();
+    for change in changes {
+        match change {
+            None => held.groups.clear(),
+            Some((key, Some(m))) => {
+                held.groups.insert(key, m);
+            }
+            Some((key, None)) => {
+                held.groups.remove(&key);
+            }
+        }
+    }
     let seq = inner.next_seq.fetch_add(1, Ordering::SeqCst);
+    held.last_seq = Some(seq);
+    drop(held);
     let batch = Arc::new(Published { seq, payload });
     {
         let mut ring = inner.ring.lock();
@@ -568,6 +619,42 @@ fn write_batches(
     Ok(())
 }
 
+/// The verb of a snapshot request (see the module doc).
+pub const SNAPSHOT: &[u8] = b"SNAPSHOT";
+
+/// Answer a snapshot request: one batch (cleared, then every held block under `prefix`) named
+/// by the last sequence it includes, then the end marker; no batch before the first one.
+fn send_snapshot(inner: &Inner, s: &mut TcpStream, prefix: &[u8]) -> io::Result<()> {
+    let topic = inner.config.topic.as_bytes();
+    let (mut blocks, last) = {
+        let held = inner.held.lock();
+        let blocks: Vec<encode::Mapped> = held
+            .groups
+            .iter()
+            .filter(|(k, _)| encode::engine_key(k).starts_with(prefix))
+            .map(|(_, m)| *m)
+            .collect();
+        (blocks, held.last_seq)
+    };
+    add(&inner.counters.snapshots, 1);
+    if let Some(seq) = last {
+        // Runs of one KV group (vLLM's group_idx) become one event each; a stable order.
+        blocks.sort_by_key(|m| (m.group_idx, hash_order(m.hash)));
+        let events = [Event::Cleared, Event::Stored(blocks)];
+        let payload = encode::encode_batch(now_ts(), &events, "CPU", &inner.config.ownership);
+        let seq = seq.to_be_bytes();
+        s.write_all(&zmtp::encode_message(&[b"", topic, &seq, &payload]))?;
+    }
+    zmtp::write_message(s, &[b"", b"", &END_SEQ, b""])
+}
+
+fn hash_order(h: encode::BlockHash) -> (u8, u64) {
+    match h {
+        encode::BlockHash::Unsigned(v) => (0, v),
+        encode::BlockHash::Signed(v) => (1, v as u64),
+    }
+}
+
 /// One replay peer (DEALER / REQ): each request `[empty, start]` gets the buffered batches
 /// from `start` and the end marker.
 fn serve_replay(inner: &Inner, mut stream: TcpStream) -> Result<(), zmtp::ZmtpError> {
@@ -584,6 +671,12 @@ fn serve_replay(inner: &Inner, mut stream: TcpStream) -> Result<(), zmtp::ZmtpEr
         let parts = read_message(&mut stream)?;
         if parts.first().is_some_and(|f| f.command) {
             continue; // PING and the like
+        }
+        if let [empty, verb, prefix] = &parts[..] {
+            if empty.body.is_empty() && verb.body == SNAPSHOT {
+                send_snapshot(inner, &mut stream, &prefix.body)?;
+                continue;
+            }
         }
         let start: [u8; 8] = match &parts[..] {
             [empty, start] if empty.body.is_empty() => match start.body[..].try_into() {
