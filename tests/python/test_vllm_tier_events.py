@@ -21,10 +21,12 @@ import pytest
 import zmq
 
 import _vllm_engine as ve
+import test_cluster as tc
 import test_server_mode as sm
 from test_vllm_tier import FULL_BLOCKS, PROMPT, TIER, check_loaded_from_kvtier  # noqa: F401
 
 kvtier_bin = sm.kvtier_bin
+cluster = tc.cluster
 
 
 @pytest.fixture(autouse=True)
@@ -182,6 +184,32 @@ def test_server_mode_reports_own_stores_and_removals_by_others(engines, kvtier_b
         assert a.tier.stats()["kv_events_reconciles"] >= 1
     finally:
         served.stop()
+
+
+def test_cluster_mode_reports_remote_blocks_and_their_removal(engines, cluster):
+    """A tier on a real kvtier cluster (master + node): its blocks are REMOTE (they may sit on
+    any node); a removal done through the cluster is reported after reconciliation."""
+    from vllm.v1.kv_offload.base import Locality
+
+    c = cluster()
+    c.add_node("node-a", "127.0.0.2")
+    c.master.wait_nodes(["node-a"])
+    e = engines([dict(TIER, kv_events_reconcile_s=0.1, **c.store_config("node-a"))], events=True)
+    assert e.tier._store.mode == "cluster" and not e.tier._events.from_engine
+    keys = ve.request_keys("cluster-events", 6)
+    e.offload(keys)
+    credit = Credit()
+    evs = tier_events(e.manager)
+    assert evs and all(ev.locality is Locality.REMOTE for ev in evs)
+    credit.apply(evs)
+    assert credit.held == set(keys) == truth(e.tier, keys)
+    e.tier._store.remove_keys([e.tier.store_key(k) for k in keys[:2]])
+    deadline = time.monotonic() + 10
+    while credit.held != truth(e.tier, keys):
+        assert time.monotonic() < deadline, "the removals were never reported"
+        time.sleep(0.05)
+        credit.apply(tier_events(e.manager))
+    assert credit.held == set(keys[2:])
 
 
 # ------------------------------------------------------------------ vLLM's scheduler + publisher
