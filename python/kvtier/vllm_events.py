@@ -27,8 +27,10 @@ Where the facts come from depends on the store's mode:
   it reported (a failed load proves nothing: it may be a transport error), and a
   reconciliation thread that asks the store which
   reported blocks still exist every ``kv_events_reconcile_s`` seconds (one ``exists_keys``
-  batch, without the GIL). A removal is thus reported late (at most one interval), never
-  early: a block re-stored while a check ran keeps its credit (a generation number per block).
+  batch, without the GIL). A removal is thus reported late (at most one interval); a block
+  re-stored while a check ran keeps its credit (a generation number per block). kvtier's
+  ``exists_keys`` answers "absent" when the server cannot be reached: its blocks are then
+  reported removed (they cannot be served; a later store reports them again).
 
 Invariants: a block is reported stored at most once until it is reported removed (the tier
 keeps the set of blocks it reported; ``max`` bounded by what kvtier holds of the namespace);
