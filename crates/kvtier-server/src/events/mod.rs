@@ -357,7 +357,15 @@ fn produce(inner: &Inner, stores: &[Arc<TenantStore>]) {
         if stopping {
             return;
         }
-        std::thread::sleep(inner.config.interval);
+        // In ticks, so that a stop is seen within one tick whatever the interval.
+        let wake = std::time::Instant::now() + inner.config.interval;
+        while !inner.stop.load(Ordering::SeqCst) {
+            let left = wake.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            std::thread::sleep(left.min(TICK));
+        }
     }
 }
 
