@@ -10,7 +10,9 @@ Enable it with::
                              "dram_capacity_bytes": 68719476736}]}}'
 
 Every key of the tier's dict other than ``type``, ``module_path``, ``locality``,
-``backpressure``, ``threads`` and ``queue_capacity`` is kvtier configuration (the same keys as
+``backpressure``, ``threads``, ``queue_capacity`` and the KV-event keys (``enable_kv_events``,
+``kv_events_buffer``, ``kv_events_reconcile_s``; see :mod:`kvtier.vllm_events`) is kvtier
+configuration (the same keys as
 SGLang's extra_config, checked strictly: an unknown key fails vLLM's start naming it), e.g.
 ``server_socket`` to share one ``kvtier serve`` between the vLLM instances of a host, or
 ``master_address`` / ``node_id`` for cluster mode (the cluster token comes from
@@ -34,6 +36,12 @@ step, where an exception kills ``EngineCore`` (every request then fails with
 ``EngineDeadError``). Every entry point vLLM calls catches what it raises at the boundary, logs
 it (``logging``, logger ``kvtier.vllm``, naming the job and its first key) and turns it into a
 miss or a failed job, so vLLM recomputes the prefix.
+
+KV events (issue 30): with vLLM's KV events on (``--kv-events-config
+'{"enable_kv_cache_events": true, ...}'``), ``take_events`` reports the blocks kvtier holds and
+loses, including its own evictions and clears, with ``ownership`` (the tier type) and
+``locality``, so vLLM's own publisher carries them (:mod:`kvtier.vllm_events`).
+``enable_kv_events: false`` in the tier's dict turns that off.
 
 Invariants:
 - every submitted job yields exactly one ``JobResult`` (the queue completes refused batches
@@ -63,6 +71,7 @@ from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
     Medium,
+    OffloadingEvent,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
@@ -84,6 +93,7 @@ from vllm.v1.kv_offload.tiering.base import (
 )
 
 from kvtier import _native
+from kvtier.vllm_events import TierEvents
 
 logger = logging.getLogger(__name__)
 
@@ -190,6 +200,9 @@ class _KvtierLookup(AsyncLookupManager):
             out = [bool(f) for f in found]
             if len(out) != len(keys):
                 raise ValueError(f"{len(out)} answers for {len(keys)} keys")
+            events = self._tier._events
+            if events is not None:  # a block reported stored that kvtier no longer holds
+                events.absent([k for k, f in zip(keys, out) if not f])
             return out
         except Exception as e:  # a failing store is a miss, never an exception in vLLM
             logger.warning("kvtier lookup of %s failed (a miss): %s", _keys_desc(keys), e)
@@ -232,10 +245,18 @@ class KvtierTier(SecondaryTierManager):
         locality: str | None = None,
         threads: int = 2,
         queue_capacity: int = 1024,
+        enable_kv_events: bool | None = None,
+        kv_events_buffer: int = 65536,
+        kv_events_reconcile_s: float = 5.0,
         **kvtier_config: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(locality) if locality is not None else None
+        self._events: TierEvents | None = None
+        if enable_kv_events is not None and not isinstance(enable_kv_events, bool):
+            raise ValueError(
+                f"kvtier vLLM tier key `enable_kv_events`: {enable_kv_events!r} is not a bool"
+            )
         stride = primary_kv_view.strides[0]
         self._stride = int(stride)
         self._namespace = key_namespace(offloading_spec, self._stride)
@@ -256,6 +277,13 @@ class KvtierTier(SecondaryTierManager):
             if self._region_id is None:
                 self._region_id = self._store.register_region(self._base, self._region_bytes, label)
             self._queue = _native.BatchQueue(self._store, threads, queue_capacity)
+            if self.locality is None:
+                # A cluster's blocks may sit on another host; a server is this host's.
+                mode = self._store.mode
+                self.locality = Locality.REMOTE if mode == "cluster" else Locality.LOCAL
+            self._events = self._make_events(
+                offloading_spec, enable_kv_events, kv_events_buffer, kv_events_reconcile_s
+            )
         except Exception:
             self._store.close()
             raise
@@ -271,6 +299,33 @@ class KvtierTier(SecondaryTierManager):
             self._namespace,
             self._region_bytes // max(self._stride, 1),
             self._stride,
+        )
+
+    def _make_events(
+        self, spec: Any, enable: bool | None, buffer: int, reconcile_s: float
+    ) -> TierEvents | None:
+        """The tier's KV-event bookkeeping when vLLM publishes KV events (see the module doc);
+        like vLLM's fs tier, ``enable_kv_events: true`` with vLLM's events off only warns."""
+        cfg = getattr(spec, "kv_events_config", None)
+        global_on = bool(getattr(cfg, "enable_kv_cache_events", False))
+        if enable is False:
+            return None
+        if not global_on:
+            if enable:
+                logger.warning(
+                    "enable_kv_events is set on kvtier tier '%s' but vLLM's KV cache events "
+                    "are off; the tier will not emit events.",
+                    self.tier_type,
+                )
+            return None
+        return TierEvents(
+            self._store,
+            self._namespace,
+            self.store_key,
+            ownership=self.tier_type,
+            locality=self.locality,
+            buffer=int(buffer),
+            reconcile_s=float(reconcile_s),
         )
 
     # ------------------------------------------------------------------ keys
@@ -350,6 +405,8 @@ class KvtierTier(SecondaryTierManager):
             if ok:
                 if not is_load:
                     self._lookup.stored(keys)
+                    if self._events is not None:
+                        self._events.stored(keys)
                 return JobResult(
                     job_id=job_id,
                     success=True,
@@ -420,6 +477,14 @@ class KvtierTier(SecondaryTierManager):
         return results
 
     @override
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """Blocks kvtier stored and lost since the last call (see :mod:`kvtier.vllm_events`);
+        empty unless vLLM's KV events are on."""
+        if self._events is None or self._closed:
+            return ()
+        return self._events.take()
+
+    @override
     def has_pending_work(self) -> bool:
         return bool(self._jobs) or bool(self._refused)
 
@@ -455,6 +520,7 @@ class KvtierTier(SecondaryTierManager):
         self._closed = True
         for what, step in (
             ("stopping the lookup thread", self._lookup.shutdown),
+            ("stopping the events thread", self._events.close if self._events else lambda: None),
             ("draining", self.drain_jobs),
             ("closing the queue", self._queue.close),
             ("unregistering the region", lambda: self._store.unregister_region(self._region_id)),
@@ -467,5 +533,8 @@ class KvtierTier(SecondaryTierManager):
         self._primary_kv_view = None  # type: ignore[assignment]
 
     def stats(self) -> dict:
-        """kvtier's counters for this tier's store."""
-        return dict(self._store.stats())
+        """kvtier's counters for this tier's store, and the KV events' as ``kv_events_*``."""
+        out = dict(self._store.stats())
+        if self._events is not None:
+            out.update({f"kv_events_{k}": v for k, v in self._events.stats().items()})
+        return out

@@ -61,6 +61,7 @@ def offloading_config(
     block_bytes: int,
     model: str = "kvtier-test/llama-1l",
     engine_id: str | None = None,
+    events: bool = False,
     **extra,
 ) -> OffloadingConfig:
     return OffloadingConfig(
@@ -70,7 +71,7 @@ def offloading_config(
             ),
         ),
         worker_kv_bytes_per_block=block_bytes,
-        enable_kv_cache_events=False,
+        enable_kv_cache_events=events,
         extra_config={
             "spec_name": "TieringOffloadingSpec",
             "cpu_bytes_to_use": cpu_bytes,
@@ -298,7 +299,9 @@ class VllmInstance:
     """One vLLM engine on CPU (see above). ``run(prompt)`` schedules one request to completion
     and returns ``(external_hit_tokens, {block index: bytes})`` of its full blocks."""
 
-    def __init__(self, tmp_path, tiers, cpu_bytes=4 << 20, num_blocks=64, engine_id=None):
+    def __init__(
+        self, tmp_path, tiers, cpu_bytes=4 << 20, num_blocks=64, engine_id=None, kv_events=None
+    ):
         import json as _json
 
         from vllm.config import (
@@ -344,6 +347,8 @@ class VllmInstance:
                 },
             ),
             device_config=DeviceConfig("cpu"),
+            # vLLM's own KV-event publisher (issue 30): a KVEventsConfig or None.
+            kv_events_config=kv_events,
         )
         spec = FullAttentionSpec(
             block_size=BLOCK_TOKENS,

@@ -234,6 +234,11 @@ fn server_config(file: &Path, env: Vec<(String, String)>) -> Result<(String, Val
     let mut doc = to_json(&config.settings);
     doc["socket"] = json!(config.socket.display().to_string());
     doc[ENGINE_TABLE] = to_json(&config.engine);
+    // Never print the cluster token (as the client kind's `to_toml`); issue 30's server-kind
+    // README block found this path printing it.
+    if let Some(engine) = doc[ENGINE_TABLE].as_object_mut() {
+        engine.remove("cluster_token");
+    }
     let text = toml::to_string_pretty(&without_nulls(&doc)).unwrap_or_default();
     Ok((text, doc))
 }

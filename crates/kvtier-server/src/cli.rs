@@ -37,6 +37,15 @@ Server keys (--config file top level, or KVTIER_SERVE_<KEY>), with defaults:
   operator_uids                none (operators: the server's uid, root, these): only they see
                                other tenants' sessions in Stats and may Inspect
   metrics_addr                 none
+  host_events_endpoint         none: the host KV-event stream (vLLM's ZMQ PUB protocol), e.g.
+                               tcp://127.0.0.1:5557 (an IP literal; it reveals keys: bind where
+                               only trusted routers reach, see docs/security.md)
+  host_events_replay_endpoint  none (ROUTER replay socket, vLLM's protocol)
+  host_events_topic            \"\"        host_events_buffer_batches 10000 (1..=1048576)
+  host_events_max_subscribers  64 per endpoint (1..=4096)
+  host_events_subscriber_queue 1024 batches (1..=1048576; then the subscriber loses batches)
+  host_events_interval_ms      50 (1..=60000)   host_events_engine_ring  1048576 events
+  host_events_node             cluster node_id, else the host name (events' ownership)
 Engine keys (e.g. ssd_storage_dir, default /var/tmp/kvtier-ssd-<uid>, created 0700) go in the
 [engine] table, KVTIER_<KEY> or --engine KEY=VALUE. Threat model: docs/security.md.";
 
@@ -90,6 +99,13 @@ pub struct ServeArgs {
     /// at startup).
     #[arg(long, value_name = "HOST:PORT")]
     pub metrics_addr: Option<String>,
+    /// Issue 30: publish this host's KV events (vLLM's ZMQ PUB protocol) at tcp://IP:PORT
+    /// (server key host_events_endpoint; port 0: a free port, printed at startup).
+    #[arg(long, value_name = "tcp://IP:PORT")]
+    pub host_events_endpoint: Option<String>,
+    /// Issue 30: the replay (ROUTER) endpoint of the host KV-event stream, tcp://IP:PORT.
+    #[arg(long, value_name = "tcp://IP:PORT")]
+    pub host_events_replay_endpoint: Option<String>,
     /// Seconds to wait for running requests at shutdown.
     #[arg(long, default_value_t = 30)]
     pub shutdown_timeout: u64,
@@ -162,6 +178,15 @@ pub fn serve_config(args: &ServeArgs) -> Result<ServerConfig, String> {
     }
     if let Some(addr) = &args.metrics_addr {
         flags.insert("metrics_addr".into(), Value::String(addr.clone()));
+    }
+    if let Some(ep) = &args.host_events_endpoint {
+        flags.insert("host_events_endpoint".into(), Value::String(ep.clone()));
+    }
+    if let Some(ep) = &args.host_events_replay_endpoint {
+        flags.insert(
+            "host_events_replay_endpoint".into(),
+            Value::String(ep.clone()),
+        );
     }
     if !args.tenant_quota.is_empty() {
         flags.insert(
@@ -314,9 +339,15 @@ fn summary_line(server: &Server, config: &ServerConfig) -> String {
             e.cluster_transport
         ),
     };
-    let metrics = server.metrics_addr().map_or(String::new(), |a| {
+    let mut metrics = server.metrics_addr().map_or(String::new(), |a| {
         format!("; metrics on http://{a}/metrics")
     });
+    if let Some((ep, replay)) = server.events_endpoints() {
+        metrics.push_str(&format!("; KV events on tcp://{ep}"));
+        if let Some(r) = replay {
+            metrics.push_str(&format!(" (replay tcp://{r})"));
+        }
+    }
     format!(
         "kvtier serve: listening on {} (pid {}, mode {mode}, DRAM {}, {ssd}, {} tenant partitions){metrics}",
         server.socket().display(),
@@ -484,6 +515,8 @@ fn socket_or_default(socket: &Option<PathBuf>) -> Result<PathBuf, String> {
             node_id: None,
             node_tags: None,
             metrics_addr: None,
+            host_events_endpoint: None,
+            host_events_replay_endpoint: None,
             shutdown_timeout: 0,
         })
         .map(|c| c.socket),

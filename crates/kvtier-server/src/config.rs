@@ -110,6 +110,35 @@ pub struct ServerSettings {
     /// `[engine]` table) is taken instead.
     #[serde(deserialize_with = "strict::optional_socket_addr")]
     pub metrics_addr: Option<String>,
+    // Issue 30: the host KV-event stream (crate::events); off unless the endpoint is named.
+    /// PUB endpoint of the host KV-event stream, `tcp://IP:PORT` (port 0: a free one).
+    #[serde(deserialize_with = "strict::optional_string")]
+    pub host_events_endpoint: Option<String>,
+    /// ROUTER replay endpoint of the stream, `tcp://IP:PORT`.
+    #[serde(deserialize_with = "strict::optional_string")]
+    pub host_events_replay_endpoint: Option<String>,
+    /// Topic frame of every batch.
+    #[serde(deserialize_with = "strict::string")]
+    pub host_events_topic: String,
+    /// Batches kept for replay.
+    #[serde(deserialize_with = "strict::count")]
+    pub host_events_buffer_batches: u64,
+    /// Most connections per endpoint (subscribers; replay clients).
+    #[serde(deserialize_with = "strict::count")]
+    pub host_events_max_subscribers: u64,
+    /// Batches queued per subscriber before it loses batches (it then replays).
+    #[serde(deserialize_with = "strict::count")]
+    pub host_events_subscriber_queue: u64,
+    /// Milliseconds between two batches (what the engines recorded meanwhile).
+    #[serde(deserialize_with = "strict::count")]
+    pub host_events_interval_ms: u64,
+    /// Events each engine's ring holds between two drains.
+    #[serde(deserialize_with = "strict::count")]
+    pub host_events_engine_ring: u64,
+    /// The node named in every event's `ownership` (`kvtier:<node>`); default: the cluster
+    /// `node_id`, else the host name.
+    #[serde(deserialize_with = "strict::optional_string")]
+    pub host_events_node: Option<String>,
 }
 
 impl Default for ServerSettings {
@@ -129,6 +158,15 @@ impl Default for ServerSettings {
             tenant_dram_quota: BTreeMap::new(),
             tenant_ssd_quota: BTreeMap::new(),
             tenant_access: BTreeMap::new(),
+            host_events_endpoint: None,
+            host_events_replay_endpoint: None,
+            host_events_topic: String::new(),
+            host_events_buffer_batches: 10_000,
+            host_events_max_subscribers: 64,
+            host_events_subscriber_queue: 1024,
+            host_events_interval_ms: 50,
+            host_events_engine_ring: 1 << 20,
+            host_events_node: None,
             operator_uids: None,
             metrics_addr: None,
         }
@@ -576,6 +614,32 @@ impl ServerConfig {
                 settings.handshake_timeout_ms,
                 MAX_HANDSHAKE_TIMEOUT_MS,
             ),
+            // Issue 30: the host KV-event stream's bounds.
+            (
+                "host_events_buffer_batches",
+                settings.host_events_buffer_batches,
+                1 << 20,
+            ),
+            (
+                "host_events_max_subscribers",
+                settings.host_events_max_subscribers,
+                4096,
+            ),
+            (
+                "host_events_subscriber_queue",
+                settings.host_events_subscriber_queue,
+                1 << 20,
+            ),
+            (
+                "host_events_interval_ms",
+                settings.host_events_interval_ms,
+                60_000,
+            ),
+            (
+                "host_events_engine_ring",
+                settings.host_events_engine_ring,
+                1 << 26,
+            ),
         ] {
             if !(1..=hi).contains(&value) {
                 return Err(ConfigError::new(
@@ -584,6 +648,24 @@ impl ServerConfig {
                     format!("{value} is outside the range 1..={hi}"),
                 ));
             }
+        }
+        for key in ["host_events_endpoint", "host_events_replay_endpoint"] {
+            let value = match key {
+                "host_events_endpoint" => &settings.host_events_endpoint,
+                _ => &settings.host_events_replay_endpoint,
+            };
+            if let Some(text) = value {
+                crate::events::parse_endpoint(key, text)
+                    .map_err(|reason| ConfigError::new(key, &origin_of(key), reason))?;
+            }
+        }
+        if settings.host_events_replay_endpoint.is_some() && settings.host_events_endpoint.is_none()
+        {
+            return Err(ConfigError::new(
+                "host_events_replay_endpoint",
+                &origin_of("host_events_replay_endpoint"),
+                "needs host_events_endpoint (the stream it replays)",
+            ));
         }
         if let Some(list) = &settings.operator_uids {
             if list

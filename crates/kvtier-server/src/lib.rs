@@ -22,6 +22,8 @@
 pub mod bench;
 pub mod cli;
 pub mod config;
+/// Issue 30: the host KV-event stream (vLLM's ZMQ wire protocol).
+pub mod events;
 pub mod fault_guard;
 /// Issue 17: the UCX put landing area and its extent allocator.
 pub mod landing;

@@ -225,6 +225,12 @@ pub(super) fn stats_document(shared: &Shared, you: Option<&Session>) -> Value {
         "mapped_bytes": caps.mapped_bytes,
         "mapped_bytes_per_uid": caps.mapped_bytes_per_uid,
     });
+    // Issue 30: the host KV-event stream (null when off).
+    doc["server"]["host_events"] = shared
+        .events
+        .lock()
+        .as_ref()
+        .map_or(Value::Null, crate::events::HostEvents::stats);
     doc["server"]["uids"] = shared.ledger.usage();
     doc["server"]["refusals"] = json!(shared.ledger.refusals.totals());
     doc["server"]["refusal_log_lines"] = json!(shared.ledger.refusals.lines());

@@ -85,6 +85,11 @@ pub enum ServerError {
     UnknownGroup(String),
     #[error(transparent)]
     Metrics(#[from] kvtier_client::metrics::MetricsError),
+    /// Issue 30: the host KV-event stream could not start (its endpoint named).
+    #[error(transparent)]
+    Events(#[from] crate::events::EventsError),
+    #[error("{0}")]
+    EventsConfig(String),
 }
 
 /// Counter of local connections refused at accept, labelled `reason` (the cap's name).
@@ -131,6 +136,8 @@ struct Shared {
     /// This server's part of `/readyz` (issue 27): ready once the stores are open and it
     /// accepts; a cluster node's registration is the node agent's own readiness.
     ready: Arc<kvmetrics::ReadyGate>,
+    /// Issue 30: the host KV-event stream, when `host_events_endpoint` is set.
+    events: Mutex<Option<crate::events::HostEvents>>,
 }
 
 /// A bound, not yet running server.
@@ -202,6 +209,15 @@ impl Server {
         // The node's own store is embedded here even when the settings name a master: cluster
         // mode is what this process serves to others (data port + node agent), not its store.
         let tenants = Tenants::open(&config)?;
+        let events = match crate::events::EventsConfig::from_server(&config)
+            .map_err(ServerError::EventsConfig)?
+        {
+            Some(ec) => Some(crate::events::HostEvents::start(
+                ec,
+                tenants.all().cloned().collect(),
+            )?),
+            None => None,
+        };
         ready.set_not_ready("kvtier serve has opened its stores and is not accepting yet");
         let old_umask = rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o177));
         let bound = UnixListener::bind(&path);
@@ -254,6 +270,7 @@ impl Server {
                 socket_inode,
                 ledger: ledger::Ledger::new(caps),
                 ready,
+                events: Mutex::new(events),
             }),
             listener,
         })
@@ -266,6 +283,15 @@ impl Server {
     /// The bound address of the metrics endpoint (`metrics_addr`), if any.
     pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
         self.shared.metrics.as_ref().map(|e| e.addr())
+    }
+
+    /// Issue 30: the bound endpoints of the host KV-event stream (PUB, replay), if on.
+    pub fn events_endpoints(&self) -> Option<(std::net::SocketAddr, Option<std::net::SocketAddr>)> {
+        self.shared
+            .events
+            .lock()
+            .as_ref()
+            .map(|e| (e.endpoint(), e.replay_endpoint()))
     }
 
     /// Start accepting on a background thread.
@@ -366,6 +392,10 @@ impl RunningServer {
             if worker.is_finished() {
                 let _ = worker.join();
             }
+        }
+        // Issue 30: the stream's last batch (what the stores recorded until now), then its end.
+        if let Some(events) = self.shared.events.lock().take() {
+            events.stop();
         }
         let mut flush_errors = Vec::new();
         for store in self.shared.tenants.all() {
