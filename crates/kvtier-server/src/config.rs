@@ -614,32 +614,6 @@ impl ServerConfig {
                 settings.handshake_timeout_ms,
                 MAX_HANDSHAKE_TIMEOUT_MS,
             ),
-            // Issue 30: the host KV-event stream's bounds.
-            (
-                "host_events_buffer_batches",
-                settings.host_events_buffer_batches,
-                1 << 20,
-            ),
-            (
-                "host_events_max_subscribers",
-                settings.host_events_max_subscribers,
-                4096,
-            ),
-            (
-                "host_events_subscriber_queue",
-                settings.host_events_subscriber_queue,
-                1 << 20,
-            ),
-            (
-                "host_events_interval_ms",
-                settings.host_events_interval_ms,
-                60_000,
-            ),
-            (
-                "host_events_engine_ring",
-                settings.host_events_engine_ring,
-                1 << 26,
-            ),
         ] {
             if !(1..=hi).contains(&value) {
                 return Err(ConfigError::new(
@@ -649,37 +623,8 @@ impl ServerConfig {
                 ));
             }
         }
-        for key in ["host_events_endpoint", "host_events_replay_endpoint"] {
-            let value = match key {
-                "host_events_endpoint" => &settings.host_events_endpoint,
-                _ => &settings.host_events_replay_endpoint,
-            };
-            if let Some(text) = value {
-                crate::events::parse_endpoint(key, text)
-                    .map_err(|reason| ConfigError::new(key, &origin_of(key), reason))?;
-            }
-        }
-        if settings.host_events_replay_endpoint.is_some() && settings.host_events_endpoint.is_none()
-        {
-            return Err(ConfigError::new(
-                "host_events_replay_endpoint",
-                &origin_of("host_events_replay_endpoint"),
-                "needs host_events_endpoint (the stream it replays)",
-            ));
-        }
-        if let Some(list) = &settings.operator_uids {
-            if list
-                .split(',')
-                .map(str::trim)
-                .any(|u| u.parse::<u32>().is_err())
-            {
-                return Err(ConfigError::new(
-                    "operator_uids",
-                    &origin_of("operator_uids"),
-                    format!("{list:?} must be comma-separated numeric uids"),
-                ));
-            }
-        }
+        check_host_events(&settings, &origin_of)?;
+        check_operator_uids(&settings, &origin_of)?;
         // Engine keys: file [engine] < KVTIER_* env < --engine flags, parsed by kvtier's schema.
         let (mut engine, engine_origins) = KvtierConfig::load_layered(
             engine_base,
@@ -790,6 +735,88 @@ impl ServerConfig {
         });
         config
     }
+}
+
+/// `operator_uids`: comma-separated numeric uids.
+fn check_operator_uids(
+    settings: &ServerSettings,
+    origin_of: &dyn Fn(&str) -> Origin,
+) -> Result<(), ConfigError> {
+    if let Some(list) = &settings.operator_uids {
+        if list
+            .split(',')
+            .map(str::trim)
+            .any(|u| u.parse::<u32>().is_err())
+        {
+            return Err(ConfigError::new(
+                "operator_uids",
+                &origin_of("operator_uids"),
+                format!("{list:?} must be comma-separated numeric uids"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Issue 30: the host KV-event stream's keys: bounds, endpoints (IP literals), and a replay
+/// endpoint only with the stream it replays.
+fn check_host_events(
+    settings: &ServerSettings,
+    origin_of: &dyn Fn(&str) -> Origin,
+) -> Result<(), ConfigError> {
+    for (key, value, hi) in [
+        (
+            "host_events_buffer_batches",
+            settings.host_events_buffer_batches,
+            1 << 20,
+        ),
+        (
+            "host_events_max_subscribers",
+            settings.host_events_max_subscribers,
+            4096,
+        ),
+        (
+            "host_events_subscriber_queue",
+            settings.host_events_subscriber_queue,
+            1 << 20,
+        ),
+        (
+            "host_events_interval_ms",
+            settings.host_events_interval_ms,
+            60_000,
+        ),
+        (
+            "host_events_engine_ring",
+            settings.host_events_engine_ring,
+            1 << 26,
+        ),
+    ] {
+        if !(1..=hi).contains(&value) {
+            return Err(ConfigError::new(
+                key,
+                &origin_of(key),
+                format!("{value} is outside the range 1..={hi}"),
+            ));
+        }
+    }
+    for key in ["host_events_endpoint", "host_events_replay_endpoint"] {
+        let value = match key {
+            "host_events_endpoint" => &settings.host_events_endpoint,
+            _ => &settings.host_events_replay_endpoint,
+        };
+        if let Some(text) = value {
+            crate::events::parse_endpoint(key, text)
+                .map_err(|reason| ConfigError::new(key, &origin_of(key), reason))?;
+        }
+    }
+    if settings.host_events_replay_endpoint.is_some() && settings.host_events_endpoint.is_none() {
+        return Err(ConfigError::new(
+            "host_events_replay_endpoint",
+            &origin_of("host_events_replay_endpoint"),
+            "needs host_events_endpoint (the stream it replays)",
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

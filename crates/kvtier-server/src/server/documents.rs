@@ -131,6 +131,19 @@ pub(super) fn inspect_document(shared: &Shared, query: &InspectQuery) -> Value {
 
 /// The reply of `Stats` (and of shutdown): the server's counters, each store's engine and
 /// counters, every session; `you` names the asking session and its store.
+/// The `server` section's per-uid usage, refusals and (issue 30) host KV-event stream (null
+/// when off).
+fn add_ledger_and_events(server: &mut Value, shared: &Shared) {
+    server["host_events"] = shared
+        .events
+        .lock()
+        .as_ref()
+        .map_or(Value::Null, crate::events::HostEvents::stats);
+    server["uids"] = shared.ledger.usage();
+    server["refusals"] = json!(shared.ledger.refusals.totals());
+    server["refusal_log_lines"] = json!(shared.ledger.refusals.lines());
+}
+
 pub(super) fn stats_document(shared: &Shared, you: Option<&Session>) -> Value {
     let sessions = shared.sessions.lock();
     let mut mapped_regions = 0usize;
@@ -225,15 +238,7 @@ pub(super) fn stats_document(shared: &Shared, you: Option<&Session>) -> Value {
         "mapped_bytes": caps.mapped_bytes,
         "mapped_bytes_per_uid": caps.mapped_bytes_per_uid,
     });
-    // Issue 30: the host KV-event stream (null when off).
-    doc["server"]["host_events"] = shared
-        .events
-        .lock()
-        .as_ref()
-        .map_or(Value::Null, crate::events::HostEvents::stats);
-    doc["server"]["uids"] = shared.ledger.usage();
-    doc["server"]["refusals"] = json!(shared.ledger.refusals.totals());
-    doc["server"]["refusal_log_lines"] = json!(shared.ledger.refusals.lines());
+    add_ledger_and_events(&mut doc["server"], shared);
     // Issue 17: a cluster node names its data plane (UCX or frames, and why).
     if let Some(plane) = shared.data_plane.lock().as_ref() {
         doc["data_plane"] = plane.describe();

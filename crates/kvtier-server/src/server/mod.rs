@@ -140,6 +140,45 @@ struct Shared {
     events: Mutex<Option<crate::events::HostEvents>>,
 }
 
+/// Issue 26: every cap on what one uid may hold, sized from the descriptor limit (raised to
+/// the hard limit first), and said in the log.
+fn uid_caps(settings: &crate::config::ServerSettings) -> ledger::Caps {
+    let caps = ledger::Caps::new(
+        ledger::raise_descriptor_limit(),
+        settings.max_connections,
+        settings.max_connections_per_uid,
+        settings.max_mapped_bytes_total,
+        settings.max_mapped_bytes_per_uid,
+    );
+    tracing::info!(
+        "kvtier serve: descriptor limit {}: at most {} connections ({} per uid), {} passed \
+         descriptors ({} per uid); a quarter of each is kept for operators",
+        caps.descriptors
+            .map_or_else(|| "unknown".to_string(), |d| d.to_string()),
+        caps.connections,
+        caps.connections_per_uid,
+        caps.passed_fds,
+        caps.passed_fds_per_uid
+    );
+    caps
+}
+
+/// Issue 30: the host KV-event stream over every store, when `host_events_endpoint` is set.
+fn start_host_events(
+    config: &ServerConfig,
+    tenants: &Tenants,
+) -> Result<Option<crate::events::HostEvents>, ServerError> {
+    let Some(events) =
+        crate::events::EventsConfig::from_server(config).map_err(ServerError::EventsConfig)?
+    else {
+        return Ok(None);
+    };
+    Ok(Some(crate::events::HostEvents::start(
+        events,
+        tenants.all().cloned().collect(),
+    )?))
+}
+
 /// A bound, not yet running server.
 pub struct Server {
     shared: Arc<Shared>,
@@ -209,15 +248,7 @@ impl Server {
         // The node's own store is embedded here even when the settings name a master: cluster
         // mode is what this process serves to others (data port + node agent), not its store.
         let tenants = Tenants::open(&config)?;
-        let events = match crate::events::EventsConfig::from_server(&config)
-            .map_err(ServerError::EventsConfig)?
-        {
-            Some(ec) => Some(crate::events::HostEvents::start(
-                ec,
-                tenants.all().cloned().collect(),
-            )?),
-            None => None,
-        };
+        let events = start_host_events(&config, &tenants)?;
         ready.set_not_ready("kvtier serve has opened its stores and is not accepting yet");
         let old_umask = rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o177));
         let bound = UnixListener::bind(&path);
@@ -231,26 +262,7 @@ impl Server {
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(config.socket_mode))
             .map_err(socket_err)?;
         let socket_inode = socket_identity(&path);
-        // Issue 26: every cap on what one uid may hold is sized from the descriptor limit,
-        // raised to the hard limit first.
-        let settings = &config.settings;
-        let caps = ledger::Caps::new(
-            ledger::raise_descriptor_limit(),
-            settings.max_connections,
-            settings.max_connections_per_uid,
-            settings.max_mapped_bytes_total,
-            settings.max_mapped_bytes_per_uid,
-        );
-        tracing::info!(
-            "kvtier serve: descriptor limit {}: at most {} connections ({} per uid), {} passed \
-             descriptors ({} per uid); a quarter of each is kept for operators",
-            caps.descriptors
-                .map_or_else(|| "unknown".to_string(), |d| d.to_string()),
-            caps.connections,
-            caps.connections_per_uid,
-            caps.passed_fds,
-            caps.passed_fds_per_uid
-        );
+        let caps = uid_caps(&config.settings);
         Ok(Server {
             shared: Arc::new(Shared {
                 config,

@@ -63,59 +63,7 @@ impl SsdTier {
         let (mut objects, mut payload, mut allocated) = (0u64, 0u64, 0u64);
         for shard in &shards {
             for (key, e) in shard.iter() {
-                let name = String::from_utf8_lossy(key);
-                let Some(m) = t.slots.get(e.seg as usize) else {
-                    return Err(format!(
-                        "ssd: entry {name} names segment {} of {}",
-                        e.seg, sh.settings.nseg
-                    ));
-                };
-                if !matches!(
-                    m.state,
-                    SegState::Active | SegState::Sealed | SegState::Evicting
-                ) {
-                    return Err(format!(
-                        "ssd: entry {name} names segment {} in state {:?}",
-                        e.seg, m.state
-                    ));
-                }
-                if e.generation != m.generation {
-                    return Err(format!(
-                        "ssd: entry {name} has generation {} but segment {} is at {}",
-                        e.generation, e.seg, m.generation
-                    ));
-                }
-                let end = e.loc.offset.checked_add(e.loc.rec_len);
-                if e.loc.offset < FIRST_RECORD || end.is_none_or(|end| end > m.write_off) {
-                    return Err(format!(
-                        "ssd: entry {name} record [{}, +{}) outside segment {}'s written part \
-                         [{FIRST_RECORD}, {})",
-                        e.loc.offset, e.loc.rec_len, e.seg, m.write_off
-                    ));
-                }
-                if u64::from(e.loc.payload_offset)
-                    .checked_add(e.loc.payload_len)
-                    .is_none_or(|p| p > e.loc.rec_len)
-                {
-                    return Err(format!(
-                        "ssd: entry {name} payload [{}, +{}) outside its record of {} bytes",
-                        e.loc.payload_offset, e.loc.payload_len, e.loc.rec_len
-                    ));
-                }
-                if e.loc.seq >= next_seq || e.generation >= next_seq {
-                    return Err(format!(
-                        "ssd: entry {name} seq {} / generation {} not below next seq {next_seq}",
-                        e.loc.seq, e.generation
-                    ));
-                }
-                if let Some(keys) = &key_sets[e.seg as usize] {
-                    if !keys.contains(&**key) {
-                        return Err(format!(
-                            "ssd: entry {name} missing from segment {}'s key list",
-                            e.seg
-                        ));
-                    }
-                }
+                check_entry(key, e, &t, sh.settings.nseg, next_seq, &key_sets)?;
                 let s = &mut per_seg[e.seg as usize];
                 s.objects += 1;
                 s.rec_bytes += e.loc.rec_len;
@@ -127,54 +75,9 @@ impl SsdTier {
         }
         let mut active = Vec::new();
         for (i, (m, s)) in t.slots.iter().zip(&per_seg).enumerate() {
-            if (m.live_objects, m.live_bytes, m.depth_sum) != (s.objects, s.rec_bytes, s.depth) {
-                return Err(format!(
-                    "ssd: segment {i} ({:?}) accounts {} objects / {} bytes / depth {} but the \
-                     index points {} / {} / {} into it",
-                    m.state,
-                    m.live_objects,
-                    m.live_bytes,
-                    m.depth_sum,
-                    s.objects,
-                    s.rec_bytes,
-                    s.depth
-                ));
-            }
-            if m.write_off < FIRST_RECORD || m.write_off > sh.settings.seg_size {
-                return Err(format!(
-                    "ssd: segment {i} write offset {} outside [{FIRST_RECORD}, {}]",
-                    m.write_off, sh.settings.seg_size
-                ));
-            }
-            match m.state {
-                SegState::Active => active.push(i as u32),
-                SegState::Free | SegState::Missing => {
-                    if m.inflight != 0 || !m.keys.is_empty() {
-                        return Err(format!(
-                            "ssd: {:?} segment {i} has {} writes in flight and {} keys",
-                            m.state,
-                            m.inflight,
-                            m.keys.len()
-                        ));
-                    }
-                }
-                SegState::Sealed | SegState::Evicting => {}
-            }
-            if m.state != SegState::Missing && m.generation >= next_seq {
-                return Err(format!(
-                    "ssd: segment {i} generation {} not below next seq {next_seq}",
-                    m.generation
-                ));
-            }
-            // The evictor bumps the slot lock's generation before the table's (window).
-            if m.state != SegState::Evicting {
-                let g = *sh.segments.slot_gens[i].read();
-                if g != m.generation {
-                    return Err(format!(
-                        "ssd: segment {i} generation {} in the table but {g} in its slot lock",
-                        m.generation
-                    ));
-                }
+            check_segment(i, m, s, sh, next_seq)?;
+            if m.state == SegState::Active {
+                active.push(i as u32);
             }
         }
         if active.len() > 1 || t.active.map(|a| vec![a]).unwrap_or_default() != active {
@@ -213,6 +116,125 @@ impl SsdTier {
         }
         Ok(())
     }
+}
+
+/// The invariants of one index entry against the segment table.
+fn check_entry(
+    key: &[u8],
+    e: &SsdEntry,
+    t: &SegTable,
+    nseg: u32,
+    next_seq: u64,
+    key_sets: &[Option<HashSet<&[u8]>>],
+) -> Result<(), String> {
+    let name = String::from_utf8_lossy(key);
+    let Some(m) = t.slots.get(e.seg as usize) else {
+        return Err(format!(
+            "ssd: entry {name} names segment {} of {}",
+            e.seg, nseg
+        ));
+    };
+    if !matches!(
+        m.state,
+        SegState::Active | SegState::Sealed | SegState::Evicting
+    ) {
+        return Err(format!(
+            "ssd: entry {name} names segment {} in state {:?}",
+            e.seg, m.state
+        ));
+    }
+    if e.generation != m.generation {
+        return Err(format!(
+            "ssd: entry {name} has generation {} but segment {} is at {}",
+            e.generation, e.seg, m.generation
+        ));
+    }
+    let end = e.loc.offset.checked_add(e.loc.rec_len);
+    if e.loc.offset < FIRST_RECORD || end.is_none_or(|end| end > m.write_off) {
+        return Err(format!(
+            "ssd: entry {name} record [{}, +{}) outside segment {}'s written part \
+             [{FIRST_RECORD}, {})",
+            e.loc.offset, e.loc.rec_len, e.seg, m.write_off
+        ));
+    }
+    if u64::from(e.loc.payload_offset)
+        .checked_add(e.loc.payload_len)
+        .is_none_or(|p| p > e.loc.rec_len)
+    {
+        return Err(format!(
+            "ssd: entry {name} payload [{}, +{}) outside its record of {} bytes",
+            e.loc.payload_offset, e.loc.payload_len, e.loc.rec_len
+        ));
+    }
+    if e.loc.seq >= next_seq || e.generation >= next_seq {
+        return Err(format!(
+            "ssd: entry {name} seq {} / generation {} not below next seq {next_seq}",
+            e.loc.seq, e.generation
+        ));
+    }
+    if let Some(keys) = &key_sets[e.seg as usize] {
+        if !keys.contains(key) {
+            return Err(format!(
+                "ssd: entry {name} missing from segment {}'s key list",
+                e.seg
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The invariants of segment `i` (its accounting against what the index points into it).
+fn check_segment(
+    i: usize,
+    m: &SegMeta,
+    s: &Sums,
+    sh: &Shared,
+    next_seq: u64,
+) -> Result<(), String> {
+    if (m.live_objects, m.live_bytes, m.depth_sum) != (s.objects, s.rec_bytes, s.depth) {
+        return Err(format!(
+            "ssd: segment {i} ({:?}) accounts {} objects / {} bytes / depth {} but the \
+                 index points {} / {} / {} into it",
+            m.state, m.live_objects, m.live_bytes, m.depth_sum, s.objects, s.rec_bytes, s.depth
+        ));
+    }
+    if m.write_off < FIRST_RECORD || m.write_off > sh.settings.seg_size {
+        return Err(format!(
+            "ssd: segment {i} write offset {} outside [{FIRST_RECORD}, {}]",
+            m.write_off, sh.settings.seg_size
+        ));
+    }
+    match m.state {
+        SegState::Active => {}
+        SegState::Free | SegState::Missing => {
+            if m.inflight != 0 || !m.keys.is_empty() {
+                return Err(format!(
+                    "ssd: {:?} segment {i} has {} writes in flight and {} keys",
+                    m.state,
+                    m.inflight,
+                    m.keys.len()
+                ));
+            }
+        }
+        SegState::Sealed | SegState::Evicting => {}
+    }
+    if m.state != SegState::Missing && m.generation >= next_seq {
+        return Err(format!(
+            "ssd: segment {i} generation {} not below next seq {next_seq}",
+            m.generation
+        ));
+    }
+    // The evictor bumps the slot lock's generation before the table's (window).
+    if m.state != SegState::Evicting {
+        let g = *sh.segments.slot_gens[i].read();
+        if g != m.generation {
+            return Err(format!(
+                "ssd: segment {i} generation {} in the table but {g} in its slot lock",
+                m.generation
+            ));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -259,38 +259,11 @@ impl SsdTier {
         if !direct {
             tracing::warn!(dir = %dir.display(), "kvtier: O_DIRECT is not supported here; the SSD tier uses buffered I/O");
         }
-        let io_backend = match config.ssd_io_backend {
-            SsdIoBackend::IoUring => match uring::probe() {
-                Ok(()) => SsdIoBackend::IoUring,
-                Err(e) => {
-                    tracing::warn!(error = %e, "kvtier: io_uring is not available here; the SSD tier uses preadv/pwritev");
-                    SsdIoBackend::Posix
-                }
-            },
-            SsdIoBackend::Posix => SsdIoBackend::Posix,
-        };
+        let io_backend = io_backend(config.ssd_io_backend);
         let seg_size = config.ssd_segment_size_bytes;
         let nseg = config.ssd_segments() as u32;
         let faults = Arc::new(Faults::default());
-        let files: Vec<OnceLock<SegFile>> = (0..nseg).map(|_| OnceLock::new()).collect();
-        for id in sio::list_segments(&dir).map_err(EngineError::SsdOpen)? {
-            if id >= nseg {
-                tracing::warn!(
-                    segment = id,
-                    "kvtier: segment beyond ssd_capacity_bytes ignored"
-                );
-                continue;
-            }
-            let f = SegFile::open(
-                &sio::segment_path(&dir, id),
-                false,
-                direct,
-                Arc::clone(&faults),
-            )
-            .map_err(EngineError::SsdOpen)?
-            .with_backend(io_backend);
-            let _ = files[id as usize].set(f);
-        }
+        let files = open_segment_files(&dir, nseg, direct, &faults, io_backend)?;
         let mut slots: Vec<SegMeta> = (0..nseg)
             .map(|i| {
                 SegMeta::new(if files[i as usize].get().is_some() {
@@ -428,4 +401,50 @@ impl SsdTier {
             threads: Mutex::new(threads),
         })
     }
+}
+
+/// The I/O backend to use: `io_uring` if asked for and the kernel allows it, else
+/// preadv/pwritev (said in the log).
+fn io_backend(asked: SsdIoBackend) -> SsdIoBackend {
+    match asked {
+        SsdIoBackend::IoUring => match uring::probe() {
+            Ok(()) => SsdIoBackend::IoUring,
+            Err(e) => {
+                tracing::warn!(error = %e, "kvtier: io_uring is not available here; the SSD tier uses preadv/pwritev");
+                SsdIoBackend::Posix
+            }
+        },
+        SsdIoBackend::Posix => SsdIoBackend::Posix,
+    }
+}
+
+/// Open the segment files found in `dir`, one slot per segment (empty where no file exists
+/// yet); files beyond `nseg` are logged and ignored.
+fn open_segment_files(
+    dir: &Path,
+    nseg: u32,
+    direct: bool,
+    faults: &Arc<Faults>,
+    backend: SsdIoBackend,
+) -> Result<Vec<OnceLock<SegFile>>, EngineError> {
+    let files: Vec<OnceLock<SegFile>> = (0..nseg).map(|_| OnceLock::new()).collect();
+    for id in sio::list_segments(dir).map_err(EngineError::SsdOpen)? {
+        if id >= nseg {
+            tracing::warn!(
+                segment = id,
+                "kvtier: segment beyond ssd_capacity_bytes ignored"
+            );
+            continue;
+        }
+        let f = SegFile::open(
+            &sio::segment_path(dir, id),
+            false,
+            direct,
+            Arc::clone(faults),
+        )
+        .map_err(EngineError::SsdOpen)?
+        .with_backend(backend);
+        let _ = files[id as usize].set(f);
+    }
+    Ok(files)
 }
