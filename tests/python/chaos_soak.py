@@ -76,7 +76,18 @@ ETCD = "/usr/bin/etcd"
 # evicted and every acknowledged object must survive.
 RAW_BUDGET = 24 << 20
 KILLED_BUDGET = 1 << 20
+KILLED_WRITERS = 128  # killed clients after these read only (a long run's data stays bounded)
 SSD_CAPACITY = "512MiB"
+UCX_HOOK = "TEST_INSECURE_UCX_EMULATED_RMA"
+# The node whose SSD directory is a small tmpfs (the full-disk fault fills it), and its size.
+FULL_DISK_NODE = "node-2"
+# Above the SSD capacity, so the tier never meets the end of the filesystem unless the fault
+# fills it (tmpfs takes memory only for what is written).
+FULL_DISK_SIZE = 640 << 20
+# The slow disk: the node's writes to the SSD's block device throttled (cgroup v1 blkio).
+SLOW_DISK_BPS = 256 << 10
+SLOW_DISK_IOPS = 16
+BLKIO = Path("/sys/fs/cgroup/blkio")
 # How long one fault's recovery may take before it is reported as not recovered.
 RECOVERY_LIMIT_S = 30.0
 # How long a SIGKILLed node stays down at most while the soak times re-replication.
@@ -132,7 +143,14 @@ def client_main(args):
     counts = dict(puts=0, put_ok=0, put_fail=0, gets=0, get_hit=0, get_miss=0, wrong=0, exists=0)
     errors: dict[str, int] = {}
 
+    examples: dict[str, str] = {}
+
     def classify(msg):
+        c = _classify(msg)
+        examples.setdefault(c, msg[:300])
+        return c
+
+    def _classify(msg):
         for word in (
             "no leader",
             "no room",
@@ -157,6 +175,9 @@ def client_main(args):
                 time.sleep(0.2)
                 continue
         op = rng.random()
+        if not acked and written >= args.max_bytes:
+            time.sleep(0.1)  # nothing to read yet and nothing left to write
+            continue
         if (op < 0.5 or not acked) and written < args.max_bytes:
             n = rng.randint(args.batch_min, args.batch_max)
             keys = [f"{args.name}-{seq + i}" for i in range(n)]
@@ -207,7 +228,23 @@ def client_main(args):
             counts["exists"] += len(keys)
         if args.pause:
             time.sleep(args.pause)
-    out.write("S " + json.dumps(dict(counts=counts, errors=errors)) + "\n")
+    transports = []
+    if store is not None:
+        stats = json.loads(store.stats_json())
+        transports = [(p["peer"], p["transport"]) for p in stats.get("peer_transports", [])]
+    out.write(
+        "S "
+        + json.dumps(
+            dict(
+                name=args.name,
+                counts=counts,
+                errors=errors,
+                examples=examples,
+                transports=transports,
+            )
+        )
+        + "\n"
+    )
     out.close()
     if store is not None:
         store.close()
@@ -434,7 +471,6 @@ class Soak:
         self.stop_flag = threading.Event()
         self.expected_dead: set[int] = set()
         self.client_kills = 0
-        self.wiped = False
 
     # -------------------------------------------------------------- setup
 
@@ -488,6 +524,15 @@ class Soak:
         self.joined = ",".join(addrs)
         self.view = types.SimpleNamespace(binary=self.binary, address=self.joined)
         self.wait(15, "a leader", lambda: self.leader() is not None)
+        full = self.tmp / f"{FULL_DISK_NODE}-ssd"
+        full.mkdir()
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={FULL_DISK_SIZE},mode=0700", "tmpfs", str(full)],
+            check=True,
+            timeout=10,
+        )
+        self.mounted = full
+        self.setup_slow_disk()
         for node_id in self.netns:
             self.start_node(node_id)
         self.wait(20, "three nodes", lambda: len(self.alive_nodes()) == 3)
@@ -500,7 +545,14 @@ class Soak:
         base = self.tmp / f"{node_id}-gen{gen}"
         base.mkdir()
         ssd = self.tmp / f"{node_id}-ssd"
-        wrapper = ns.wrapper(self.binary, base, {"UCX_TLS": "tcp", "UCX_NET_DEVICES": ns.ns_if})
+        env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": ns.ns_if}
+        transport = []
+        if self.args.ucx:
+            # The INSECURE test hook (docs/security.md): UCX over TCP emulates one-sided
+            # access, which kvtier refuses by default; there is no RDMA here.
+            env[UCX_HOOK] = "1"
+            transport = ["--engine", "cluster_transport=ucx"]
+        wrapper = ns.wrapper(self.binary, base, env)
         self.nodes[node_id] = self.tc.Node(
             wrapper,
             base,
@@ -519,8 +571,30 @@ class Soak:
             "ssd_durability_mode=strict",
             "--engine",
             "ssd_write_policy=write_through",
+            *transport,
             dram="128MiB",
         )
+
+    def setup_slow_disk(self):
+        """A blkio cgroup (v1) throttling writes to the block device under the work
+        directory; None where the kernel offers none (the slow-disk fault is then skipped)."""
+        self.slow_cg = None
+        dev = os.stat(self.tmp).st_dev
+        major, minor = os.major(dev), os.minor(dev)
+        # A partition's writes are throttled at its disk: look the disk up in sysfs.
+        sys_dev = Path(f"/sys/dev/block/{major}:{minor}")
+        if (sys_dev / "partition").exists():
+            major, minor = (
+                int(x) for x in (sys_dev.resolve().parent / "dev").read_text().split(":")
+            )
+        if not (BLKIO / "blkio.throttle.write_bps_device").exists():
+            self.notes.append("slow disk: no blkio cgroup here; fault skipped")
+            return
+        cg = BLKIO / f"kvtier-soak-{os.getpid()}"
+        cg.mkdir(exist_ok=True)
+        (cg / "blkio.throttle.write_bps_device").write_text(f"{major}:{minor} {SLOW_DISK_BPS}")
+        (cg / "blkio.throttle.write_iops_device").write_text(f"{major}:{minor} {SLOW_DISK_IOPS}")
+        self.slow_cg = cg
 
     def wait(self, limit, what, cond, interval=0.1):
         """Seconds until ``cond()``; None (and a violation) after ``limit``."""
@@ -586,7 +660,9 @@ class Soak:
 
     # -------------------------------------------------------------- clients
 
-    def spawn_client(self, name, seconds, max_bytes, batch=(1, 8), pause=0.05, extra=None):
+    def spawn_client(
+        self, name, seconds, max_bytes, batch=(1, 8), pause=0.05, extra=None, env=None
+    ):
         path = self.tmp / f"client-{name}.log"
         self.client_logs.append(path)
         seed = self.rng.randrange(1 << 30)
@@ -597,7 +673,10 @@ class Soak:
             "--extra", json.dumps(extra or {}), "--max-bytes", str(max_bytes),
         ]  # fmt: skip
         proc = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=open(self.tmp / f"client-{name}.err", "w")
+            cmd,
+            env={**os.environ, **(env or {})},
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.tmp / f"client-{name}.err", "w"),
         )
         self.clients.append(proc)
         return proc
@@ -607,9 +686,8 @@ class Soak:
         random point of its work, start the next one."""
         n = 0
         while not self.stop_flag.is_set():
-            proc = self.spawn_client(
-                f"killed{n}", seconds, KILLED_BUDGET, batch=(32, 32), pause=0.02
-            )
+            budget = KILLED_BUDGET if n < KILLED_WRITERS else 0
+            proc = self.spawn_client(f"killed{n}", seconds, budget, batch=(32, 32), pause=0.02)
             n += 1
             t = self.rng.uniform(2.0, 5.0)
             if self.stop_flag.wait(t):
@@ -871,7 +949,54 @@ class Soak:
         fault["replicas_restored_s"] = self.since(
             t0, "two live copies again after the wipe", lambda: not self.under_replicated(keys), 0.3
         )
-        self.wiped = True
+
+    def f_full_disk(self, fault):
+        """Fill the tmpfs under ``FULL_DISK_NODE``'s SSD tier (a ballast file), let the
+        clients write a while, remove the ballast."""
+        node_id = fault["node"] = FULL_DISK_NODE
+        ballast = self.mounted / "ballast"
+        st = os.statvfs(self.mounted)
+        free = st.f_bavail * st.f_frsize
+        fault["filled_bytes"] = free
+        with open(ballast, "wb") as f:
+            try:
+                os.posix_fallocate(f.fileno(), 0, free)
+            except OSError:
+                pass  # full: what we wanted
+        st = os.statvfs(self.mounted)
+        fault["free_left"] = st.f_bavail * st.f_frsize
+        held = self.rng.uniform(3.0, 5.0)
+        fault["held_s"] = held
+        t = time.perf_counter()
+        probes = [self.probe() for _ in range(3)]
+        fault["probe_ok_while_full"] = sum(probes)
+        time.sleep(max(0.0, held - (time.perf_counter() - t)))
+        ballast.unlink()
+        self.node_recovered(node_id, fault, time.perf_counter())
+
+    def f_slow_disk(self, fault):
+        """Throttle one node's writes to its disk (blkio) for a few seconds: strict puts
+        there crawl; clients must stay within their request bound and read right bytes."""
+        if self.slow_cg is None:
+            fault["skipped"] = "no blkio cgroup"
+            return
+        node_id = fault["node"] = self.rng.choice(
+            sorted(n for n in self.nodes if n != FULL_DISK_NODE)
+        )
+        pid = self.nodes[node_id].proc.pid
+        (self.slow_cg / "cgroup.procs").write_text(str(pid))
+        held = self.rng.uniform(3.0, 5.0)
+        fault["held_s"] = held
+        t = time.perf_counter()
+        worst = 0.0
+        while time.perf_counter() - t < held:
+            p0 = time.perf_counter()
+            self.probe()
+            worst = max(worst, time.perf_counter() - p0)
+            time.sleep(0.2)
+        fault["slowest_probe_s"] = worst
+        (BLKIO / "cgroup.procs").write_text(str(pid))
+        self.node_recovered(node_id, fault, time.perf_counter())
 
     KINDS = (
         "node_kill",
@@ -882,6 +1007,8 @@ class Soak:
         "control_cut",
         "data_cut",
         "link_down",
+        "full_disk",
+        "slow_disk",
     )
 
     def run_fault(self, kind):
@@ -924,6 +1051,16 @@ class Soak:
         client_s = max(10, fault_end - time.perf_counter() + 5)
         for i in range(self.args.clients):
             self.spawn_client(f"raw{i}", client_s, RAW_BUDGET)
+        if self.args.ucx:
+            # One more raw client reading and writing over UCX (its TCP lanes over the bridge,
+            # the INSECURE test hook set in this process, which the client inherits).
+            self.spawn_client(
+                "ucx0",
+                client_s,
+                RAW_BUDGET,
+                extra=dict(cluster_transport="ucx"),
+                env={UCX_HOOK: "1"},
+            )
         threads = [
             threading.Thread(target=self.leader_monitor, daemon=True),
             threading.Thread(target=self.killer_loop, args=(client_s,), daemon=True),
@@ -933,12 +1070,21 @@ class Soak:
             t.start()
         time.sleep(3)  # some objects before the first fault
         deck = []
-        wiped_at = self.rng.randrange(3, 7)
+        # The wipe comes early (its precondition, two live copies of everything, is then
+        # cheap to check) and before any full disk (whose evictions leave single copies by
+        # design, docs/cluster.md "Evictions do not trigger it").
+        wipe_at = self.rng.randrange(2, 5)
         while time.perf_counter() < fault_end:
             if not deck:
                 deck = list(self.KINDS)
                 self.rng.shuffle(deck)
-            kind = "disk_wipe" if len(self.faults) == wiped_at and not self.wiped else deck.pop()
+            if len(self.faults) == wipe_at:
+                kind = "disk_wipe"
+            else:
+                kind = deck.pop()
+                if kind == "full_disk" and len(self.faults) < wipe_at:
+                    deck.insert(0, kind)
+                    continue
             self.run_fault(kind)
             time.sleep(self.rng.uniform(0.5, 1.5))
         log("faults over: stopping the clients")
@@ -970,13 +1116,15 @@ class Soak:
             self.violations.append(f"raw read of {k}: wrong bytes")
         self.summaries = summaries
         keys = sorted(acked)
-        t = self.wait(
-            RECOVERY_LIMIT_S,
-            "every acknowledged object with two live copies at the end",
-            lambda: not self.under_replicated(keys),
-            0.5,
-        )
-        self.final_replicas_s = t
+        # Informative: objects a full disk evicted keep one copy by design.
+        started, short = time.perf_counter(), keys
+        while time.perf_counter() - started < RECOVERY_LIMIT_S:
+            short = self.under_replicated(keys)
+            if not short:
+                break
+            time.sleep(0.5)
+        self.final_replicas_s = time.perf_counter() - started if not short else None
+        self.final_single_copy = len(short)
         store = kvtier.Store(json.dumps(store_config(self.joined)))
         lost, bad, misses_unacked, read_unacked = [], [], 0, 0
         check = keys + sorted(intended - acked)
@@ -1020,6 +1168,16 @@ class Soak:
         if sg_lost:
             self.violations.append(f"{sg_lost} acknowledged SGLang pages lost")
         self.final.update(sglang_acked=len(sg_keys), sglang_lost=sg_lost)
+        # Re-replication that found no target (docs/cluster.md "Re-replication"): the largest
+        # count a master logged, reported with the recovery figures.
+        most = 0
+        for path in self.tmp.glob("master-*.log"):
+            for line in path.read_text(errors="replace").splitlines():
+                if "under-replicated objects have no target node" in line:
+                    words = line.split("re-replication: ", 1)[-1].split()
+                    if words and words[0].isdigit():
+                        most = max(most, int(words[0]))
+        self.final["most_without_target"] = most
         for path in sorted(self.tmp.rglob("*.log")) + sorted(self.tmp.glob("*.err")):
             text = path.read_text(errors="replace")
             if "panicked" in text:
@@ -1046,6 +1204,13 @@ class Soak:
                 pass
         if self.etcd is not None:
             self.etcd.stop()
+        if getattr(self, "mounted", None):
+            subprocess.run(["umount", str(self.mounted)], capture_output=True, timeout=10)
+        if getattr(self, "slow_cg", None):
+            try:
+                self.slow_cg.rmdir()
+            except OSError as e:
+                print(f"chaos_soak: could not remove {self.slow_cg}: {e}", file=sys.stderr)
         for ns in self.netns.values():
             ns.remove()
         if self.bridge:
@@ -1062,11 +1227,14 @@ class Soak:
 
         raw = dict(puts=0, put_ok=0, put_fail=0, gets=0, get_hit=0, get_miss=0, wrong=0, exists=0)
         errors: dict[str, int] = {}
+        examples: dict[str, str] = {}
         for s in getattr(self, "summaries", []):
             for k, v in s["counts"].items():
                 raw[k] += v
             for k, v in s["errors"].items():
                 errors[k] = errors.get(k, 0) + v
+            for k, v in s.get("examples", {}).items():
+                examples.setdefault(k, v)
         doc = dict(
             seed=self.args.seed,
             duration_s=round(time.perf_counter() - self.t_start, 1),
@@ -1074,11 +1242,13 @@ class Soak:
             client_kills=self.client_kills,
             raw_ops=raw,
             raw_errors=errors,
+            raw_error_examples=examples,
             sglang_ops=self.sglang,
             leader_samples=self.leader_samples,
             no_leader_samples=self.no_leader_samples,
             final=getattr(self, "final", None),
             final_replicas_s=getattr(self, "final_replicas_s", None),
+            final_single_copy=getattr(self, "final_single_copy", None),
             fault_list=self.faults,
             violations=self.violations,
             notes=self.notes[:20],
@@ -1091,11 +1261,19 @@ class Soak:
         )
         print(f"raw clients (kvtier.Store): {raw}")
         print(f"  errors by kind: {errors}")
+        for k, v in examples.items():
+            print(f"    e.g. {k}: {v}")
+        for sm in getattr(self, "summaries", []):
+            if sm.get("transports") and not sm["name"].startswith("killed"):
+                used = sorted({t for _, t in sm["transports"]})
+                print(f"  {sm['name']} read from {len(sm['transports'])} peers over {used}")
         print(f"SGLang host (batch_set_v1/batch_get_v1): {self.sglang}")
         print(
             f"leader samples: {self.leader_samples}, of which without a leader: {self.no_leader_samples}"
         )
         fields = (
+            "slowest_probe_s",
+            "probe_ok_while_full",
             "leader_back_s",
             "node_back_s",
             "rw_back_s",
@@ -1114,8 +1292,10 @@ class Soak:
                 + "  "
                 + ", ".join(parts)
             )
+        print(f"final: {doc['final']}")
         print(
-            f"final: {doc['final']}, every acked object with two live copies after {doc['final_replicas_s']}"
+            f"  at the end: every acknowledged object with two live copies after "
+            f"{doc['final_replicas_s']} s (objects still below two: {doc['final_single_copy']})"
         )
         for n in doc["notes"]:
             print(f"note: {n}")
@@ -1146,6 +1326,13 @@ def main():
     ap.add_argument("--clients", type=int, default=3, help="raw client processes")
     ap.add_argument("--binary", default=str(ROOT / "target" / "release" / "kvtier"))
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument(
+        "--no-ucx",
+        dest="ucx",
+        action="store_false",
+        help="nodes and clients on kvtier's TCP frames only (default: nodes offer UCX and one "
+        "client uses it)",
+    )
     args = ap.parse_args()
     if args.cmd == "client":
         client_main(args)
