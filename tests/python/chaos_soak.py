@@ -1378,6 +1378,12 @@ def main():
     log(f"seed {args.seed}, duration {args.duration:.0f} s (replay: --seed {args.seed})")
     soak = Soak(args)
     ok = False
+
+    def terminated(signum, frame):
+        # SIGTERM (a CI timeout) ends the run through the same teardown as a failure.
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, terminated)
     try:
         soak.run()
     except BaseException as e:
