@@ -200,6 +200,8 @@ def client_main(args):
             for e in errs:
                 c = classify(str(e))
                 errors[c] = errors.get(c, 0) + 1
+                if c == "no room":  # when: the report relates these to leader changes
+                    out.write(f"E {time.time():.3f} no-room\n")
             if good:
                 out.write("A " + " ".join(good) + "\n")
                 acked.extend(good)
@@ -475,6 +477,7 @@ class Soak:
         self.stop_flag = threading.Event()
         self.expected_dead: set[int] = set()
         self.client_kills = 0
+        self.leader_changes: list[float] = []
 
     # -------------------------------------------------------------- setup
 
@@ -633,8 +636,12 @@ class Soak:
     # -------------------------------------------------------------- monitors
 
     def leader_monitor(self):
+        last = None
         while not self.stop_flag.is_set():
             leading = [m.address for m in self.masters if m.proc.poll() is None and m.leads()]
+            if leading != last:
+                self.leader_changes.append(time.time())
+                last = leading
             self.leader_samples += 1
             if not leading:
                 self.no_leader_samples += 1
@@ -767,6 +774,7 @@ class Soak:
 
     def read_logs(self):
         acked, intended, wrong, summaries = set(), set(), [], []
+        self.no_room_at: list[float] = []
         for path in self.client_logs:
             if not path.exists():
                 continue
@@ -780,6 +788,8 @@ class Soak:
                     wrong.append(rest)
                 elif kind == "S":
                     summaries.append(json.loads(rest))
+                elif kind == "E":
+                    self.no_room_at.append(float(rest.split()[0]))
         return acked, intended, wrong, summaries
 
     def holders(self, keys):
@@ -1289,6 +1299,12 @@ class Soak:
             notes=self.notes[:20],
             workdir=str(self.tmp),
         )
+        # Each raw "no room" put error against the last change of leadership before it.
+        after = []
+        for t in getattr(self, "no_room_at", []):
+            before = [c for c in self.leader_changes if c <= t]
+            after.append(round(t - before[-1], 3) if before else 1e9)
+        doc["no_room_after_leader_change_s"] = sorted(after)
         (self.tmp / "report.json").write_text(json.dumps(doc, indent=2))
         print("\n=== chaos soak report ===")
         print(
@@ -1302,6 +1318,12 @@ class Soak:
             if sm.get("transports") and not sm["name"].startswith("killed"):
                 used = sorted({t for _, t in sm["transports"]})
                 print(f"  {sm['name']} read from {len(sm['transports'])} peers over {used}")
+        if after:
+            within = sum(1 for a in after if a <= 2.0)
+            print(
+                f"  'no room' put errors: {len(after)}, {within} of them within 2 s of a "
+                f"leadership change (the latest {max(after):.2f} s after one)"
+            )
         print(f"SGLang host (batch_set_v1/batch_get_v1): {self.sglang}")
         print(
             f"leader samples: {self.leader_samples}, of which without a leader: {self.no_leader_samples}"
