@@ -6,29 +6,32 @@ One command (as root: it makes network namespaces)::
 
 What runs: a real etcd on 127.0.0.1, two ``kvtier master --etcd`` (election), three
 ``kvtier serve --master`` nodes with a strict write-through SSD tier, each in its own network
-namespace on a bridge this script creates (the masters listen on the bridge's address, so a
-node's control-plane and data-plane links can be cut apart: the masters have an address of
-their own on the bridge, the clients another, and a cut is a blackhole route inside the
-node's namespace; this kernel has no tc actions nor netfilter), and clients
-on the host side: raw clients (``kvtier.Store`` of the real Python module, separate
-processes), a client that is SIGKILLed in the middle of a large batch and started again,
-and one SGLang host process (test_cluster's ``Host``: real SGLang host pools, the
-``KvtierStore`` backend, ``batch_set_v1`` / ``batch_get_v1`` / ``batch_exists``). Every
-client writes in namespace ``soak`` with replication 2.
+namespace on a bridge this script creates. The masters have an address of their own on the
+bridge and the host-side clients another, so a node's control plane and data plane can be cut
+apart: a cut is a blackhole route inside the node's namespace (this kernel has no tc actions
+and no netfilter). The clients, on the host side: raw clients (``kvtier.Store`` of the real
+Python module, separate processes), one of them over UCX (nodes offer ``cluster_transport =
+ucx``; UCX's TCP lanes with the INSECURE test hook, as there is no RDMA), a client that is
+SIGKILLed in the middle of its batches and started again, and one SGLang host process
+(test_cluster's ``Host``: real SGLang host pools, the ``KvtierStore`` backend,
+``batch_set_v1`` / ``batch_get_v1`` / ``batch_exists``). Every client writes in namespace
+``soak`` with replication 2, within a budget that keeps everything far below the SSD tiers.
 
 Faults (a seeded shuffle of every kind, one at a time, each healed before the next): node
 SIGKILL + restart, leader master SIGKILL + restart, a node SIGSTOPped beyond its lease, etcd
 SIGKILL + restart, a node's graceful stop + restart, a node's control-plane link cut, its data
-port cut, its whole link down, and once a node's disk wiped (only when every acknowledged
-object had two live copies), and continuously the killed client.
+plane cut (frames and UCX), its whole link down, a full disk (node-2's SSD directory is a
+tmpfs; a ballast file fills it), a slow disk (a blkio cgroup throttles a node's writes), once
+a node's disk wiped (only when every acknowledged object had two live copies), and
+continuously the killed client.
 
 Oracle: every read returns the object's bytes (they derive from the key, so any read can be
 checked) or a clean miss; every acknowledged object reads back exact at the end (after the
-nodes are back and re-replication had its time); no process we did not kill exits, no
-``panicked`` in any log, never two masters answering as leader (sampled every 0.25 s). The
-report gives operations, faults by kind, recovery times (leader back, node registered again,
-first successful put+get, replicas restored) and every violation; exit status 1 on any
-violation.
+nodes are back); no process we did not kill exits, no ``panicked`` in any log, never two
+masters answering as leader (sampled every 0.25 s); every fault recovers within
+``RECOVERY_LIMIT_S``. The report gives operations, errors by kind, faults by kind, recovery
+times (leader back, node registered again, first successful put+get, replicas restored) and
+every violation; exit status 1 on any violation. docs/soak.md has the results.
 
 Helpers are test_cluster's (``Master``, ``Node``, ``Netns``, ``Host``); every process is
 started here and stopped by its pid; the namespaces and the bridge are removed at the end,
