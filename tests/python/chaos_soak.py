@@ -487,7 +487,10 @@ class Soak:
     def setup(self):
         os.environ["KVTIER_CLUSTER_TOKEN"] = TOKEN
         tag = f"{os.getpid() % 10000:04d}"
-        subnet = f"10.79.{self.rng.randrange(1, 250)}"
+        # A /24 no interface here uses yet (another soak may run at the same time).
+        taken = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout
+        free = [n for n in range(1, 250) if f" 10.79.{n}." not in taken]
+        subnet = f"10.79.{self.rng.choice(free)}"
         self.bridge = f"kvsb{tag}"
         subprocess.run(["ip", "link", "add", self.bridge, "type", "bridge"], check=True, timeout=10)
         subprocess.run(
