@@ -102,11 +102,8 @@ pub(super) struct PendingClaim {
 /// The first claim id of a directory's life: the wall clock in ns, so the claims of a later
 /// leader (or a restarted master) never repeat one a client still holds from an earlier one,
 /// whose commit then cannot match a new claim (its node indexes may mean other nodes now).
-pub(super) fn first_claim() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(1, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX / 2))
-        .max(1)
+pub(super) fn first_claim(clock: &dyn Clock) -> u64 {
+    clock.unix_nanos().max(1)
 }
 
 /// Choose `replication` distinct live nodes for an object of `size` bytes: the writer's own
@@ -202,7 +199,7 @@ impl Directory {
         keys: &[&[u8]],
         sizes: &[u64],
     ) -> (u64, Vec<Claim>) {
-        let now = Instant::now();
+        let now = self.clock.now();
         let claim = {
             let mut next = self.next_claim.lock();
             let claim = *next;

@@ -48,7 +48,10 @@
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use crate::clock::{Clock, SystemClock};
 
 use parking_lot::{Mutex, RwLock};
 
@@ -192,6 +195,8 @@ pub struct Directory {
     registering: AtomicUsize,
     /// Mean size of the objects placed (0: none yet), the room a repair target must have.
     mean_object_bytes: AtomicU64,
+    /// Issue 29: every time the directory reads (the simulation's clock in `tests/sim.rs`).
+    clock: Arc<dyn Clock>,
 }
 
 fn shard_index(hash: KeyHash) -> usize {
@@ -205,21 +210,46 @@ fn shard_bit(hash: KeyHash) -> u64 {
 
 impl Directory {
     pub fn new(lease: Duration, claim_timeout: Duration) -> Directory {
+        Directory::with_clock(
+            lease,
+            claim_timeout,
+            ReplicationPolicy::default(),
+            Arc::new(SystemClock),
+        )
+    }
+
+    /// A directory reading the time from `clock` (issue 29: the simulation's).
+    pub fn with_clock(
+        lease: Duration,
+        claim_timeout: Duration,
+        policy: ReplicationPolicy,
+        clock: Arc<dyn Clock>,
+    ) -> Directory {
+        let now = clock.now();
         Directory {
             shards: (0..SHARDS).map(|_| RwLock::new(Shard::default())).collect(),
             nodes: RwLock::new(Vec::new()),
             pending: Mutex::new(HashMap::new()),
-            next_claim: Mutex::new(first_claim()),
+            next_claim: Mutex::new(first_claim(&*clock)),
             lease,
             claim_timeout,
-            policy: RwLock::new(ReplicationPolicy::default()),
-            repair: Mutex::new(RepairState::new(
-                Instant::now() + lease * REPAIR_GRACE_LEASES,
-            )),
+            policy: RwLock::new(policy),
+            repair: Mutex::new(RepairState::new(now + lease * REPAIR_GRACE_LEASES)),
             counters: RepairCounters::default(),
             registering: AtomicUsize::new(0),
             mean_object_bytes: AtomicU64::new(0),
+            clock,
         }
+    }
+
+    /// The time now, as the directory's clock tells it.
+    pub fn now(&self) -> Instant {
+        self.clock.now()
+    }
+
+    /// The directory's clock (the service and the election read the same).
+    pub fn clock(&self) -> &Arc<dyn Clock> {
+        &self.clock
     }
 
     /// A directory whose registrations rebuild entries with `policy`'s factors.
@@ -228,9 +258,7 @@ impl Directory {
         claim_timeout: Duration,
         policy: ReplicationPolicy,
     ) -> Directory {
-        let d = Directory::new(lease, claim_timeout);
-        *d.policy.write() = policy;
-        d
+        Directory::with_clock(lease, claim_timeout, policy, Arc::new(SystemClock))
     }
 
     pub fn lease(&self) -> Duration {
@@ -278,8 +306,8 @@ impl Directory {
         }
         self.nodes.write().clear();
         self.pending.lock().clear();
-        *self.next_claim.lock() = first_claim();
-        *repair = RepairState::new(Instant::now() + self.lease * REPAIR_GRACE_LEASES);
+        *self.next_claim.lock() = first_claim(&*self.clock);
+        *repair = RepairState::new(self.clock.now() + self.lease * REPAIR_GRACE_LEASES);
     }
 
     /// Insert an entry directly (benchmarks and rebuilds); it wants as many copies as listed.
