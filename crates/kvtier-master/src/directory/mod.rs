@@ -844,6 +844,34 @@ mod tests {
         d.check_invariants().unwrap();
     }
 
+    /// Issue 29 §4 (found by the simulation): a holder that reports a task as not held is no
+    /// longer listed, so the next plan copies from a holder that has the object instead of
+    /// handing the same source the same task forever.
+    #[test]
+    fn a_not_held_report_unlists_the_source() {
+        let d = dir();
+        let a = d.register(spec("a", GIB, &[]), &[]).unwrap();
+        let b = d.register(spec("b", GIB, &[]), &[]).unwrap();
+        d.register(spec("c", GIB, &[]), &[]).unwrap();
+        let (claim, _) = d.claim(&req("a", 3), &[b"k"], &[1000]);
+        assert!(d.commit(claim, b"k", &[a, b]).unwrap());
+        let now = after_grace();
+        assert_eq!(d.plan_repairs(now), 1);
+        // The source is the holder with the fewest tasks: a (the lower index on a tie).
+        let batches = d.take_repair_tasks("a", 10, now);
+        assert_eq!(all_hashes(&batches), vec![key_hash(b"k")]);
+        let h = [key_hash(b"k")];
+        let target = batches[0].target;
+        assert_eq!(
+            d.copy_failed("a", target, &h, CopyFailureKind::NotHeld, now),
+            1
+        );
+        assert_eq!(d.locate(b"k"), vec![b], "a said it does not hold k");
+        assert_eq!(d.plan_repairs(now), 1, "still wants 3: copied from b");
+        assert_eq!(all_hashes(&d.take_repair_tasks("b", 10, now)), h.to_vec());
+        d.check_invariants().unwrap();
+    }
+
     #[test]
     fn key_hashes_round_trip_their_wire_form() {
         let h = key_hash(b"some key");
