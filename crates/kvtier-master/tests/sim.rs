@@ -273,8 +273,6 @@ struct NodeProc {
     store: BTreeSet<Vec<u8>>,
     /// Bumped by every wipe.
     epoch: u64,
-    /// Objects it held and lost in a wipe.
-    lost: BTreeSet<Vec<u8>>,
     /// The master it is registered with, and the secret it got.
     session: Option<(usize, Vec<u8>)>,
     cursor: usize,
@@ -317,8 +315,6 @@ struct Figures {
     /// From the heal until the end state held (None: never within the settle phase).
     recovery: Option<u64>,
     lost_to_wipes: u64,
-    /// Listings of a node for an object it lost in a wipe (the stale-acknowledgement window).
-    stale_listings: u64,
 }
 
 struct Sim {
@@ -342,14 +338,10 @@ struct Sim {
     acked: BTreeSet<Vec<u8>>,
     healed: bool,
     end: u64,
-    /// Report the stale-acknowledgement window as a failure (`KVTIER_SIM_STRICT=1`).
-    strict: bool,
     /// Objects a node stored (a client's write, a copy pushed to it) that no registration or
     /// successful commit told a master of yet: an orphan copy, not a listing the directory
     /// owes.
     unreported: BTreeSet<(usize, Vec<u8>)>,
-    /// (node, object) listed after the node lost the object in a wipe (the window).
-    stale: BTreeSet<(usize, Vec<u8>)>,
     trace: Option<String>,
     digest: u64,
     figures: Figures,
@@ -429,7 +421,6 @@ impl Sim {
                 paused_until: 0,
                 store: BTreeSet::new(),
                 epoch: 0,
-                lost: BTreeSet::new(),
                 session: None,
                 cursor: n % n_masters,
                 busy: false,
@@ -463,8 +454,6 @@ impl Sim {
             acked: BTreeSet::new(),
             healed: false,
             end: FAULT_PHASE + SETTLE,
-            strict: env("KVTIER_SIM_STRICT") == Some(1),
-            stale: BTreeSet::new(),
             unreported: BTreeSet::new(),
             trace: trace.then(String::new),
             digest: 0xcbf2_9ce4_8422_2325,
@@ -1423,8 +1412,7 @@ impl Sim {
                     p.failures.clear();
                     p.pushes.clear();
                     if wipe {
-                        let lost = std::mem::take(&mut p.store);
-                        p.lost.extend(lost);
+                        p.store.clear();
                         p.epoch += 1;
                     }
                     let back = self.rng.between(200 * MS, 3 * SEC);
@@ -1583,7 +1571,6 @@ impl Sim {
             }
         }
         // The directory agrees with the nodes.
-        let mut stale = Vec::new();
         if let Some(&m) = leaders.first() {
             let p = &self.masters[m];
             let table = p.directory.nodes();
@@ -1600,13 +1587,6 @@ impl Sim {
                     if node.store.contains(key) || p.registered_epoch.get(&n) != Some(&node.epoch) {
                         continue;
                     }
-                    // The window found by this simulation (docs/simulation.md): a node
-                    // acknowledged the write (or the copy), lost its disk, registered again,
-                    // and then the commit naming it arrived. Counted; a failure when strict.
-                    if !self.strict && node.lost.contains(key) {
-                        stale.push((n, key.clone()));
-                        continue;
-                    }
                     return Err(format!(
                         "master {m} lists node {n} (index {index}) for {:?}, which it does not \
                          hold",
@@ -1615,7 +1595,6 @@ impl Sim {
                 }
             }
         }
-        self.stale.extend(stale);
         Ok(())
     }
 
@@ -1664,7 +1643,6 @@ impl Sim {
     }
 
     fn final_check(&mut self) -> Result<(), String> {
-        self.figures.stale_listings = self.stale.len() as u64;
         self.figures.lost_to_wipes = self
             .acked
             .iter()
@@ -1727,7 +1705,6 @@ fn simulated_control_plane_keeps_its_invariants() {
                 total.elections += f.elections;
                 total.copies_committed += f.copies_committed;
                 total.lost_to_wipes += f.lost_to_wipes;
-                total.stale_listings += f.stale_listings;
                 for (k, v) in f.faults {
                     *total.faults.entry(k).or_default() += v;
                 }
@@ -1753,8 +1730,7 @@ fn simulated_control_plane_keeps_its_invariants() {
     };
     println!(
         "simulation: seeds {first}..{}, {:.1} s: {} events, {} puts acknowledged, {} \
-         elections, {} copies committed, {} acknowledged objects lost to wiped disks only, {} \
-         stale listings after a wipe; faults {:?}; recovery after the heal: median {:.2} s, p99 {:.2} s, max {:.2} s",
+         elections, {} copies committed, {} acknowledged objects lost to wiped disks only; faults {:?}; recovery after the heal: median {:.2} s, p99 {:.2} s, max {:.2} s",
         first + seeds,
         started.elapsed().as_secs_f64(),
         total.events,
@@ -1762,7 +1738,6 @@ fn simulated_control_plane_keeps_its_invariants() {
         total.elections,
         total.copies_committed,
         total.lost_to_wipes,
-        total.stale_listings,
         total.faults,
         pct(50),
         pct(99),

@@ -23,6 +23,8 @@ pub struct NodeState {
     pub spec: NodeSpec,
     pub alive: bool,
     pub(super) last_heartbeat: Instant,
+    /// Its last registration (commits of writes placed before it do not list it).
+    pub(super) registered: Instant,
     /// Bytes placed on the node since its last report of free space.
     pub(super) placed_since_report: u64,
 }
@@ -84,6 +86,7 @@ impl Directory {
                     node.spec = spec;
                     node.alive = true;
                     node.last_heartbeat = now;
+                    node.registered = now;
                     node.placed_since_report = 0;
                     node.index
                 }
@@ -97,6 +100,7 @@ impl Directory {
                         spec,
                         alive: true,
                         last_heartbeat: now,
+                        registered: now,
                         placed_since_report: 0,
                     });
                     index

@@ -16,6 +16,9 @@ pub(super) struct RepairTask {
     pub(super) target: u16,
     /// Handed to the source in a heartbeat reply (else still queued for it).
     pub(super) handed: bool,
+    /// When it was handed out (meaningful once `handed`): a target that registered again
+    /// after it is not added on the source's commit.
+    pub(super) handed_at: Instant,
     /// The task fails then (queued: it was never handed out; handed: not done in time).
     pub(super) deadline: Instant,
 }
@@ -90,6 +93,7 @@ impl RepairState {
                 source,
                 target,
                 handed: false,
+                handed_at: deadline,
                 deadline,
             },
         );
@@ -430,6 +434,7 @@ impl Directory {
                 continue; // dropped meanwhile; the task lapses
             };
             task.handed = true;
+            task.handed_at = now;
             task.deadline = now + REPAIR_TASK_TIMEOUT;
             handed += 1;
             match out.iter_mut().find(|b| b.target == task.target) {
