@@ -16,6 +16,9 @@
 //!   claimed again. A claim not committed within its deadline lapses.
 //! - Node indexes are never reused: a node that re-registers under its id gets its old index,
 //!   and its entries are rebuilt from what it reports.
+//! - A commit lists a node only if the node has not registered again since the write was
+//!   placed (or the copy task handed out): a node that restarted without its disk in between
+//!   acknowledged bytes it no longer holds (issue 29 §4, found by the simulation).
 //! - An entry remembers its wanted replication factor (one byte that fits in the slot's
 //!   padding, so the budget is unchanged): from the put's namespace at commit, from the key's
 //!   namespace when a registration rebuilds it. Fewer live holders than wanted makes it
@@ -869,6 +872,51 @@ mod tests {
         assert_eq!(d.locate(b"k"), vec![b], "a said it does not hold k");
         assert_eq!(d.plan_repairs(now), 1, "still wants 3: copied from b");
         assert_eq!(all_hashes(&d.take_repair_tasks("b", 10, now)), h.to_vec());
+        d.check_invariants().unwrap();
+    }
+
+    /// Issue 29 §4 (found by the simulation): a node that registers again between a write's
+    /// placement and its commit (or between a copy task's handing and the copy's commit) may
+    /// have lost the bytes with its disk; the commit does not list it.
+    #[test]
+    fn commits_do_not_list_a_node_that_registered_again_since() {
+        let d = dir();
+        let a = d.register(spec("a", GIB, &[]), &[]).unwrap();
+        let b = d.register(spec("b", GIB, &[]), &[]).unwrap();
+        let (claim, out) = d.claim(&req("a", 2), &[b"k"], &[1000]);
+        assert_eq!(out[0], Claim::Write(vec![a, b]));
+        std::thread::sleep(Duration::from_millis(2));
+        // b restarts without its disk and registers again, empty.
+        assert_eq!(d.register(spec("b", GIB, &[]), &[]).unwrap(), b);
+        assert!(d.commit(claim, b"k", &[a, b]).unwrap());
+        assert_eq!(
+            d.locate(b"k"),
+            vec![a],
+            "b is not taken on the writer's word"
+        );
+        // Only b was written: the put is not visible.
+        let (claim, _) = d.claim(&req("b", 1), &[b"j"], &[1000]);
+        std::thread::sleep(Duration::from_millis(2));
+        d.register(spec("b", GIB, &[]), &[]).unwrap();
+        assert!(!d.commit(claim, b"j", &[b]).unwrap());
+        assert!(d.locate(b"j").is_empty());
+        // A copy task's target that registers again before the copy's commit.
+        let c = d.register(spec("c", GIB, &[]), &[]).unwrap();
+        let now = after_grace();
+        assert_eq!(d.plan_repairs(now), 1, "k wants 2, has 1");
+        let batches = d.take_repair_tasks("a", 10, d.now());
+        let target = batches[0].target;
+        assert!(target == b || target == c);
+        std::thread::sleep(Duration::from_millis(2));
+        let id = d.nodes()[usize::from(target)].spec.node_id.clone();
+        d.register(spec(&id, GIB, &[]), &[]).unwrap();
+        assert!(d.commit(0, b"k", &[target]).unwrap());
+        assert_eq!(
+            d.locate(b"k"),
+            vec![a],
+            "the re-registered target is not listed"
+        );
+        assert_eq!(d.repair_stats().done, 0);
         d.check_invariants().unwrap();
     }
 
