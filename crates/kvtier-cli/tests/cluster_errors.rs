@@ -97,3 +97,28 @@ fn cluster_failures_are_typed_and_named_for_what_they_are() {
     assert!(e.to_string().contains("master unavailable"), "{e}");
     assert_not_malformed(&e);
 }
+
+/// Issue 29 (found by the chaos soak): a master with no live node registered (right after a
+/// takeover, before the nodes' next heartbeat) answers a put as an unavailable cluster, not as
+/// "no room": nothing is full.
+#[test]
+fn a_put_before_any_node_registered_is_unavailable_not_no_room() {
+    let master = format!("127.0.0.1:{}", free_port("127.0.0.1"));
+    let _master_proc = spawn_master(&master, 1000, &[]);
+    wait_for(Duration::from_secs(10), "the master", || {
+        TcpStream::connect(&master).is_ok()
+    });
+    let client = Client::open(KvtierConfig {
+        cluster_master_retry_ms: 500,
+        ..common::cluster_config(&master, None)
+    })
+    .unwrap();
+    let e = client
+        .put_slice(b"early", &common::object_bytes(1, 4096), None)
+        .unwrap_err();
+    eprintln!("test: no node registered: {e}");
+    assert!(e.is_infrastructure(), "{e:?}");
+    assert!(e.to_string().contains("no live node is registered"), "{e}");
+    assert!(!e.to_string().contains("no room"), "{e}");
+    assert_not_malformed(&e);
+}

@@ -447,6 +447,14 @@ impl Master for MasterService {
             replication: self.replication(&r.namespace),
             required_tags: &r.required_tags,
         };
+        // Issue 29 (the chaos soak): right after a takeover no node has registered with this
+        // leader yet; that is an unavailable cluster, not one without room.
+        if !self.directory.nodes().iter().any(|n| n.alive) {
+            return Err(Status::unavailable(
+                "no live node is registered with this master (after a master takeover nodes \
+                 register again within a heartbeat): try again shortly",
+            ));
+        }
         let keys: Vec<&[u8]> = r.keys.iter().map(Vec::as_slice).collect();
         let (claim, claims) = self.directory.claim(&place, &keys, &r.sizes);
         let placements = claims
@@ -495,11 +503,20 @@ impl Master for MasterService {
                 .iter()
                 .map(|&n| node_index(n))
                 .collect::<Result<Vec<u16>, Status>>()?;
-            committed.push(
-                self.directory
-                    .commit(r.claim, key, &nodes)
-                    .map_err(|e| Status::invalid_argument(e.to_string()))?,
-            );
+            committed.push(self.directory.commit(r.claim, key, &nodes).map_err(|e| {
+                match e {
+                    // Node indexes are numbered per leader: a put placed by the previous one
+                    // names nodes this one has not registered (issue 29, the chaos soak). An
+                    // infrastructure event the caller retries, not its mistake.
+                    crate::directory::DirectoryError::UnknownNode(_) => {
+                        Status::unavailable(format!(
+                            "{e} with this master (a master took over since the put was placed): \
+                         place it again"
+                        ))
+                    }
+                    e => Status::invalid_argument(e.to_string()),
+                }
+            })?);
         }
         Ok(Response::new(CommitPutsReply { committed }))
     }

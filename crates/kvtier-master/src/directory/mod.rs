@@ -650,6 +650,42 @@ mod tests {
         d.check_invariants().unwrap();
     }
 
+    /// Issue 29 (the chaos soak): when every candidate is full, a node whose capacity holds
+    /// the object takes the copy (it evicts, as for puts), a bounded share of it per tick.
+    #[test]
+    fn full_nodes_take_repairs_within_a_share_of_their_capacity() {
+        let d = dir();
+        let full = |id: &str| NodeSpec {
+            capacity_bytes: 4000,
+            ..spec(id, 0, &[])
+        };
+        for id in ["a", "b", "c"] {
+            d.register(full(id), &[]).unwrap();
+        }
+        assert!(matches!(put(&d, &req("a", 2), b"k1", 600), Claim::Write(_)));
+        assert!(matches!(put(&d, &req("a", 2), b"k2", 600), Claim::Write(_)));
+        // Both on the writer's node a and one other; that other one dies.
+        let ids = ["a", "b", "c"];
+        let holders = d.locate(b"k1");
+        assert_eq!(holders, d.locate(b"k2"));
+        assert!(holders.contains(&0), "{holders:?}");
+        let other = holders.iter().copied().find(|&n| n != 0).unwrap();
+        let keep: Vec<&str> = ids
+            .iter()
+            .enumerate()
+            .filter(|&(i, _)| i as u16 != other)
+            .map(|(_, id)| *id)
+            .collect();
+        drop_all_but(&d, &keep);
+        assert_eq!(d.under_replicated(), 2);
+        let now = after_grace();
+        // The one full candidate left takes k1 (600 bytes within a quarter of its 4000);
+        // k2 as well would pass the quarter (1200 > 1000): it waits for a later tick.
+        assert_eq!(d.plan_repairs(now), 1, "{:?}", d.repair_stats());
+        assert_eq!(d.repair_stats().no_target, 1);
+        d.check_invariants().unwrap();
+    }
+
     #[test]
     fn lapsed_tasks_and_dropped_targets_are_planned_again() {
         let d = dir();

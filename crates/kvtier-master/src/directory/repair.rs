@@ -59,6 +59,10 @@ pub enum CopyFailureKind {
     Commit,
 }
 
+/// A full node takes repair copies (evicting its coldest) of at most `1 / FULL_TARGET_SHARE`
+/// of its capacity per planning tick.
+pub const FULL_TARGET_SHARE: u64 = 4;
+
 /// How often entries that found no target are looked at again (a node may have room now).
 pub(super) const REPAIR_RETRY_STUCK: Duration = Duration::from_secs(10);
 
@@ -150,8 +154,14 @@ pub struct RepairBatch {
     pub hashes: Vec<KeyHash>,
 }
 
-/// The target of one copy: live, not a holder, not `avoid`ed, room for `size` more bytes than
-/// planned this tick, and every tag the live holders share; the most estimated free space wins.
+/// The target of one copy: live, not a holder, not `avoid`ed, and every tag the live holders
+/// share; among those, the one with the most estimated free space that has room for `size`
+/// more bytes than planned this tick. When none has room (every candidate full, as caches are
+/// in steady state), a node whose capacity holds the object evicts its coldest to take the
+/// copy, as placement does for puts: an acknowledged object's missing copy outranks a cold
+/// cached one. Such a node takes at most [`FULL_TARGET_SHARE`] of its capacity per tick, the
+/// least planned first. Issue 29: without this fallback the chaos soak left thousands of
+/// objects at one copy once every node was full.
 pub(super) fn repair_target(
     nodes: &[NodeState],
     entry: &Replicas,
@@ -172,21 +182,31 @@ pub(super) fn repair_target(
         .iter()
         .filter(|t| holders.iter().all(|h| h.spec.tags.contains(t)))
         .collect();
-    nodes
-        .iter()
-        .filter(|n| n.alive && !entry.holds(n.index) && !avoid.contains_key(&n.index))
-        .filter(|n| {
-            n.estimated_free()
-                .saturating_sub(planned.get(usize::from(n.index)).copied().unwrap_or(0))
-                >= size
+    let planned_on = |n: &NodeState| planned.get(usize::from(n.index)).copied().unwrap_or(0);
+    let room = |n: &NodeState| n.estimated_free().saturating_sub(planned_on(n));
+    let candidates = || {
+        nodes.iter().filter(|n| {
+            n.alive
+                && !entry.holds(n.index)
+                && !avoid.contains_key(&n.index)
+                && shared.iter().all(|t| n.spec.tags.contains(t))
         })
-        .filter(|n| shared.iter().all(|t| n.spec.tags.contains(t)))
-        .max_by_key(|n| {
-            (
-                n.estimated_free()
-                    .saturating_sub(planned.get(usize::from(n.index)).copied().unwrap_or(0)),
-                std::cmp::Reverse(n.index),
-            )
+    };
+    candidates()
+        .filter(|n| room(n) >= size)
+        .max_by_key(|n| (room(n), std::cmp::Reverse(n.index)))
+        .or_else(|| {
+            candidates()
+                .filter(|n| {
+                    planned_on(n).saturating_add(size) <= n.spec.capacity_bytes / FULL_TARGET_SHARE
+                })
+                .min_by_key(|n| {
+                    (
+                        planned_on(n),
+                        std::cmp::Reverse(n.spec.capacity_bytes),
+                        n.index,
+                    )
+                })
         })
         .map(|n| n.index)
 }
