@@ -59,6 +59,7 @@ pub mod admission;
 pub mod auth;
 pub mod directory;
 pub mod election;
+pub mod events;
 pub mod limits;
 pub mod service;
 mod validate;
