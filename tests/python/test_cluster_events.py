@@ -8,7 +8,8 @@ _cluster_worker process of test_cluster.py), pyzmq (libzmq) SUB and DEALER socke
 master's endpoints, and vLLM 0.34's msgspec ``KVEventBatch`` decoder. The expected hashes are
 SGLang's own (``hash_str_to_int64`` of each page hash, what SGLang's radix cache publishes).
 
-What it shows: the leader's stream carries one ``BlockStored`` per SGLang page (whatever its
+What it shows: hostile peers on the master's endpoints are closed or bounded while the
+router keeps every batch; the leader's stream carries one ``BlockStored`` per SGLang page (whatever its
 pools and components) with SGLang's hash and ``ownership`` naming node-a, the follower's
 stream carries nothing; a snapshot answers the same set; a clear (delete) removes every
 block; a SIGKILLed leader's successor starts its stream with ``AllBlocksCleared`` and then
@@ -255,6 +256,18 @@ def test_cluster_stream_follows_the_leader(kvtier_bin, tmp_path, monkeypatch, ho
         routers[follower.address].receive(timeout=0.5)
         assert routers[follower.address].live == {}
 
+        # Hostile peers on the master's endpoints: not ZMTP, a frame claiming 1 GiB (closed),
+        # a subscriber that never reads (held in its own bounded queue): the router below
+        # still gets every batch.
+        junk = he.raw_peer(leader.events)
+        junk.sendall(b"GET / HTTP/1.1\r\n\r\n" + b"x" * 64)
+        assert he.closed_by_server(junk)
+        huge = he.raw_peer(leader.replay)
+        huge.sendall(he.zmtp_greeting())
+        huge.sendall(b"\x06" + (1 << 30).to_bytes(8, "big"))
+        assert he.closed_by_server(huge)
+        stalled = he.raw_subscriber(leader.events)
+
         # A delete (SGLang's clear: Forget through the master) removes every block.
         assert host("clear") is True
         batches = receive_until(lr, dec, lambda b: len(blocks(b, "BlockRemoved")) >= 6)
@@ -263,6 +276,8 @@ def test_cluster_stream_follows_the_leader(kvtier_bin, tmp_path, monkeypatch, ho
         for _, b in batches:
             credit.apply(b)
         assert credit.held() == set()
+        assert sorted(lr.live) == list(range(min(lr.live), max(lr.live) + 1)), "lost batches"
+        stalled.close()
 
         # Pages to survive the failover on node-a.
         pages2 = page_hashes(4, "second")
