@@ -407,4 +407,108 @@ mod tests {
             assert_eq!(groups.len(), 1, "one group for every component");
         }
     }
+
+    fn spec(id: &str) -> crate::NodeSpec {
+        crate::NodeSpec {
+            node_id: id.into(),
+            data_address: format!("{id}:1"),
+            capacity_bytes: 1 << 30,
+            free_bytes: 1 << 30,
+            tags: Vec::new(),
+        }
+    }
+
+    fn page_keys(page: &str) -> Vec<Vec<u8>> {
+        ["k", "v"]
+            .iter()
+            .map(|c| {
+                let mut key = kvtier_proto::namespace::cluster_prefix("");
+                key.extend_from_slice(format!("{page}@feedface.{c}").as_bytes());
+                key
+            })
+            .collect()
+    }
+
+    /// (owner, hash) of every held block.
+    fn held(events: &ClusterEvents) -> Vec<(String, BlockHash)> {
+        let mut v: Vec<(String, BlockHash)> = events
+            .stream
+            .update(|h| (Vec::new(), h.snapshot(b"")))
+            .into_iter()
+            .map(|(o, m)| (o.to_string(), m.hash))
+            .collect();
+        v.sort_by_key(|(o, h)| (o.clone(), format!("{h:?}")));
+        v
+    }
+
+    /// The watcher re-checks within a tick; a loaded machine gets 10 s.
+    fn wait_held(events: &ClusterEvents, want: &[(String, BlockHash)]) {
+        for _ in 0..200 {
+            if held(events) == want {
+                return;
+            }
+            std::thread::sleep(TICK);
+        }
+        assert_eq!(held(events), want);
+    }
+
+    #[test]
+    fn blocks_follow_the_directory_and_a_node_drop() {
+        let directory = Arc::new(Directory::new(
+            std::time::Duration::from_secs(60),
+            std::time::Duration::from_secs(60),
+        ));
+        let leadership = Arc::new(Leadership::single("127.0.0.1:1"));
+        let config = ClusterEventsConfig {
+            endpoint: "127.0.0.1:0".parse().unwrap(),
+            replay_endpoint: None,
+            topic: String::new(),
+            buffer_batches: 16,
+            max_subscribers: 1,
+            subscriber_queue: 1,
+            max_blocks: 2,
+        };
+        let events = ClusterEvents::start(config, Arc::clone(&directory), leadership).unwrap();
+        let (p1, p2, p3) = ("1".repeat(32), "2".repeat(32), "3".repeat(32));
+        let a = directory.register(spec("a"), &page_keys(&p1)).unwrap();
+        events.touched(&page_keys(&p1));
+        directory.register(spec("b"), &page_keys(&p2)).unwrap();
+        events.touched(&page_keys(&p2));
+        let one = BlockHash::Signed(0x1111_1111_1111_1111);
+        let two = BlockHash::Signed(0x2222_2222_2222_2222);
+        assert_eq!(
+            held(&events),
+            vec![("kvtier:a".to_string(), one), ("kvtier:b".to_string(), two)]
+        );
+        // Over max_blocks: counted, not published; an unmappable key: counted.
+        directory.add_keys(a, &page_keys(&p3)).unwrap();
+        events.touched(&page_keys(&p3));
+        events.touched(&[b"opaque".to_vec()]);
+        assert_eq!(events.untracked.load(Ordering::Relaxed), 2);
+        assert_eq!(events.stats()["unmapped"], 1);
+        // One component dropped: the page is still held; both: removed.
+        let p1_keys = page_keys(&p1);
+        directory.drop_keys(a, &p1_keys[..1]);
+        events.touched(&p1_keys[..1]);
+        assert_eq!(held(&events).len(), 2);
+        directory.drop_keys(a, &p1_keys[1..]);
+        events.touched(&p1_keys[1..]);
+        assert_eq!(held(&events), vec![("kvtier:b".to_string(), two)]);
+        // A second holder is named; a node that leaves is noticed by the watcher.
+        directory.add_keys(a, &page_keys(&p2)).unwrap();
+        events.touched(&page_keys(&p2));
+        assert_eq!(held(&events), vec![("kvtier:a,b".to_string(), two)]);
+        assert!(directory.leave("b"));
+        events.nodes_changed();
+        wait_held(&events, &[("kvtier:a".to_string(), two)]);
+        assert!(directory.leave("a"));
+        events.nodes_changed();
+        wait_held(&events, &[]);
+        let stats = events.stats();
+        // The reset, a's page, b's page, the removal of a's page, the removal of b's page.
+        assert_eq!(stats["published_stored"], 2);
+        assert_eq!(stats["published_removed"], 2);
+        assert_eq!(stats["published_cleared"], 1);
+        events.stop();
+    }
 }
