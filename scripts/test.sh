@@ -64,5 +64,21 @@ if [ $status -eq 5 ]; then
   phase "pytest collected no tests: failing" >&2
   exit 1
 fi
+# Issue 29 §4: the chaos soak (tests/python/chaos_soak.py, docs/soak.md), about 3 minutes:
+# etcd, two electing masters, three strict-SSD nodes in network namespaces, raw, UCX,
+# killed and SGLang clients under a seeded shuffle of every fault kind. A random seed each
+# run (printed; `--seed N` replays its schedule); KVTIER_SOAK_SEED pins it.
+soak_seed=${KVTIER_SOAK_SEED:-$((RANDOM))}
+phase "chaos soak (150 s, seed $soak_seed; output in target/chaos-soak.log)"
+set +e
+CUDA_VISIBLE_DEVICES="" "$VENV/bin/python" tests/python/chaos_soak.py --duration 150 \
+  --seed "$soak_seed" > target/chaos-soak.log 2>&1
+soak_status=$?
+set -e
+sed -n '/=== chaos soak report ===/,$p' target/chaos-soak.log
+if [ $soak_status -ne 0 ]; then
+  phase "chaos soak failed (exit $soak_status, seed $soak_seed): see target/chaos-soak.log" >&2
+  [ $status -eq 0 ] && status=1
+fi
 phase "done (pytest exit $status)"
 exit $status

@@ -32,6 +32,8 @@ const THREADS: u64 = 2;
 const PUTS_PER_ROUND: u64 = 2000;
 /// Far above what the bounded rounds write, so the reclaimer never evicts here.
 const SSD_CAPACITY: u64 = 4 << 30;
+/// Free space the rounds need on the test's filesystem (what they write, with room to spare).
+const NEEDS_FREE: u64 = 3 << 30;
 
 /// Odd rounds write and recover through io_uring (posix where the kernel refuses it).
 fn config(dir: &Path, round: u64) -> EngineConfig {
@@ -75,6 +77,11 @@ fn crash_child_writer() {
     let Ok(dir) = std::env::var("KVTIER_CRASH_DIR") else {
         return;
     };
+    // Warnings (a full disk, a failed write) go to stderr, which the parent keeps in a file.
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .try_init();
     let round: u64 = std::env::var("KVTIER_CRASH_ROUND")
         .unwrap()
         .parse()
@@ -143,6 +150,19 @@ fn acks(dir: &Path, round: u64, t: u64) -> (HashSet<u64>, HashSet<u64>, HashSet<
 #[test]
 fn acknowledged_strict_puts_survive_sigkill() {
     let dir = tempfile::tempdir().unwrap();
+    // A full disk makes the tier lower its segment count and evict (a cache, correctly), which
+    // would read here as acknowledged objects lost: refuse to run without the room the rounds
+    // need, naming it, rather than fail obscurely (what the occasional failure on a nearly
+    // full machine was).
+    let stat = rustix::fs::statvfs(dir.path()).unwrap();
+    let free = stat.f_bavail * stat.f_frsize;
+    assert!(
+        free >= NEEDS_FREE,
+        "the crash test needs {} MiB free under {} (it writes up to ~1.5 GiB); {} MiB are",
+        NEEDS_FREE >> 20,
+        dir.path().display(),
+        free >> 20
+    );
     let mut rng = Rng(0x5EED_0000_0000_0001 ^ u64::from(std::process::id()));
     let exe = std::env::current_exe().unwrap();
     let mut total_acked = 0;
@@ -158,7 +178,7 @@ fn acknowledged_strict_puts_survive_sigkill() {
             .env("KVTIER_CRASH_DIR", dir.path())
             .env("KVTIER_CRASH_ROUND", round.to_string())
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(std::fs::File::create(dir.path().join(format!("child-{round}.log"))).unwrap())
             .spawn()
             .unwrap();
         // Kill at a random point of its progress (thread 0 acknowledged `kill_at` puts), not
@@ -206,6 +226,7 @@ fn acknowledged_strict_puts_survive_sigkill() {
                     } else if put.contains(&i) && !removing.contains(&i) {
                         if got.as_deref() != Some(&value_for(&key, len_of(i))[..]) {
                             debug_find(dir.path(), &key);
+                            show_child_warnings(dir.path(), round);
                         }
                         assert!(
                             got.as_deref() == Some(&value_for(&key, len_of(i))[..]),
@@ -241,6 +262,19 @@ fn acknowledged_strict_puts_survive_sigkill() {
         "the writer acknowledged only {total_acked} puts"
     );
     assert!(recovered_by_scan > 0);
+}
+
+/// The writers' warnings (a full disk, a failed write) up to `round`, for a failure message.
+fn show_child_warnings(dir: &Path, round: u64) {
+    for r in 0..=round {
+        let log = std::fs::read_to_string(dir.join(format!("child-{r}.log"))).unwrap_or_default();
+        for line in log
+            .lines()
+            .filter(|l| l.contains("WARN") || l.contains("ERROR"))
+        {
+            eprintln!("child of round {r}: {line}");
+        }
+    }
 }
 
 fn debug_find(dir: &Path, key: &[u8]) {
