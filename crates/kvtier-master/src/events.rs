@@ -20,8 +20,10 @@
 //! snapshot names the current holders; re-replication adds holders without an event).
 //!
 //! **Leader only, with a reset.** A follower publishes nothing. A master that becomes leader
-//! starts with a batch holding `AllBlocksCleared` (its directory starts empty: nodes
-//! re-register, and their blocks follow as `BlockStored`), and a leader that loses the lead
+//! starts with a batch holding `AllBlocksCleared` and then a `BlockStored` for every block it
+//! knew that its directory holds (after an election its directory starts empty: nodes
+//! re-register, and their blocks follow as `BlockStored`; a lapse of the lease's renewal
+//! keeps the directory, and the reset batch restates it), and a leader that loses the lead
 //! publishes `AllBlocksCleared` too. Sequence numbers are per master process, so a router
 //! subscribes to every master's endpoint and treats an `AllBlocksCleared` as "forget what
 //! this stream said": after a failover the new leader's stream starts with one, so a
@@ -89,6 +91,10 @@ pub struct ClusterHeld {
 
 impl HeldSet for ClusterHeld {
     fn snapshot(&self, prefix: &[u8]) -> Vec<(Arc<str>, Mapped)> {
+        if !self.leading {
+            // A follower vouches for nothing (its last batch was a reset).
+            return Vec::new();
+        }
         self.blocks
             .iter()
             .filter(|(g, _)| encode::engine_key(g).starts_with(prefix))
@@ -203,17 +209,16 @@ impl ClusterEvents {
         self.stream.replay_endpoint()
     }
 
-    /// Bring the held set in line with the leadership: a change publishes a reset.
+    /// Bring the held set in line with the leadership: a change publishes a reset. Becoming
+    /// leader, the reset is followed by what the directory holds of the blocks this master
+    /// knew (after a failover the directory starts empty: nothing; after a lapse of the
+    /// etcd lease's renewal that did not cost the lead, everything still held).
     fn sync_leadership(&self, held: &mut ClusterHeld) -> Vec<Owned> {
         let leader = self.leadership.is_leader();
         if leader == held.leading {
             return Vec::new();
         }
         held.leading = leader;
-        held.clear();
-        if leader {
-            self.resets.fetch_add(1, Ordering::Relaxed);
-        }
         tracing::info!(
             "kvtier master: cluster KV events: {} (AllBlocksCleared published)",
             if leader {
@@ -222,7 +227,30 @@ impl ClusterEvents {
                 "no longer leading"
             }
         );
-        vec![(Arc::from(""), Event::Cleared)]
+        let mut out = vec![(Arc::from(""), Event::Cleared)];
+        if leader {
+            self.resets.fetch_add(1, Ordering::Relaxed);
+            self.republish(held, &mut out);
+        }
+        out
+    }
+
+    /// Forget what was published and publish again the known blocks the directory holds.
+    fn republish(&self, held: &mut ClusterHeld, out: &mut Vec<Owned>) {
+        let members = std::mem::take(&mut held.members);
+        let blocks = std::mem::take(&mut held.blocks);
+        held.clear();
+        let hashes: Vec<KeyHash> = members.keys().copied().collect();
+        let holders = self.directory.locate_hashes(&hashes);
+        let names = self.node_names();
+        for (hash, nodes) in hashes.iter().zip(&holders) {
+            let Some(group) = members.get(hash) else {
+                continue;
+            };
+            if let Some(b) = blocks.get(group) {
+                self.check(held, *hash, Some((group, b.mapped)), nodes, &names, out);
+            }
+        }
     }
 
     /// Keys whose holders may have changed (after the directory changed them): each is read
