@@ -52,6 +52,12 @@ use serde_json::{json, Value};
 use crate::directory::{key_hash, Directory, KeyHash};
 use crate::election::Leadership;
 
+/// Prometheus counters (`kvtier master --metrics-addr`): keys no engine event names, blocks
+/// over the tracking bounds, and resets published on becoming leader.
+pub const EVENTS_UNMAPPED: &str = "kvtier_master_events_unmapped_total";
+pub const EVENTS_UNTRACKED: &str = "kvtier_master_events_untracked_total";
+pub const EVENTS_RESETS: &str = "kvtier_master_events_resets_total";
+
 /// Most objects (components, side pools) tracked per block.
 pub const MAX_MEMBERS: usize = 64;
 /// Most distinct holder sets interned as `ownership` strings before the interner restarts.
@@ -230,6 +236,7 @@ impl ClusterEvents {
         let mut out = vec![(Arc::from(""), Event::Cleared)];
         if leader {
             self.resets.fetch_add(1, Ordering::Relaxed);
+            metrics::counter!(EVENTS_RESETS).increment(1);
             self.republish(held, &mut out);
         }
         out
@@ -262,7 +269,10 @@ impl ClusterEvents {
             let group = kvtier_proto::keys::group_of(key);
             match encode::map_group(group) {
                 Some(m) => mapped.push((key, (group, m))),
-                None => self.stream.count_unmapped(1),
+                None => {
+                    self.stream.count_unmapped(1);
+                    metrics::counter!(EVENTS_UNMAPPED).increment(1);
+                }
             }
         }
         if mapped.is_empty() {
@@ -326,7 +336,7 @@ impl ClusterEvents {
         if let Some(g) = held.blocks.get_key_value(group).map(|(g, _)| Arc::clone(g)) {
             if let Some(b) = held.blocks.get_mut(&g) {
                 if b.members.len() >= MAX_MEMBERS {
-                    self.untracked.fetch_add(1, Ordering::Relaxed);
+                    self.count_untracked();
                     return;
                 }
                 b.members.push(hash);
@@ -336,7 +346,7 @@ impl ClusterEvents {
             return;
         }
         if held.blocks.len() >= held.max_blocks {
-            self.untracked.fetch_add(1, Ordering::Relaxed);
+            self.count_untracked();
             return;
         }
         push(out, &owner, true, mapped);
@@ -350,6 +360,11 @@ impl ClusterEvents {
                 members: vec![hash],
             },
         );
+    }
+
+    fn count_untracked(&self) {
+        self.untracked.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(EVENTS_UNTRACKED).increment(1);
     }
 
     /// Node index -> node id.
