@@ -252,6 +252,9 @@ def test_cluster_stream_follows_the_leader(kvtier_bin, tmp_path, monkeypatch, ho
         snap = dec.decode(payload)
         assert seq == max(lr.live) and type(snap.events[0]).__name__ == "AllBlocksCleared"
         assert sorted(h for h, _ in blocks([(seq, snap)], "BlockStored")) == sorted(want)
+        assert {o for _, o in blocks([(seq, snap)], "BlockStored")} == {"kvtier:node-a"}
+        # The follower's snapshot: nothing published, nothing held.
+        assert routers[follower.address].snapshot(b"") is None
         # The follower publishes nothing.
         routers[follower.address].receive(timeout=0.5)
         assert routers[follower.address].live == {}
@@ -319,3 +322,27 @@ def test_cluster_stream_follows_the_leader(kvtier_bin, tmp_path, monkeypatch, ho
         for m in masters:
             m.stop()
         etcd.stop()
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--events-endpoint", "127.0.0.1:5557"], "--events-endpoint"),
+        (["--events-endpoint", "tcp://localhost:5557"], "--events-endpoint"),
+        (["--events-replay-endpoint", "tcp://127.0.0.1:5558"], "--events-replay-endpoint"),
+        (
+            ["--events-endpoint", "tcp://127.0.0.1:0", "--events-max-blocks", "0"],
+            "--events-max-blocks",
+        ),
+    ],
+)
+def test_bad_event_flags_fail_naming_the_flag(kvtier_bin, args, named):
+    """Only IP literals are bound (nothing listens where the operator did not say)."""
+    out = subprocess.run(
+        [str(kvtier_bin), "master", "--listen", "127.0.0.1:0", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={"KVTIER_CLUSTER_TOKEN": tc.TOKEN, "PATH": "/usr/bin:/bin"},
+    )
+    assert out.returncode != 0 and named in out.stderr, out.stderr
