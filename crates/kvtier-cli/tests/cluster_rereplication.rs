@@ -226,3 +226,60 @@ fn objects_that_lost_a_replica_get_it_back_and_survive_a_second_failure() {
         assert!(dst == *v, "{k}: different bytes");
     }
 }
+
+/// Issue 29 (found by the chaos soak): nodes with a write-through SSD tier whose DRAM is full.
+/// A node used to report DRAM's free space alone, so once DRAM filled (its steady state: DRAM
+/// caches the SSD) every node looked full and re-replication found no target for any object.
+/// The nodes now report what they can hold without evicting (their SSD's room): after node
+/// A's death every object has two live copies again, though each node's DRAM is full.
+#[test]
+fn nodes_with_full_dram_and_ssd_room_take_repairs() {
+    let dir = tempfile::tempdir().unwrap();
+    let (master, _master) = common::start_master(LEASE_MS, &["--replication", "rr=2"]);
+    wait_for(Duration::from_secs(10), "the master", || {
+        TcpStream::connect(&master).is_ok()
+    });
+    let three = [
+        ("node-a", "127.0.0.2"),
+        ("node-b", "127.0.0.3"),
+        ("node-c", "127.0.0.4"),
+    ];
+    let mut procs: Vec<common::Proc> = three
+        .iter()
+        .map(|(id, ip)| {
+            let mut o = common::NodeOpts::new(dir.path(), &master, id, ip);
+            o.ssd = true;
+            o.dram = "8MiB";
+            o.spawn()
+        })
+        .collect();
+    let writer = client(&master, Some("node-a"));
+    wait_alive(&writer, 3);
+    // 40 objects of 512 KiB through node A: 20 MiB on A, more than its DRAM (8 MiB), and
+    // beyond B's or C's DRAM too; every object is on two SSD tiers (64 MiB each).
+    let keys: Vec<String> = (0..40).map(|i| format!("full-dram-{i:03}")).collect();
+    let values: Vec<Vec<u8>> = (0..40u8)
+        .map(|i| (0..512 << 10).map(|b: u32| (b as u8) ^ i).collect())
+        .collect();
+    for (k, v) in keys.iter().zip(&values) {
+        writer.put_slice(k.as_bytes(), v, None).expect("put");
+    }
+    for k in &keys {
+        assert_eq!(holders(&writer, k).len(), 2, "{k}");
+    }
+    let stat = stat_json(&master);
+    eprintln!("test: nodes before the kill: {}", stat["nodes"]);
+    procs[0].kill();
+    let reader = client(&master, None);
+    let both: BTreeSet<String> = ["node-b".to_string(), "node-c".to_string()].into();
+    wait_for(REPAIR_BOUND, "every object on two live nodes again", || {
+        keys.iter().all(|k| holders(&reader, k) == both)
+    });
+    for (k, v) in keys.iter().zip(&values) {
+        let mut dst = vec![0u8; v.len()];
+        reader
+            .get_into_slice(k.as_bytes(), &mut dst)
+            .unwrap_or_else(|e| panic!("{k}: {e}"));
+        assert!(dst == *v, "{k}: different bytes");
+    }
+}

@@ -152,12 +152,26 @@ impl Drop for NodeAgent {
     }
 }
 
+/// The node's capacity and free space as the master plans with them: what the node can hold
+/// without evicting. With an SSD tier that is the SSD's (every object reaches it; DRAM is its
+/// cache, full in steady state), otherwise DRAM's. Issue 29: reporting DRAM alone made a
+/// node with a write-through SSD look full once its DRAM was, and re-replication found no
+/// target for thousands of objects though the SSD tiers had room.
 fn free_bytes(store: &TenantStore) -> (u64, u64) {
     let stats = store.engine_stats();
-    (
-        stats.capacity_bytes,
-        stats.capacity_bytes.saturating_sub(stats.bytes_allocated),
-    )
+    if stats.ssd_enabled && stats.ssd_capacity_bytes > 0 {
+        (
+            stats.ssd_capacity_bytes,
+            stats
+                .ssd_capacity_bytes
+                .saturating_sub(stats.ssd_bytes_allocated),
+        )
+    } else {
+        (
+            stats.capacity_bytes,
+            stats.capacity_bytes.saturating_sub(stats.bytes_allocated),
+        )
+    }
 }
 
 /// Tell the master this node is going (one attempt per master, each bounded by the request

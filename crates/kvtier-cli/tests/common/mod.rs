@@ -245,6 +245,8 @@ pub struct NodeOpts {
     pub ssd: bool,
     /// `--metrics-addr` of the node, if any.
     pub metrics_addr: Option<String>,
+    /// `--dram-capacity` (64MiB unless a test needs DRAM to fill).
+    pub dram: &'static str,
 }
 
 impl NodeOpts {
@@ -256,6 +258,7 @@ impl NodeOpts {
             dir: dir.to_path_buf(),
             ssd: false,
             metrics_addr: None,
+            dram: "64MiB",
         }
     }
 
@@ -276,7 +279,7 @@ impl NodeOpts {
             "--socket",
             socket.to_str().unwrap(),
             "--dram-capacity",
-            "64MiB",
+            self.dram,
             "--engine",
             "dram_prefault=false",
             "--master",
