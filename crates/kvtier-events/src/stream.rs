@@ -659,3 +659,36 @@ fn serve_replay<H: HeldSet>(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::encode::{BlockHash, Mapped};
+
+    fn count(hay: &[u8], needle: &[u8]) -> usize {
+        hay.windows(needle.len()).filter(|w| *w == needle).count()
+    }
+
+    #[test]
+    fn a_snapshot_is_a_reset_then_one_event_per_owner_and_group() {
+        let m = |v, g| Mapped {
+            hash: BlockHash::Unsigned(v),
+            group_idx: Some(g),
+        };
+        let (a, b): (Arc<str>, Arc<str>) = ("kvtier:a".into(), "kvtier:a,b".into());
+        let blocks = vec![
+            (Arc::clone(&b), m(3, 0)),
+            (Arc::clone(&a), m(2, 1)),
+            (Arc::clone(&a), m(1, 0)),
+            (Arc::clone(&a), m(4, 0)),
+        ];
+        let batch = snapshot_batch(blocks, "CPU");
+        // [ts, [cleared, a/g0 (1, 4), a/g1 (2), a,b/g0 (3)]]
+        assert_eq!(&batch[..2], &[0x92, 0xcb]);
+        assert_eq!(batch[10], 0x94, "four events");
+        assert_eq!(count(&batch, b"AllBlocksCleared"), 1);
+        assert_eq!(count(&batch, b"BlockStored"), 3);
+        assert_eq!(count(&batch, b"kvtier:a,b"), 1);
+        assert_eq!(count(&batch, b"kvtier:a"), 3);
+    }
+}
