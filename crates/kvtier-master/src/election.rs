@@ -27,12 +27,24 @@
 //! etcd's return; a lease etcd no longer has is replaced by a new one.
 //!
 //! Without etcd, [`Leadership::single`] makes the one master the leader for good.
+//!
+//! # The campaign as a state machine (issue 29 §4)
+//!
+//! Every decision of the campaign is in [`Campaign::step`], which does no I/O: it is told the
+//! outcome of the last etcd operation ([`EtcdReply`]) and the time, updates [`Leadership`]
+//! (and resets the directory on a win or a loss), and names the next operation ([`EtcdOp`]).
+//! [`campaign`] is only its executor against a real etcd; the deterministic simulation
+//! (`tests/sim.rs`) executes the same operations against a simulated etcd with a simulated
+//! clock, network delays, losses, partitions and etcd restarts.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use etcd_client::{Client, Compare, CompareOp, ConnectOptions, PutOptions, Txn, TxnOp};
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, LeaseKeepAliveStream, LeaseKeeper, PutOptions, Txn,
+    TxnOp,
+};
 use parking_lot::RwLock;
 
 use crate::directory::Directory;
@@ -63,11 +75,20 @@ impl Leadership {
 
     /// Leader now: elected and the lease's last renewal still covers this instant.
     pub fn is_leader(&self) -> bool {
+        self.is_leader_at(Instant::now())
+    }
+
+    /// Leader at `now` (the directory's clock): elected and the lease's last renewal still
+    /// covers that instant.
+    pub fn is_leader_at(&self, now: Instant) -> bool {
         self.is_leader.load(Ordering::Acquire)
-            && self
-                .lead_until
-                .read()
-                .is_none_or(|until| Instant::now() < until)
+            && self.lead_until.read().is_none_or(|until| now < until)
+    }
+
+    /// The etcd lease of the current campaign (the simulation checks the election key is
+    /// bound to it while this master leads).
+    pub fn lease(&self) -> Option<i64> {
+        *self.lease.read()
     }
 
     /// The lease is known to live until at least `until`.
@@ -95,17 +116,104 @@ pub struct ElectionConfig {
     pub advertise: String,
 }
 
-/// Campaign forever: lead while the lease lives, follow otherwise. Becoming leader resets the
-/// directory (nodes re-register with what they hold).
-pub async fn campaign(
-    config: ElectionConfig,
-    leadership: Arc<Leadership>,
-    directory: Arc<Directory>,
-) {
-    let ttl_secs = i64::try_from(config.ttl.as_secs().max(1)).unwrap_or(5);
-    let poll = (config.ttl / 4).max(Duration::from_millis(100));
-    loop {
-        let result = campaign_once(&config, ttl_secs, poll, &leadership, &directory).await;
+/// The next etcd operation the campaign wants done ([`Campaign::step`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EtcdOp {
+    /// Open a new connection (the previous one, and its keep-alive stream, are dropped).
+    Connect,
+    /// The remaining TTL of this lease.
+    LeaseTimeToLive(i64),
+    /// A new lease with this TTL in seconds.
+    LeaseGrant(i64),
+    /// Open the keep-alive stream of this lease.
+    OpenKeepAlive(i64),
+    /// Send one keep-alive on the stream and wait up to the TTL for its answer.
+    KeepAlive,
+    /// Create the election key, bound to this lease, unless it exists.
+    CreateKey(i64),
+    /// Read the election key.
+    GetKey,
+    /// Wait this long, keeping the connection (the poll between keep-alives).
+    Sleep(Duration),
+    /// Drop the connection and wait this long (the campaign ended; the next one connects).
+    Backoff(Duration),
+}
+
+/// The outcome of the last [`EtcdOp`], as [`Campaign::step`] takes it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EtcdReply {
+    /// Nothing done yet (the first step).
+    Start,
+    Connected,
+    /// The lease's remaining TTL in seconds (`None` or `<= 0`: etcd no longer has it).
+    LeaseTtl(Option<i64>),
+    Granted(i64),
+    KeepAliveOpened,
+    /// A keep-alive's answer: the TTL granted (`None`: the stream ended or no answer within
+    /// the TTL; `<= 0`: the lease is gone).
+    KeepAliveTtl(Option<i64>),
+    /// Whether the key was created.
+    Created(bool),
+    /// The election key's lease and value, if it exists.
+    Key(Option<(i64, String)>),
+    /// A [`EtcdOp::Sleep`] or [`EtcdOp::Backoff`] is over.
+    Slept,
+    /// The operation failed (etcd unreachable, restarted, timed out ...): the campaign ends.
+    Failed(String),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    Connecting,
+    CheckingLease(i64),
+    Granting,
+    Opening,
+    KeepingAlive,
+    Creating,
+    /// Reading the key after a create that did not succeed.
+    Reading,
+    /// The leader reading the key: still bound to our lease?
+    Confirming,
+    Polling,
+    BackingOff,
+}
+
+/// The campaign's decisions, without I/O: see the module docs.
+#[derive(Debug)]
+pub struct Campaign {
+    key: String,
+    advertise: String,
+    ttl_secs: i64,
+    poll: Duration,
+    phase: Phase,
+    /// When the keep-alive being answered was sent.
+    sent: Instant,
+}
+
+impl Campaign {
+    pub fn new(key: &str, advertise: &str, ttl: Duration, now: Instant) -> Campaign {
+        Campaign {
+            key: key.to_string(),
+            advertise: advertise.to_string(),
+            ttl_secs: i64::try_from(ttl.as_secs().max(1)).unwrap_or(5),
+            poll: (ttl / 4).max(Duration::from_millis(100)),
+            phase: Phase::BackingOff,
+            sent: now,
+        }
+    }
+
+    /// The election key's name.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    fn ttl(&self) -> Duration {
+        Duration::from_secs(u64::try_from(self.ttl_secs).unwrap_or(1))
+    }
+
+    /// The campaign ended (`why`: an error, or `None` when the lease or the key went): a
+    /// leader steps down and forgets its directory; connect again after a poll.
+    fn end(&mut self, why: Option<&str>, leadership: &Leadership, directory: &Directory) -> EtcdOp {
         if leadership.is_leader.load(Ordering::Acquire) {
             tracing::warn!("kvtier master: lost leadership");
             leadership.set(false, "");
@@ -113,102 +221,247 @@ pub async fn campaign(
             directory.reset();
         }
         leadership.set(false, "");
-        if let Err(e) = result {
+        if let Some(e) = why {
             tracing::warn!("kvtier master: etcd campaign failed ({e}); retrying");
         }
-        tokio::time::sleep(poll).await;
+        self.phase = Phase::BackingOff;
+        EtcdOp::Backoff(self.poll)
+    }
+
+    fn keep_alive(&mut self, now: Instant) -> EtcdOp {
+        self.sent = now;
+        self.phase = Phase::KeepingAlive;
+        EtcdOp::KeepAlive
+    }
+
+    fn poll(&mut self) -> EtcdOp {
+        self.phase = Phase::Polling;
+        EtcdOp::Sleep(self.poll)
+    }
+
+    fn open(&mut self, lease: i64, leadership: &Leadership) -> EtcdOp {
+        *leadership.lease.write() = Some(lease);
+        self.phase = Phase::Opening;
+        EtcdOp::OpenKeepAlive(lease)
+    }
+
+    fn win(&mut self, leadership: &Leadership, directory: &Directory) -> EtcdOp {
+        directory.reset();
+        leadership.set(true, &self.advertise);
+        tracing::info!("kvtier master: elected leader ({})", self.advertise);
+        self.poll()
+    }
+
+    /// Take the outcome of the last operation at `now` and name the next one.
+    pub fn step(
+        &mut self,
+        reply: EtcdReply,
+        now: Instant,
+        leadership: &Leadership,
+        directory: &Directory,
+    ) -> EtcdOp {
+        if let EtcdReply::Failed(e) = &reply {
+            return self.end(Some(e), leadership, directory);
+        }
+        match (self.phase, reply) {
+            (_, EtcdReply::Start) | (Phase::BackingOff, EtcdReply::Slept) => {
+                self.phase = Phase::Connecting;
+                EtcdOp::Connect
+            }
+            (Phase::Connecting, EtcdReply::Connected) => match leadership.lease() {
+                // The last campaign's lease, while etcd still has it: an election key bound
+                // to it is still ours (a new lease would wait for it to lapse).
+                Some(id) => {
+                    self.phase = Phase::CheckingLease(id);
+                    EtcdOp::LeaseTimeToLive(id)
+                }
+                None => {
+                    self.phase = Phase::Granting;
+                    EtcdOp::LeaseGrant(self.ttl_secs)
+                }
+            },
+            (Phase::CheckingLease(id), EtcdReply::LeaseTtl(Some(ttl))) if ttl > 0 => {
+                tracing::info!("kvtier master: campaigning again with etcd lease {id:x}");
+                self.open(id, leadership)
+            }
+            (Phase::CheckingLease(_), EtcdReply::LeaseTtl(_)) => {
+                self.phase = Phase::Granting;
+                EtcdOp::LeaseGrant(self.ttl_secs)
+            }
+            (Phase::Granting, EtcdReply::Granted(id)) => self.open(id, leadership),
+            (Phase::Opening, EtcdReply::KeepAliveOpened) | (Phase::Polling, EtcdReply::Slept) => {
+                self.keep_alive(now)
+            }
+            (Phase::KeepingAlive, EtcdReply::KeepAliveTtl(Some(granted))) if granted > 0 => {
+                let granted = Duration::from_secs(u64::try_from(granted).unwrap_or(0));
+                leadership.renewed(self.sent + granted.min(self.ttl()));
+                let Some(lease) = leadership.lease() else {
+                    return self.end(Some("no lease"), leadership, directory);
+                };
+                if leadership.is_leader.load(Ordering::Acquire) {
+                    // Still ours? (An operator may have deleted the key.)
+                    self.phase = Phase::Confirming;
+                    EtcdOp::GetKey
+                } else {
+                    self.phase = Phase::Creating;
+                    EtcdOp::CreateKey(lease)
+                }
+            }
+            // The lease is gone, or the stream ended: start over.
+            (Phase::KeepingAlive, EtcdReply::KeepAliveTtl(_)) => {
+                self.end(None, leadership, directory)
+            }
+            (Phase::Creating, EtcdReply::Created(true)) => self.win(leadership, directory),
+            (Phase::Creating, EtcdReply::Created(false)) => {
+                self.phase = Phase::Reading;
+                EtcdOp::GetKey
+            }
+            (Phase::Reading, EtcdReply::Key(kv)) => match kv {
+                // Ours already (a put whose reply was lost): lead, from an empty directory.
+                Some((lease, _)) if Some(lease) == leadership.lease() => {
+                    self.win(leadership, directory)
+                }
+                other => {
+                    let leader = other.map(|(_, value)| value).unwrap_or_default();
+                    leadership.set(false, &leader);
+                    self.poll()
+                }
+            },
+            (Phase::Confirming, EtcdReply::Key(kv)) => {
+                if kv.is_some_and(|(lease, _)| Some(lease) == leadership.lease()) {
+                    self.poll()
+                } else {
+                    self.end(None, leadership, directory)
+                }
+            }
+            (phase, reply) => {
+                let why = format!("unexpected {reply:?} in {phase:?}");
+                self.end(Some(&why), leadership, directory)
+            }
+        }
     }
 }
 
-async fn campaign_once(
-    config: &ElectionConfig,
-    ttl_secs: i64,
-    poll: Duration,
-    leadership: &Leadership,
-    directory: &Directory,
-) -> Result<(), etcd_client::Error> {
-    let options = ConnectOptions::new()
-        .with_connect_timeout(Duration::from_secs(2))
-        .with_timeout(Duration::from_secs(2));
-    let mut client = Client::connect(&config.endpoints, Some(options)).await?;
-    // The last campaign's lease, while etcd still has it: an election key bound to it is
-    // still ours (a new lease would wait for it to lapse).
-    let previous = *leadership.lease.read();
-    let reused = match previous {
-        Some(id) => match client.lease_time_to_live(id, None).await {
-            Ok(r) if r.ttl() > 0 => Some(id),
-            Ok(_) => None,
-            // "lease not found" and the like: take a new one.
-            Err(etcd_client::Error::GRpcStatus(_)) => None,
-            Err(e) => return Err(e),
-        },
-        None => None,
-    };
-    let lease = match reused {
-        Some(id) => {
-            tracing::info!("kvtier master: campaigning again with etcd lease {id:x}");
-            id
+/// The real etcd connection of [`campaign`].
+#[derive(Default)]
+struct EtcdLink {
+    client: Option<Client>,
+    stream: Option<(LeaseKeeper, LeaseKeepAliveStream)>,
+}
+
+impl EtcdLink {
+    /// Do `op` against etcd; every error becomes [`EtcdReply::Failed`].
+    async fn execute(&mut self, op: EtcdOp, config: &ElectionConfig) -> EtcdReply {
+        match self.try_execute(op, config).await {
+            Ok(reply) => reply,
+            Err(e) => EtcdReply::Failed(e.to_string()),
         }
-        None => client.lease_grant(ttl_secs, None).await?.id(),
-    };
-    *leadership.lease.write() = Some(lease);
-    let (mut keeper, mut replies) = client.lease_keep_alive(lease).await?;
-    let ttl = Duration::from_secs(u64::try_from(ttl_secs).unwrap_or(1));
+    }
+
+    fn client(&mut self) -> Result<&mut Client, etcd_client::Error> {
+        self.client
+            .as_mut()
+            .ok_or_else(|| etcd_client::Error::InvalidArgs("not connected".into()))
+    }
+
+    async fn try_execute(
+        &mut self,
+        op: EtcdOp,
+        config: &ElectionConfig,
+    ) -> Result<EtcdReply, etcd_client::Error> {
+        Ok(match op {
+            EtcdOp::Connect => {
+                self.stream = None;
+                self.client = None;
+                let options = ConnectOptions::new()
+                    .with_connect_timeout(Duration::from_secs(2))
+                    .with_timeout(Duration::from_secs(2));
+                self.client = Some(Client::connect(&config.endpoints, Some(options)).await?);
+                EtcdReply::Connected
+            }
+            EtcdOp::LeaseTimeToLive(id) => {
+                match self.client()?.lease_time_to_live(id, None).await {
+                    Ok(r) => EtcdReply::LeaseTtl(Some(r.ttl())),
+                    // "lease not found" and the like: take a new one.
+                    Err(etcd_client::Error::GRpcStatus(_)) => EtcdReply::LeaseTtl(None),
+                    Err(e) => return Err(e),
+                }
+            }
+            EtcdOp::LeaseGrant(ttl) => {
+                EtcdReply::Granted(self.client()?.lease_grant(ttl, None).await?.id())
+            }
+            EtcdOp::OpenKeepAlive(id) => {
+                self.stream = Some(self.client()?.lease_keep_alive(id).await?);
+                EtcdReply::KeepAliveOpened
+            }
+            EtcdOp::KeepAlive => {
+                let Some((keeper, replies)) = self.stream.as_mut() else {
+                    return Ok(EtcdReply::KeepAliveTtl(None));
+                };
+                keeper.keep_alive().await?;
+                // A stream that stops answering must not stall the campaign: the lease lapses
+                // anyway.
+                match tokio::time::timeout(
+                    config.ttl.max(Duration::from_secs(1)),
+                    replies.message(),
+                )
+                .await
+                {
+                    Ok(reply) => EtcdReply::KeepAliveTtl(reply?.map(|r| r.ttl())),
+                    Err(_) => EtcdReply::KeepAliveTtl(None),
+                }
+            }
+            EtcdOp::CreateKey(lease) => {
+                let txn = Txn::new()
+                    .when([Compare::create_revision(
+                        config.key.clone(),
+                        CompareOp::Equal,
+                        0,
+                    )])
+                    .and_then([TxnOp::put(
+                        config.key.clone(),
+                        config.advertise.clone(),
+                        Some(PutOptions::new().with_lease(lease)),
+                    )]);
+                EtcdReply::Created(self.client()?.txn(txn).await?.succeeded())
+            }
+            EtcdOp::GetKey => {
+                let current = self.client()?.get(config.key.clone(), None).await?;
+                EtcdReply::Key(
+                    current
+                        .kvs()
+                        .first()
+                        .map(|kv| (kv.lease(), kv.value_str().unwrap_or("").to_string())),
+                )
+            }
+            EtcdOp::Sleep(d) => {
+                tokio::time::sleep(d).await;
+                EtcdReply::Slept
+            }
+            EtcdOp::Backoff(d) => {
+                self.stream = None;
+                self.client = None;
+                tokio::time::sleep(d).await;
+                EtcdReply::Slept
+            }
+        })
+    }
+}
+
+/// Campaign forever: lead while the lease lives, follow otherwise. Becoming leader resets the
+/// directory (nodes re-register with what they hold). The decisions are [`Campaign::step`]'s;
+/// this only executes its operations against etcd.
+pub async fn campaign(
+    config: ElectionConfig,
+    leadership: Arc<Leadership>,
+    directory: Arc<Directory>,
+) {
+    let mut machine = Campaign::new(&config.key, &config.advertise, config.ttl, directory.now());
+    let mut link = EtcdLink::default();
+    let mut reply = EtcdReply::Start;
     loop {
-        let sent = Instant::now();
-        keeper.keep_alive().await?;
-        // A stream that stops answering must not stall the campaign: the lease lapses anyway.
-        match tokio::time::timeout(ttl, replies.message()).await {
-            Ok(reply) => match reply? {
-                Some(reply) if reply.ttl() > 0 => {
-                    let granted = Duration::from_secs(u64::try_from(reply.ttl()).unwrap_or(0));
-                    leadership.renewed(sent + granted.min(ttl));
-                }
-                _ => return Ok(()), // the lease is gone: start over with a new one
-            },
-            Err(_) => return Ok(()),
-        }
-        if !leadership.is_leader.load(Ordering::Acquire) {
-            let txn = Txn::new()
-                .when([Compare::create_revision(
-                    config.key.clone(),
-                    CompareOp::Equal,
-                    0,
-                )])
-                .and_then([TxnOp::put(
-                    config.key.clone(),
-                    config.advertise.clone(),
-                    Some(PutOptions::new().with_lease(lease)),
-                )]);
-            if client.txn(txn).await?.succeeded() {
-                directory.reset();
-                leadership.set(true, &config.advertise);
-                tracing::info!("kvtier master: elected leader ({})", config.advertise);
-            } else {
-                let current = client.get(config.key.clone(), None).await?;
-                let kv = current.kvs().first();
-                if kv.is_some_and(|kv| kv.lease() == lease) {
-                    // Ours already (a put whose reply was lost): lead, from an empty directory.
-                    directory.reset();
-                    leadership.set(true, &config.advertise);
-                    tracing::info!("kvtier master: elected leader ({})", config.advertise);
-                } else {
-                    let leader = kv
-                        .and_then(|kv| kv.value_str().ok())
-                        .unwrap_or("")
-                        .to_string();
-                    leadership.set(false, &leader);
-                }
-            }
-        } else {
-            // Still ours? (An operator may have deleted the key.)
-            let current = client.get(config.key.clone(), None).await?;
-            let ours = current.kvs().first().is_some_and(|kv| kv.lease() == lease);
-            if !ours {
-                return Ok(());
-            }
-        }
-        tokio::time::sleep(poll).await;
+        let op = machine.step(reply, directory.now(), &leadership, &directory);
+        reply = link.execute(op, &config).await;
     }
 }
 

@@ -58,6 +58,7 @@
 
 pub mod admission;
 pub mod auth;
+pub mod clock;
 pub mod directory;
 pub mod election;
 pub mod events;
@@ -69,6 +70,7 @@ mod validate;
 /// `kvtier-rpc` crate (callers that only talk to a master depend on that crate alone).
 pub use kvtier_rpc as rpc;
 
+pub use clock::{Clock, ManualClock, SystemClock};
 pub use directory::{Directory, NodeSpec};
 pub use election::Leadership;
 pub use service::{run, MasterConfig, MasterError};

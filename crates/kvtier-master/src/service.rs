@@ -178,7 +178,7 @@ impl MasterService {
     /// checked by the caller). At most [`MAX_COPY_FAILURES_READ`] hashes are read; malformed
     /// hashes and unknown targets are skipped (the task then lapses at its timeout).
     fn copy_failures(&self, node_id: &str, failures: &[CopyFailure]) {
-        let now = Instant::now();
+        let now = self.directory.now();
         let mut budget = MAX_COPY_FAILURES_READ;
         let mut failed = 0usize;
         for f in failures {
@@ -221,7 +221,7 @@ impl MasterService {
     }
 
     fn lead(&self) -> Result<(), Status> {
-        if self.leadership.is_leader() {
+        if self.leadership.is_leader_at(self.directory.now()) {
             Ok(())
         } else {
             Err(Status::failed_precondition(format!(
@@ -274,8 +274,8 @@ fn check_cluster_keys(keys: &[Vec<u8>]) -> Result<(), Status> {
     Ok(())
 }
 
-/// The node table as replies carry it.
-pub fn node_infos(nodes: &[NodeState]) -> Vec<NodeInfo> {
+/// The node table as replies carry it (`now`: the directory's clock).
+pub fn node_infos(nodes: &[NodeState], now: Instant) -> Vec<NodeInfo> {
     nodes
         .iter()
         .map(|n| NodeInfo {
@@ -286,7 +286,7 @@ pub fn node_infos(nodes: &[NodeState]) -> Vec<NodeInfo> {
             tags: n.spec.tags.clone(),
             alive: n.alive,
             index: u32::from(n.index),
-            heard_ms_ago: u64::try_from(n.heard_ago().as_millis()).unwrap_or(u64::MAX),
+            heard_ms_ago: u64::try_from(n.heard_ago(now).as_millis()).unwrap_or(u64::MAX),
             objects: 0,
         })
         .collect()
@@ -443,7 +443,11 @@ impl Master for MasterService {
         }
         let copy_tasks = if known {
             self.directory
-                .take_repair_tasks(&r.node_id, MAX_REPAIR_TASKS_PER_HEARTBEAT, Instant::now())
+                .take_repair_tasks(
+                    &r.node_id,
+                    MAX_REPAIR_TASKS_PER_HEARTBEAT,
+                    self.directory.now(),
+                )
                 .into_iter()
                 .map(|b| CopyTask {
                     target: u32::from(b.target),
@@ -503,7 +507,7 @@ impl Master for MasterService {
             .collect();
         Ok(Response::new(PlacePutsReply {
             placements,
-            nodes: node_infos(&self.directory.nodes()),
+            nodes: node_infos(&self.directory.nodes(), self.directory.now()),
             claim,
         }))
     }
@@ -552,7 +556,7 @@ impl Master for MasterService {
             .collect();
         Ok(Response::new(LookupReply {
             locations,
-            nodes: node_infos(&self.directory.nodes()),
+            nodes: node_infos(&self.directory.nodes(), self.directory.now()),
         }))
     }
 
@@ -645,9 +649,9 @@ impl Master for MasterService {
         request: Request<ClusterRequest>,
     ) -> Result<Response<ClusterReply>, Status> {
         let _timer = RpcTimer::start("cluster");
-        let leader = self.leadership.is_leader();
+        let leader = self.leadership.is_leader_at(self.directory.now());
         let mut nodes = if leader {
-            node_infos(&self.directory.nodes())
+            node_infos(&self.directory.nodes(), self.directory.now())
         } else {
             Vec::new()
         };
@@ -692,7 +696,7 @@ impl Master for MasterService {
         self.events_touched(&r.keys);
         Ok(Response::new(ForgetReply {
             held_by,
-            nodes: node_infos(&self.directory.nodes()),
+            nodes: node_infos(&self.directory.nodes(), self.directory.now()),
         }))
     }
 }
@@ -707,6 +711,26 @@ fn rereplication_stats(directory: &Directory) -> RereplicationStats {
         in_flight: s.in_flight,
         no_target: s.no_target,
     }
+}
+
+/// What one tick of the lease sweeper did.
+#[derive(Debug, Default)]
+pub struct SweepReport {
+    /// Nodes dropped because their lease lapsed.
+    pub dropped: Vec<String>,
+    /// Copy tasks planned (`None`: not the leader, nothing planned).
+    pub planned: Option<usize>,
+}
+
+/// One tick of the lease sweeper (every lease / 4 in [`run`]; the simulation calls it on its
+/// own schedule): drop nodes whose lease lapsed, and, on the leader, plan re-replication.
+pub fn sweep(directory: &Directory, leadership: &Leadership) -> SweepReport {
+    let now = directory.now();
+    let dropped = directory.expire_nodes(now);
+    let planned = leadership
+        .is_leader_at(now)
+        .then(|| directory.plan_repairs(now));
+    SweepReport { dropped, planned }
 }
 
 /// Run a master until `shutdown` resolves: the RPC server, the lease sweeper, and (with etcd
@@ -880,25 +904,27 @@ fn spawn_sweeper(
         let mut reported_no_target = 0;
         loop {
             tokio::time::sleep(every).await;
-            for node in directory.expire_nodes(Instant::now()) {
-                tracing::warn!("kvtier master: node {node:?} dropped (lease expired)");
+            // The scan can take milliseconds on a large directory: off the async workers.
+            let (d, l) = (Arc::clone(&directory), Arc::clone(&leadership));
+            let Ok(report) = tokio::task::spawn_blocking(move || sweep(&d, &l)).await else {
+                continue;
+            };
+            if !report.dropped.is_empty() {
                 if let Some(e) = &events {
                     e.nodes_changed();
                 }
             }
-            if !leadership.is_leader() {
-                continue;
+            for node in report.dropped {
+                tracing::warn!("kvtier master: node {node:?} dropped (lease expired)");
             }
-            // The scan can take milliseconds on a large directory: off the async workers.
-            let planner = Arc::clone(&directory);
-            let planned = tokio::task::spawn_blocking(move || planner.plan_repairs(Instant::now()))
-                .await
-                .unwrap_or(0);
+            let Some(planned) = report.planned else {
+                continue;
+            };
             let stats = directory.repair_stats();
             if planned > 0 {
                 tracing::info!(
                     "kvtier master: re-replication: {planned} copy tasks planned \
-                 ({} in flight)",
+                     ({} in flight)",
                     stats.in_flight
                 );
             }
@@ -907,7 +933,7 @@ fn spawn_sweeper(
                 if stats.no_target > 0 {
                     tracing::warn!(
                         "kvtier master: re-replication: {} under-replicated objects have \
-                     no target node (live, not a holder, room, the holders' tags)",
+                         no target node (live, not a holder, room, the holders' tags)",
                         stats.no_target
                     );
                 }

@@ -94,6 +94,8 @@ pub struct PlaceRequest<'a> {
 
 pub(super) struct PendingClaim {
     pub(super) claim: u64,
+    /// When it was placed (a node registered again after it is not taken as a holder).
+    pub(super) issued: Instant,
     pub(super) deadline: Instant,
     /// The replication factor of the put's namespace.
     pub(super) want: u8,
@@ -102,11 +104,8 @@ pub(super) struct PendingClaim {
 /// The first claim id of a directory's life: the wall clock in ns, so the claims of a later
 /// leader (or a restarted master) never repeat one a client still holds from an earlier one,
 /// whose commit then cannot match a new claim (its node indexes may mean other nodes now).
-pub(super) fn first_claim() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(1, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX / 2))
-        .max(1)
+pub(super) fn first_claim(clock: &dyn Clock) -> u64 {
+    clock.unix_nanos().max(1)
 }
 
 /// Choose `replication` distinct live nodes for an object of `size` bytes: the writer's own
@@ -209,7 +208,7 @@ impl Directory {
         keys: &[&[u8]],
         sizes: &[u64],
     ) -> (u64, Vec<Claim>) {
-        let now = Instant::now();
+        let now = self.clock.now();
         let claim = {
             let mut next = self.next_claim.lock();
             let claim = *next;
@@ -247,6 +246,7 @@ impl Directory {
                 hash,
                 PendingClaim {
                     claim,
+                    issued: now,
                     deadline: now + self.claim_timeout,
                     want: replication as u8,
                 },
@@ -289,29 +289,47 @@ impl Directory {
     /// committed by this one.
     pub fn commit(&self, claim: u64, key: &[u8], stored: &[u16]) -> Result<bool, DirectoryError> {
         let hash = key_hash(key);
-        let live = self.live_mask();
+        // Issue 29 §4 (found by the simulation): a node that registered again after the
+        // write was placed (or the copy handed out) may have restarted without its disk
+        // since it acknowledged the bytes; it is not added as a holder on the writer's word.
+        // Its registration listed what it holds then.
+        let (live, registered): (Vec<bool>, Vec<Instant>) = self
+            .nodes
+            .read()
+            .iter()
+            .map(|n| (n.alive, n.registered))
+            .unzip();
         for &n in stored {
             if usize::from(n) >= live.len() {
                 return Err(DirectoryError::UnknownNode(n));
             }
         }
         if claim == 0 {
-            // An extra replica of a visible object.
+            // An extra replica of a visible object (the repair lock first: the task's
+            // handing time fences its target).
+            let mut repair = self.repair.lock();
+            let task = repair.tasks.get(&hash).copied();
+            let fenced = |n: u16| {
+                task.is_some_and(|t| {
+                    t.target == n && t.handed && registered[usize::from(n)] > t.handed_at
+                })
+            };
             let short = {
                 let mut shard = self.shard(hash).write();
                 let Some(entry) = shard.get_mut(&hash) else {
                     return Ok(false);
                 };
-                for &n in stored.iter().filter(|&&n| live[usize::from(n)]) {
+                for &n in stored
+                    .iter()
+                    .filter(|&&n| live[usize::from(n)] && !fenced(n))
+                {
                     entry.add(n);
                 }
                 entry.under_replicated(&live)
             };
-            let mut repair = self.repair.lock();
-            let finished = repair
-                .tasks
-                .get(&hash)
-                .is_some_and(|t| stored.contains(&t.target) && live[usize::from(t.target)]);
+            let finished = task.is_some_and(|t| {
+                stored.contains(&t.target) && live[usize::from(t.target)] && !fenced(t.target)
+            });
             if finished {
                 repair.remove(hash);
                 self.counters.done.fetch_add(1, Ordering::Relaxed);
@@ -324,18 +342,23 @@ impl Directory {
         }
         let short = {
             let mut pending = self.pending.lock();
-            let want = match pending.get(&hash) {
-                Some(p) if p.claim == claim => p.want,
+            let (want, issued) = match pending.get(&hash) {
+                Some(p) if p.claim == claim => (p.want, p.issued),
                 _ => return Ok(!self.locate_with(&live, hash).is_empty()),
             };
             pending.remove(&hash);
+            if stored.is_empty() {
+                return Ok(false);
+            }
             let stored: Vec<u16> = stored
                 .iter()
                 .copied()
-                .filter(|&n| live[usize::from(n)])
+                .filter(|&n| live[usize::from(n)] && registered[usize::from(n)] <= issued)
                 .collect();
             if stored.is_empty() {
-                return Ok(false);
+                // Every node it was written to is gone or registered again since: visible
+                // only if a registration reported it.
+                return Ok(!self.locate_with(&live, hash).is_empty());
             }
             let mut shard = self.shard(hash).write();
             let entry = shard

@@ -16,6 +16,9 @@
 //!   claimed again. A claim not committed within its deadline lapses.
 //! - Node indexes are never reused: a node that re-registers under its id gets its old index,
 //!   and its entries are rebuilt from what it reports.
+//! - A commit lists a node only if the node has not registered again since the write was
+//!   placed (or the copy task handed out): a node that restarted without its disk in between
+//!   acknowledged bytes it no longer holds (issue 29 §4, found by the simulation).
 //! - An entry remembers its wanted replication factor (one byte that fits in the slot's
 //!   padding, so the budget is unchanged): from the put's namespace at commit, from the key's
 //!   namespace when a registration rebuilds it. Fewer live holders than wanted makes it
@@ -48,7 +51,10 @@
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use crate::clock::{Clock, SystemClock};
 
 use parking_lot::{Mutex, RwLock};
 
@@ -192,6 +198,8 @@ pub struct Directory {
     registering: AtomicUsize,
     /// Mean size of the objects placed (0: none yet), the room a repair target must have.
     mean_object_bytes: AtomicU64,
+    /// Issue 29: every time the directory reads (the simulation's clock in `tests/sim.rs`).
+    clock: Arc<dyn Clock>,
 }
 
 fn shard_index(hash: KeyHash) -> usize {
@@ -205,21 +213,46 @@ fn shard_bit(hash: KeyHash) -> u64 {
 
 impl Directory {
     pub fn new(lease: Duration, claim_timeout: Duration) -> Directory {
+        Directory::with_clock(
+            lease,
+            claim_timeout,
+            ReplicationPolicy::default(),
+            Arc::new(SystemClock),
+        )
+    }
+
+    /// A directory reading the time from `clock` (issue 29: the simulation's).
+    pub fn with_clock(
+        lease: Duration,
+        claim_timeout: Duration,
+        policy: ReplicationPolicy,
+        clock: Arc<dyn Clock>,
+    ) -> Directory {
+        let now = clock.now();
         Directory {
             shards: (0..SHARDS).map(|_| RwLock::new(Shard::default())).collect(),
             nodes: RwLock::new(Vec::new()),
             pending: Mutex::new(HashMap::new()),
-            next_claim: Mutex::new(first_claim()),
+            next_claim: Mutex::new(first_claim(&*clock)),
             lease,
             claim_timeout,
-            policy: RwLock::new(ReplicationPolicy::default()),
-            repair: Mutex::new(RepairState::new(
-                Instant::now() + lease * REPAIR_GRACE_LEASES,
-            )),
+            policy: RwLock::new(policy),
+            repair: Mutex::new(RepairState::new(now + lease * REPAIR_GRACE_LEASES)),
             counters: RepairCounters::default(),
             registering: AtomicUsize::new(0),
             mean_object_bytes: AtomicU64::new(0),
+            clock,
         }
+    }
+
+    /// The time now, as the directory's clock tells it.
+    pub fn now(&self) -> Instant {
+        self.clock.now()
+    }
+
+    /// The directory's clock (the service and the election read the same).
+    pub fn clock(&self) -> &Arc<dyn Clock> {
+        &self.clock
     }
 
     /// A directory whose registrations rebuild entries with `policy`'s factors.
@@ -228,9 +261,7 @@ impl Directory {
         claim_timeout: Duration,
         policy: ReplicationPolicy,
     ) -> Directory {
-        let d = Directory::new(lease, claim_timeout);
-        *d.policy.write() = policy;
-        d
+        Directory::with_clock(lease, claim_timeout, policy, Arc::new(SystemClock))
     }
 
     pub fn lease(&self) -> Duration {
@@ -278,8 +309,8 @@ impl Directory {
         }
         self.nodes.write().clear();
         self.pending.lock().clear();
-        *self.next_claim.lock() = first_claim();
-        *repair = RepairState::new(Instant::now() + self.lease * REPAIR_GRACE_LEASES);
+        *self.next_claim.lock() = first_claim(&*self.clock);
+        *repair = RepairState::new(self.clock.now() + self.lease * REPAIR_GRACE_LEASES);
     }
 
     /// Insert an entry directly (benchmarks and rebuilds); it wants as many copies as listed.
@@ -813,6 +844,79 @@ mod tests {
         let later = now + Duration::from_secs(1);
         assert_eq!(d.plan_repairs(later), 1);
         assert_eq!(d.take_repair_tasks("a", 10, later)[0].target, first);
+        d.check_invariants().unwrap();
+    }
+
+    /// Issue 29 §4 (found by the simulation): a holder that reports a task as not held is no
+    /// longer listed, so the next plan copies from a holder that has the object instead of
+    /// handing the same source the same task forever.
+    #[test]
+    fn a_not_held_report_unlists_the_source() {
+        let d = dir();
+        let a = d.register(spec("a", GIB, &[]), &[]).unwrap();
+        let b = d.register(spec("b", GIB, &[]), &[]).unwrap();
+        d.register(spec("c", GIB, &[]), &[]).unwrap();
+        let (claim, _) = d.claim(&req("a", 3), &[b"k"], &[1000]);
+        assert!(d.commit(claim, b"k", &[a, b]).unwrap());
+        let now = after_grace();
+        assert_eq!(d.plan_repairs(now), 1);
+        // The source is the holder with the fewest tasks: a (the lower index on a tie).
+        let batches = d.take_repair_tasks("a", 10, now);
+        assert_eq!(all_hashes(&batches), vec![key_hash(b"k")]);
+        let h = [key_hash(b"k")];
+        let target = batches[0].target;
+        assert_eq!(
+            d.copy_failed("a", target, &h, CopyFailureKind::NotHeld, now),
+            1
+        );
+        assert_eq!(d.locate(b"k"), vec![b], "a said it does not hold k");
+        assert_eq!(d.plan_repairs(now), 1, "still wants 3: copied from b");
+        assert_eq!(all_hashes(&d.take_repair_tasks("b", 10, now)), h.to_vec());
+        d.check_invariants().unwrap();
+    }
+
+    /// Issue 29 §4 (found by the simulation): a node that registers again between a write's
+    /// placement and its commit (or between a copy task's handing and the copy's commit) may
+    /// have lost the bytes with its disk; the commit does not list it.
+    #[test]
+    fn commits_do_not_list_a_node_that_registered_again_since() {
+        let d = dir();
+        let a = d.register(spec("a", GIB, &[]), &[]).unwrap();
+        let b = d.register(spec("b", GIB, &[]), &[]).unwrap();
+        let (claim, out) = d.claim(&req("a", 2), &[b"k"], &[1000]);
+        assert_eq!(out[0], Claim::Write(vec![a, b]));
+        std::thread::sleep(Duration::from_millis(2));
+        // b restarts without its disk and registers again, empty.
+        assert_eq!(d.register(spec("b", GIB, &[]), &[]).unwrap(), b);
+        assert!(d.commit(claim, b"k", &[a, b]).unwrap());
+        assert_eq!(
+            d.locate(b"k"),
+            vec![a],
+            "b is not taken on the writer's word"
+        );
+        // Only b was written: the put is not visible.
+        let (claim, _) = d.claim(&req("b", 1), &[b"j"], &[1000]);
+        std::thread::sleep(Duration::from_millis(2));
+        d.register(spec("b", GIB, &[]), &[]).unwrap();
+        assert!(!d.commit(claim, b"j", &[b]).unwrap());
+        assert!(d.locate(b"j").is_empty());
+        // A copy task's target that registers again before the copy's commit.
+        let c = d.register(spec("c", GIB, &[]), &[]).unwrap();
+        let now = after_grace();
+        assert_eq!(d.plan_repairs(now), 1, "k wants 2, has 1");
+        let batches = d.take_repair_tasks("a", 10, d.now());
+        let target = batches[0].target;
+        assert!(target == b || target == c);
+        std::thread::sleep(Duration::from_millis(2));
+        let id = d.nodes()[usize::from(target)].spec.node_id.clone();
+        d.register(spec(&id, GIB, &[]), &[]).unwrap();
+        assert!(d.commit(0, b"k", &[target]).unwrap());
+        assert_eq!(
+            d.locate(b"k"),
+            vec![a],
+            "the re-registered target is not listed"
+        );
+        assert_eq!(d.repair_stats().done, 0);
         d.check_invariants().unwrap();
     }
 

@@ -23,14 +23,17 @@ pub struct NodeState {
     pub spec: NodeSpec,
     pub alive: bool,
     pub(super) last_heartbeat: Instant,
+    /// Its last registration (commits of writes placed before it do not list it).
+    pub(super) registered: Instant,
     /// Bytes placed on the node since its last report of free space.
     pub(super) placed_since_report: u64,
 }
 
 impl NodeState {
-    /// Issue 27: time since the node was last heard from (registration or heartbeat).
-    pub fn heard_ago(&self) -> std::time::Duration {
-        self.last_heartbeat.elapsed()
+    /// Issue 27: time since the node was last heard from (registration or heartbeat), at
+    /// `now` (the directory's clock).
+    pub fn heard_ago(&self, now: Instant) -> std::time::Duration {
+        now.saturating_duration_since(self.last_heartbeat)
     }
 
     /// Free space as the master estimates it: the last report less what was placed since.
@@ -77,12 +80,13 @@ impl Directory {
         let _registering = Registering::start(&self.registering);
         let index = {
             let mut nodes = self.nodes.write();
-            let now = Instant::now();
+            let now = self.clock.now();
             match nodes.iter_mut().find(|n| n.spec.node_id == spec.node_id) {
                 Some(node) => {
                     node.spec = spec;
                     node.alive = true;
                     node.last_heartbeat = now;
+                    node.registered = now;
                     node.placed_since_report = 0;
                     node.index
                 }
@@ -96,6 +100,7 @@ impl Directory {
                         spec,
                         alive: true,
                         last_heartbeat: now,
+                        registered: now,
                         placed_since_report: 0,
                     });
                     index
@@ -154,7 +159,7 @@ impl Directory {
             .find(|n| n.spec.node_id == node_id && n.alive)
         {
             Some(node) => {
-                node.last_heartbeat = Instant::now();
+                node.last_heartbeat = self.clock.now();
                 node.spec.free_bytes = free_bytes;
                 node.placed_since_report = 0;
                 true

@@ -16,6 +16,9 @@ pub(super) struct RepairTask {
     pub(super) target: u16,
     /// Handed to the source in a heartbeat reply (else still queued for it).
     pub(super) handed: bool,
+    /// When it was handed out (meaningful once `handed`): a target that registered again
+    /// after it is not added on the source's commit.
+    pub(super) handed_at: Instant,
     /// The task fails then (queued: it was never handed out; handed: not done in time).
     pub(super) deadline: Instant,
 }
@@ -90,6 +93,7 @@ impl RepairState {
                 source,
                 target,
                 handed: false,
+                handed_at: deadline,
                 deadline,
             },
         );
@@ -340,7 +344,7 @@ impl Directory {
     }
 
     /// Issue 29: the live node `node_id` reports that its copy tasks of `hashes` to `target`
-    /// failed. Each such task still in flight fails now and its entry is planned again by the
+    /// failed; after [`CopyFailureKind::NotHeld`] it is no longer listed as their holder. Each such task still in flight fails now and its entry is planned again by the
     /// next tick (lease / 4), not after [`REPAIR_TASK_TIMEOUT`]; after a push failure the
     /// target is avoided for two leases. Only tasks handed to this node are touched (a node
     /// cannot fail another's). Returns how many tasks failed.
@@ -371,6 +375,17 @@ impl Directory {
             if ours && repair.remove(hash).is_some() {
                 failed += 1;
                 repair.dirty |= shard_bit(hash);
+                if why == CopyFailureKind::NotHeld {
+                    // The node is the truth: it does not hold the object, so it is no holder
+                    // (found by the simulation, issue 29 §4: a listing left stale by a node
+                    // that lost its disk between a write and its commit made every re-plan
+                    // pick the same source, forever). The wanted factor stays: the copies
+                    // left are copied from.
+                    let mut shard = self.shard(hash).write();
+                    if shard.get_mut(&hash).is_some_and(|e| e.remove(source)) {
+                        shard.remove(&hash);
+                    }
+                }
             }
         }
         if failed > 0 {
@@ -419,6 +434,7 @@ impl Directory {
                 continue; // dropped meanwhile; the task lapses
             };
             task.handed = true;
+            task.handed_at = now;
             task.deadline = now + REPAIR_TASK_TIMEOUT;
             handed += 1;
             match out.iter_mut().find(|b| b.target == task.target) {
