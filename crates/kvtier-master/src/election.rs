@@ -268,18 +268,7 @@ impl Campaign {
                 self.phase = Phase::Connecting;
                 EtcdOp::Connect
             }
-            (Phase::Connecting, EtcdReply::Connected) => match leadership.lease() {
-                // The last campaign's lease, while etcd still has it: an election key bound
-                // to it is still ours (a new lease would wait for it to lapse).
-                Some(id) => {
-                    self.phase = Phase::CheckingLease(id);
-                    EtcdOp::LeaseTimeToLive(id)
-                }
-                None => {
-                    self.phase = Phase::Granting;
-                    EtcdOp::LeaseGrant(self.ttl_secs)
-                }
-            },
+            (Phase::Connecting, EtcdReply::Connected) => self.connected(leadership),
             (Phase::CheckingLease(id), EtcdReply::LeaseTtl(Some(ttl))) if ttl > 0 => {
                 tracing::info!("kvtier master: campaigning again with etcd lease {id:x}");
                 self.open(id, leadership)
@@ -293,19 +282,7 @@ impl Campaign {
                 self.keep_alive(now)
             }
             (Phase::KeepingAlive, EtcdReply::KeepAliveTtl(Some(granted))) if granted > 0 => {
-                let granted = Duration::from_secs(u64::try_from(granted).unwrap_or(0));
-                leadership.renewed(self.sent + granted.min(self.ttl()));
-                let Some(lease) = leadership.lease() else {
-                    return self.end(Some("no lease"), leadership, directory);
-                };
-                if leadership.is_leader.load(Ordering::Acquire) {
-                    // Still ours? (An operator may have deleted the key.)
-                    self.phase = Phase::Confirming;
-                    EtcdOp::GetKey
-                } else {
-                    self.phase = Phase::Creating;
-                    EtcdOp::CreateKey(lease)
-                }
+                self.kept_alive(granted, leadership, directory)
             }
             // The lease is gone, or the stream ended: start over.
             (Phase::KeepingAlive, EtcdReply::KeepAliveTtl(_)) => {
@@ -316,17 +293,7 @@ impl Campaign {
                 self.phase = Phase::Reading;
                 EtcdOp::GetKey
             }
-            (Phase::Reading, EtcdReply::Key(kv)) => match kv {
-                // Ours already (a put whose reply was lost): lead, from an empty directory.
-                Some((lease, _)) if Some(lease) == leadership.lease() => {
-                    self.win(leadership, directory)
-                }
-                other => {
-                    let leader = other.map(|(_, value)| value).unwrap_or_default();
-                    leadership.set(false, &leader);
-                    self.poll()
-                }
-            },
+            (Phase::Reading, EtcdReply::Key(kv)) => self.read_key(kv, leadership, directory),
             (Phase::Confirming, EtcdReply::Key(kv)) => {
                 if kv.is_some_and(|(lease, _)| Some(lease) == leadership.lease()) {
                     self.poll()
@@ -337,6 +304,62 @@ impl Campaign {
             (phase, reply) => {
                 let why = format!("unexpected {reply:?} in {phase:?}");
                 self.end(Some(&why), leadership, directory)
+            }
+        }
+    }
+    /// Connected: check the last campaign's lease while etcd may still have it (an election
+    /// key bound to it is still ours; a new lease would wait for it to lapse), else grant one.
+    fn connected(&mut self, leadership: &Leadership) -> EtcdOp {
+        match leadership.lease() {
+            Some(id) => {
+                self.phase = Phase::CheckingLease(id);
+                EtcdOp::LeaseTimeToLive(id)
+            }
+            None => {
+                self.phase = Phase::Granting;
+                EtcdOp::LeaseGrant(self.ttl_secs)
+            }
+        }
+    }
+
+    /// A keep-alive granted `granted` seconds (timed from when it was sent): a leader checks
+    /// the key is still its own (an operator may have deleted it), a follower tries to take it.
+    fn kept_alive(
+        &mut self,
+        granted: i64,
+        leadership: &Leadership,
+        directory: &Directory,
+    ) -> EtcdOp {
+        let granted = Duration::from_secs(u64::try_from(granted).unwrap_or(0));
+        leadership.renewed(self.sent + granted.min(self.ttl()));
+        let Some(lease) = leadership.lease() else {
+            return self.end(Some("no lease"), leadership, directory);
+        };
+        if leadership.is_leader.load(Ordering::Acquire) {
+            self.phase = Phase::Confirming;
+            EtcdOp::GetKey
+        } else {
+            self.phase = Phase::Creating;
+            EtcdOp::CreateKey(lease)
+        }
+    }
+
+    /// The election key after a create that found it taken: ours already (a put whose reply
+    /// was lost: lead, from an empty directory), or another master's (follow it and poll).
+    fn read_key(
+        &mut self,
+        kv: Option<(i64, String)>,
+        leadership: &Leadership,
+        directory: &Directory,
+    ) -> EtcdOp {
+        match kv {
+            Some((lease, _)) if Some(lease) == leadership.lease() => {
+                self.win(leadership, directory)
+            }
+            other => {
+                let leader = other.map(|(_, value)| value).unwrap_or_default();
+                leadership.set(false, &leader);
+                self.poll()
             }
         }
     }
@@ -362,6 +385,23 @@ impl EtcdLink {
         self.client
             .as_mut()
             .ok_or_else(|| etcd_client::Error::InvalidArgs("not connected".into()))
+    }
+
+    /// One keep-alive on the open stream; a stream that stops answering must not stall the
+    /// campaign (the lease lapses anyway), so the reply is awaited at most one TTL.
+    async fn keep_alive(
+        &mut self,
+        config: &ElectionConfig,
+    ) -> Result<EtcdReply, etcd_client::Error> {
+        let Some((keeper, replies)) = self.stream.as_mut() else {
+            return Ok(EtcdReply::KeepAliveTtl(None));
+        };
+        keeper.keep_alive().await?;
+        match tokio::time::timeout(config.ttl.max(Duration::from_secs(1)), replies.message()).await
+        {
+            Ok(reply) => Ok(EtcdReply::KeepAliveTtl(reply?.map(|r| r.ttl()))),
+            Err(_) => Ok(EtcdReply::KeepAliveTtl(None)),
+        }
     }
 
     async fn try_execute(
@@ -394,35 +434,9 @@ impl EtcdLink {
                 self.stream = Some(self.client()?.lease_keep_alive(id).await?);
                 EtcdReply::KeepAliveOpened
             }
-            EtcdOp::KeepAlive => {
-                let Some((keeper, replies)) = self.stream.as_mut() else {
-                    return Ok(EtcdReply::KeepAliveTtl(None));
-                };
-                keeper.keep_alive().await?;
-                // A stream that stops answering must not stall the campaign: the lease lapses
-                // anyway.
-                match tokio::time::timeout(
-                    config.ttl.max(Duration::from_secs(1)),
-                    replies.message(),
-                )
-                .await
-                {
-                    Ok(reply) => EtcdReply::KeepAliveTtl(reply?.map(|r| r.ttl())),
-                    Err(_) => EtcdReply::KeepAliveTtl(None),
-                }
-            }
+            EtcdOp::KeepAlive => self.keep_alive(config).await?,
             EtcdOp::CreateKey(lease) => {
-                let txn = Txn::new()
-                    .when([Compare::create_revision(
-                        config.key.clone(),
-                        CompareOp::Equal,
-                        0,
-                    )])
-                    .and_then([TxnOp::put(
-                        config.key.clone(),
-                        config.advertise.clone(),
-                        Some(PutOptions::new().with_lease(lease)),
-                    )]);
+                let txn = create_key_txn(config, lease);
                 EtcdReply::Created(self.client()?.txn(txn).await?.succeeded())
             }
             EtcdOp::GetKey => {
@@ -446,6 +460,21 @@ impl EtcdLink {
             }
         })
     }
+}
+
+/// The election: create the key bound to `lease` only if nobody holds it.
+fn create_key_txn(config: &ElectionConfig, lease: i64) -> Txn {
+    Txn::new()
+        .when([Compare::create_revision(
+            config.key.clone(),
+            CompareOp::Equal,
+            0,
+        )])
+        .and_then([TxnOp::put(
+            config.key.clone(),
+            config.advertise.clone(),
+            Some(PutOptions::new().with_lease(lease)),
+        )])
 }
 
 /// Campaign forever: lead while the lease lives, follow otherwise. Becoming leader resets the

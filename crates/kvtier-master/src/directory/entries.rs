@@ -305,50 +305,73 @@ impl Directory {
             }
         }
         if claim == 0 {
-            // An extra replica of a visible object (the repair lock first: the task's
-            // handing time fences its target).
-            let mut repair = self.repair.lock();
-            let task = repair.tasks.get(&hash).copied();
-            let fenced = |n: u16| {
-                task.is_some_and(|t| {
-                    t.target == n && t.handed && registered[usize::from(n)] > t.handed_at
-                })
-            };
-            let short = {
-                let mut shard = self.shard(hash).write();
-                let Some(entry) = shard.get_mut(&hash) else {
-                    return Ok(false);
-                };
-                for &n in stored
-                    .iter()
-                    .filter(|&&n| live[usize::from(n)] && !fenced(n))
-                {
-                    entry.add(n);
-                }
-                entry.under_replicated(&live)
-            };
-            let finished = task.is_some_and(|t| {
-                stored.contains(&t.target) && live[usize::from(t.target)] && !fenced(t.target)
-            });
-            if finished {
-                repair.remove(hash);
-                self.counters.done.fetch_add(1, Ordering::Relaxed);
-                if short {
-                    // Wanted 3, had 1: the next copy.
-                    repair.dirty |= shard_bit(hash);
-                }
-            }
-            return Ok(true);
+            return Ok(self.commit_replica(hash, stored, &live, &registered));
         }
+        Ok(self.commit_claim(claim, hash, stored, &live, &registered))
+    }
+
+    /// [`Self::commit`] of an extra replica of a visible object (claim 0: a copy task's
+    /// target). The repair lock first: the task's handing time fences its target.
+    fn commit_replica(
+        &self,
+        hash: KeyHash,
+        stored: &[u16],
+        live: &[bool],
+        registered: &[Instant],
+    ) -> bool {
+        let mut repair = self.repair.lock();
+        let task = repair.tasks.get(&hash).copied();
+        let fenced = |n: u16| {
+            task.is_some_and(|t| {
+                t.target == n && t.handed && registered[usize::from(n)] > t.handed_at
+            })
+        };
+        let short = {
+            let mut shard = self.shard(hash).write();
+            let Some(entry) = shard.get_mut(&hash) else {
+                return false;
+            };
+            for &n in stored
+                .iter()
+                .filter(|&&n| live[usize::from(n)] && !fenced(n))
+            {
+                entry.add(n);
+            }
+            entry.under_replicated(live)
+        };
+        let finished = task.is_some_and(|t| {
+            stored.contains(&t.target) && live[usize::from(t.target)] && !fenced(t.target)
+        });
+        if finished {
+            repair.remove(hash);
+            self.counters.done.fetch_add(1, Ordering::Relaxed);
+            if short {
+                // Wanted 3, had 1: the next copy.
+                repair.dirty |= shard_bit(hash);
+            }
+        }
+        true
+    }
+
+    /// [`Self::commit`] of a placed write (`claim` from `PlacePuts`): lists the live nodes it
+    /// was stored on that did not register again since it was placed; whether it is visible.
+    fn commit_claim(
+        &self,
+        claim: u64,
+        hash: KeyHash,
+        stored: &[u16],
+        live: &[bool],
+        registered: &[Instant],
+    ) -> bool {
         let short = {
             let mut pending = self.pending.lock();
             let (want, issued) = match pending.get(&hash) {
                 Some(p) if p.claim == claim => (p.want, p.issued),
-                _ => return Ok(!self.locate_with(&live, hash).is_empty()),
+                _ => return !self.locate_with(live, hash).is_empty(),
             };
             pending.remove(&hash);
             if stored.is_empty() {
-                return Ok(false);
+                return false;
             }
             let stored: Vec<u16> = stored
                 .iter()
@@ -358,7 +381,7 @@ impl Directory {
             if stored.is_empty() {
                 // Every node it was written to is gone or registered again since: visible
                 // only if a registration reported it.
-                return Ok(!self.locate_with(&live, hash).is_empty());
+                return !self.locate_with(live, hash).is_empty();
             }
             let mut shard = self.shard(hash).write();
             let entry = shard
@@ -368,13 +391,13 @@ impl Directory {
             for n in stored {
                 entry.add(n);
             }
-            entry.live_count(&live) < entry.want()
+            entry.live_count(live) < entry.want()
         };
         if short {
             // Placed on fewer nodes than wanted (few had room, or a write failed).
             self.repair.lock().dirty |= shard_bit(hash);
         }
-        Ok(true)
+        true
     }
 
     /// `node` no longer holds `keys` (eviction, removal, or a read found them missing). The
