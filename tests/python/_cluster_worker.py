@@ -122,6 +122,12 @@ def register_scratch(label, nbytes=1 << 20):
     return True
 
 
+def clear():
+    """The store's ``clear()`` (SGLang's HiCacheStorage.clear; in cluster mode a Forget of
+    every key through the master)."""
+    return STATE["store"].clear()
+
+
 COMMANDS = {
     f.__name__: f
     for f in (
@@ -136,6 +142,7 @@ COMMANDS = {
         stats_json,
         ucx_regions,
         register_scratch,
+        clear,
     )
 }
 

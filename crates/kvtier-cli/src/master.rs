@@ -43,11 +43,86 @@ pub struct MasterArgs {
     /// only for an endpoint that strangers cannot reach. Default: cluster totals only.
     #[arg(long)]
     pub metrics_node_ids: bool,
+    /// Issue 30: publish the cluster KV-event stream (what the whole cluster holds, vLLM's
+    /// KV-event wire protocol, while this master leads) on this PUB endpoint, tcp://IP:PORT
+    /// with an IP literal (port 0: a free one, logged). Off by default; the stream reveals
+    /// keys' block hashes and node ids: bind it only where routers, not strangers, connect.
+    #[arg(long, value_name = "tcp://IP:PORT")]
+    pub events_endpoint: Option<String>,
+    /// The stream's ROUTER replay (and snapshot) endpoint, tcp://IP:PORT (needs
+    /// --events-endpoint).
+    #[arg(long, value_name = "tcp://IP:PORT")]
+    pub events_replay_endpoint: Option<String>,
+    /// Topic of every published batch.
+    #[arg(long, default_value = "")]
+    pub events_topic: String,
+    /// Batches kept for replay (1..=1048576).
+    #[arg(long, default_value_t = 10_000)]
+    pub events_buffer_batches: usize,
+    /// Subscribers (and replay peers) per endpoint (1..=4096).
+    #[arg(long, default_value_t = 64)]
+    pub events_max_subscribers: usize,
+    /// Batches queued per subscriber before it loses some (1..=1048576).
+    #[arg(long, default_value_t = 1024)]
+    pub events_subscriber_queue: usize,
+    /// Blocks the stream tracks, about 100 bytes each (1..=67108864); more are counted, not
+    /// published.
+    #[arg(long, default_value_t = 1 << 20)]
+    pub events_max_blocks: usize,
 }
 
-pub fn master(args: MasterArgs) -> Result<ExitCode, String> {
+/// Issue 30: the cluster KV-event stream's settings from the flags (`None`: off).
+fn events_config(
+    args: &MasterArgs,
+) -> Result<Option<kvtier_master::events::ClusterEventsConfig>, String> {
+    let Some(endpoint) = &args.events_endpoint else {
+        if args.events_replay_endpoint.is_some() {
+            return Err("--events-replay-endpoint needs --events-endpoint".into());
+        }
+        return Ok(None);
+    };
+    for (flag, value, hi) in [
+        (
+            "--events-buffer-batches",
+            args.events_buffer_batches,
+            1 << 20,
+        ),
+        (
+            "--events-max-subscribers",
+            args.events_max_subscribers,
+            4096,
+        ),
+        (
+            "--events-subscriber-queue",
+            args.events_subscriber_queue,
+            1 << 20,
+        ),
+        ("--events-max-blocks", args.events_max_blocks, 1 << 26),
+    ] {
+        if !(1..=hi).contains(&value) {
+            return Err(format!("{flag} {value} is outside the range 1..={hi}"));
+        }
+    }
+    let parse = kvtier_events::parse_endpoint;
+    Ok(Some(kvtier_master::events::ClusterEventsConfig {
+        endpoint: parse("--events-endpoint", endpoint)?,
+        replay_endpoint: args
+            .events_replay_endpoint
+            .as_deref()
+            .map(|t| parse("--events-replay-endpoint", t))
+            .transpose()?,
+        topic: args.events_topic.clone(),
+        buffer_batches: args.events_buffer_batches,
+        max_subscribers: args.events_max_subscribers,
+        subscriber_queue: args.events_subscriber_queue,
+        max_blocks: args.events_max_blocks,
+    }))
+}
+
+/// `--replication NS=N` items as a map.
+fn replication_factors(items: &[String]) -> Result<BTreeMap<String, usize>, String> {
     let mut replication = BTreeMap::new();
-    for item in &args.replication {
+    for item in items {
         let (ns, n) = item
             .split_once('=')
             .ok_or_else(|| format!("--replication {item:?} is not NS=N"))?;
@@ -57,8 +132,15 @@ pub fn master(args: MasterArgs) -> Result<ExitCode, String> {
             .map_err(|_| format!("--replication {item:?}: N is not a number"))?;
         replication.insert(ns.trim().to_string(), n);
     }
+    Ok(replication)
+}
+
+pub fn master(args: MasterArgs) -> Result<ExitCode, String> {
+    let replication = replication_factors(&args.replication)?;
+    let events = events_config(&args)?;
     let token = crate::cluster_view::cluster_token()?;
     let config = MasterConfig {
+        events,
         token: token.clone(),
         listen: args.listen,
         advertise: args.advertise,

@@ -51,7 +51,8 @@
 //!
 //! [`directory`] (split by owned state: entries and claims, the node registry, re-replication,
 //! and `check_invariants`), [`service`] (the RPC handlers and the process), [`auth`],
-//! [`election`], [`admission`] (connection caps and deadlines of the RPC port), [`limits`] (every bound, cross-checked at compile time) and
+//! [`election`], [`events`] (the cluster KV-event stream for routers, issue 30; its
+//! publisher is the `kvtier-events` crate), [`admission`] (connection caps and deadlines of the RPC port), [`limits`] (every bound, cross-checked at compile time) and
 //! [`MasterConfig::validate`]. The generated stubs are the `kvtier-rpc` crate, re-exported as
 //! [`rpc`]: clients depend on that crate, not on this one.
 
@@ -60,6 +61,7 @@ pub mod auth;
 pub mod clock;
 pub mod directory;
 pub mod election;
+pub mod events;
 pub mod limits;
 pub mod service;
 mod validate;

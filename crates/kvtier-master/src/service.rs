@@ -30,6 +30,7 @@ use crate::directory::{
     ReplicationPolicy, MAX_REPAIR_TASKS_PER_HEARTBEAT,
 };
 use crate::election::{campaign, ElectionConfig, Leadership};
+use crate::events::ClusterEvents;
 use crate::limits::{
     HANDSHAKE_DEADLINE, KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT, MAX_HEADER_LIST_BYTES,
     MAX_STREAMS_PER_CONNECTION,
@@ -61,6 +62,8 @@ pub struct MasterConfig {
     pub election_ttl: Duration,
     /// The cluster token every RPC must prove (never empty: [`run`] refuses to start without).
     pub token: Vec<u8>,
+    /// Issue 30: the cluster KV-event stream (off: `None`).
+    pub events: Option<crate::events::ClusterEventsConfig>,
 }
 
 /// Issue 29: most failed-copy hashes read from one heartbeat (a node has at most
@@ -80,6 +83,7 @@ impl Default for MasterConfig {
             election_key: "/kvtier/master/leader".into(),
             election_ttl: Duration::from_secs(2),
             token: Vec::new(),
+            events: None,
         }
     }
 }
@@ -101,6 +105,8 @@ pub enum MasterError {
     NoToken,
     #[error("invalid master settings: {0}")]
     Config(#[from] crate::validate::MasterConfigError),
+    #[error("cluster KV events: {0}")]
+    Events(#[from] kvtier_events::EventsError),
 }
 
 /// Length of a node secret.
@@ -120,6 +126,8 @@ pub struct MasterService {
     node_secrets: Mutex<HashMap<String, Vec<u8>>>,
     /// Existence evaluations running at once.
     exists_slots: Arc<tokio::sync::Semaphore>,
+    /// Issue 30: the cluster KV-event stream, told after each directory change.
+    events: Option<Arc<ClusterEvents>>,
 }
 
 impl MasterService {
@@ -134,6 +142,27 @@ impl MasterService {
             config,
             node_secrets: Mutex::new(HashMap::new()),
             exists_slots: Arc::new(tokio::sync::Semaphore::new(EXISTS_WORKERS)),
+            events: None,
+        }
+    }
+
+    /// Publish the directory's changes on the cluster KV-event stream.
+    pub fn with_events(mut self, events: Option<Arc<ClusterEvents>>) -> Self {
+        self.events = events;
+        self
+    }
+
+    /// Issue 30: `keys`' holders may have changed.
+    fn events_touched(&self, keys: &[Vec<u8>]) {
+        if let Some(e) = &self.events {
+            e.touched(keys);
+        }
+    }
+
+    /// Issue 30: a node dropped or re-registered.
+    fn events_nodes_changed(&self) {
+        if let Some(e) = &self.events {
+            e.nodes_changed();
         }
     }
 
@@ -318,12 +347,12 @@ impl Master for MasterService {
         check_keys(&r.keys)?;
         // A live node id keeps its address: another address is a takeover (or a second process
         // configured with the same id) until the node leaves or its lease lapses.
-        if let Some(live) = self
+        let live = self
             .directory
             .nodes()
             .into_iter()
-            .find(|n| n.alive && n.spec.node_id == r.node_id)
-        {
+            .find(|n| n.alive && n.spec.node_id == r.node_id);
+        if let Some(live) = &live {
             if live.spec.data_address != r.data_address {
                 tracing::warn!(
                     "kvtier master: refused registering node {:?} at {} (live at {})",
@@ -353,6 +382,11 @@ impl Master for MasterService {
             .directory
             .register(spec, &r.keys)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        self.events_touched(&r.keys);
+        if live.is_some() {
+            // A re-registration drops what the node no longer lists.
+            self.events_nodes_changed();
+        }
         self.node_secrets.lock().insert(id.clone(), secret.clone());
         tracing::info!(
             "kvtier master: node {id:?} registered (index {index}, {} keys)",
@@ -389,6 +423,7 @@ impl Master for MasterService {
         self.directory
             .add_keys(index, &r.keys)
             .map_err(|e| Status::failed_precondition(e.to_string()))?;
+        self.events_touched(&r.keys);
         Ok(Response::new(AddNodeKeysReply {}))
     }
 
@@ -518,6 +553,7 @@ impl Master for MasterService {
                 }
             })?);
         }
+        self.events_touched(&r.keys);
         Ok(Response::new(CommitPutsReply { committed }))
     }
 
@@ -599,9 +635,9 @@ impl Master for MasterService {
                 )));
             }
         }
-        Ok(Response::new(ReportDroppedReply {
-            removed: self.directory.drop_keys(node, &r.keys),
-        }))
+        let removed = self.directory.drop_keys(node, &r.keys);
+        self.events_touched(&r.keys);
+        Ok(Response::new(ReportDroppedReply { removed }))
     }
 
     async fn leave_node(
@@ -620,6 +656,7 @@ impl Master for MasterService {
         let known = self.directory.leave(&r.node_id);
         if known {
             tracing::info!("kvtier master: node {:?} left", r.node_id);
+            self.events_nodes_changed();
         }
         Ok(Response::new(LeaveNodeReply { known }))
     }
@@ -673,6 +710,7 @@ impl Master for MasterService {
             .into_iter()
             .map(node_list)
             .collect();
+        self.events_touched(&r.keys);
         Ok(Response::new(ForgetReply {
             held_by,
             nodes: node_infos(&self.directory.nodes(), self.directory.now()),
@@ -745,46 +783,13 @@ pub async fn run(
             addr: config.listen,
             source,
         })?;
-    let sweeper = {
-        let directory = Arc::clone(&directory);
-        let leadership = Arc::clone(&leadership);
-        let every = (config.lease / 4).max(Duration::from_millis(50));
-        tokio::spawn(async move {
-            let mut reported_no_target = 0;
-            loop {
-                tokio::time::sleep(every).await;
-                // The scan can take milliseconds on a large directory: off the async workers.
-                let (d, l) = (Arc::clone(&directory), Arc::clone(&leadership));
-                let Ok(report) = tokio::task::spawn_blocking(move || sweep(&d, &l)).await else {
-                    continue;
-                };
-                for node in report.dropped {
-                    tracing::warn!("kvtier master: node {node:?} dropped (lease expired)");
-                }
-                let Some(planned) = report.planned else {
-                    continue;
-                };
-                let stats = directory.repair_stats();
-                if planned > 0 {
-                    tracing::info!(
-                        "kvtier master: re-replication: {planned} copy tasks planned \
-                         ({} in flight)",
-                        stats.in_flight
-                    );
-                }
-                if stats.no_target != reported_no_target {
-                    reported_no_target = stats.no_target;
-                    if stats.no_target > 0 {
-                        tracing::warn!(
-                            "kvtier master: re-replication: {} under-replicated objects have \
-                             no target node (live, not a holder, room, the holders' tags)",
-                            stats.no_target
-                        );
-                    }
-                }
-            }
-        })
-    };
+    let events = start_events(&config, &directory, &leadership)?;
+    let sweeper = spawn_sweeper(
+        Arc::clone(&directory),
+        Arc::clone(&leadership),
+        config.lease,
+        events.clone(),
+    );
     let election = (!config.etcd_endpoints.is_empty()).then(|| {
         tokio::spawn(campaign(
             ElectionConfig {
@@ -809,7 +814,7 @@ pub async fn run(
     let config_endpoints = config.etcd_endpoints.clone();
     let resigning = Arc::clone(&leadership);
     let authenticator = Arc::new(RpcAuthenticator::new(config.token.clone()));
-    let service = MasterService::new(config, directory, leadership);
+    let service = MasterService::new(config, directory, leadership).with_events(events.clone());
     // Issue 26: our own accept loop (connection caps per source and in all, a deadline to
     // authenticate, idle members cut) sized from the descriptor limit, raised first.
     let descriptors = crate::admission::raise_descriptor_limit();
@@ -877,8 +882,81 @@ pub async fn run(
     if let Some(e) = election {
         e.abort();
     }
+    if let Some(e) = events {
+        let _ = tokio::task::spawn_blocking(move || e.stop()).await;
+    }
     tracing::info!("kvtier master: stopped");
     result.map_err(MasterError::from)
+}
+
+/// Issue 30: start the cluster KV-event stream when the operator named its endpoint.
+fn start_events(
+    config: &MasterConfig,
+    directory: &Arc<Directory>,
+    leadership: &Arc<Leadership>,
+) -> Result<Option<Arc<ClusterEvents>>, MasterError> {
+    let Some(c) = &config.events else {
+        return Ok(None);
+    };
+    let events = ClusterEvents::start(c.clone(), Arc::clone(directory), Arc::clone(leadership))?;
+    tracing::info!(
+        "kvtier master: cluster KV events on tcp://{}{} (published while leading)",
+        events.endpoint(),
+        events
+            .replay_endpoint()
+            .map_or(String::new(), |a| format!(", replay on tcp://{a}"))
+    );
+    Ok(Some(events))
+}
+
+/// The lease sweeper: expire nodes, and (leader only) plan re-replication.
+fn spawn_sweeper(
+    directory: Arc<Directory>,
+    leadership: Arc<Leadership>,
+    lease: Duration,
+    events: Option<Arc<ClusterEvents>>,
+) -> tokio::task::JoinHandle<()> {
+    let every = (lease / 4).max(Duration::from_millis(50));
+    tokio::spawn(async move {
+        let mut reported_no_target = 0;
+        loop {
+            tokio::time::sleep(every).await;
+            // The scan can take milliseconds on a large directory: off the async workers.
+            let (d, l) = (Arc::clone(&directory), Arc::clone(&leadership));
+            let Ok(report) = tokio::task::spawn_blocking(move || sweep(&d, &l)).await else {
+                continue;
+            };
+            if !report.dropped.is_empty() {
+                if let Some(e) = &events {
+                    e.nodes_changed();
+                }
+            }
+            for node in report.dropped {
+                tracing::warn!("kvtier master: node {node:?} dropped (lease expired)");
+            }
+            let Some(planned) = report.planned else {
+                continue;
+            };
+            let stats = directory.repair_stats();
+            if planned > 0 {
+                tracing::info!(
+                    "kvtier master: re-replication: {planned} copy tasks planned \
+                     ({} in flight)",
+                    stats.in_flight
+                );
+            }
+            if stats.no_target != reported_no_target {
+                reported_no_target = stats.no_target;
+                if stats.no_target > 0 {
+                    tracing::warn!(
+                        "kvtier master: re-replication: {} under-replicated objects have \
+                         no target node (live, not a holder, room, the holders' tags)",
+                        stats.no_target
+                    );
+                }
+            }
+        }
+    })
 }
 
 /// Issue 27: how long a stopping master lets running RPCs finish and connections close.

@@ -187,6 +187,13 @@ impl Directory {
             .collect()
     }
 
+    /// Live nodes of each key hash, in order (issue 30: the cluster KV-event stream re-checks
+    /// the blocks it published when nodes drop; it keeps hashes, not keys).
+    pub fn locate_hashes(&self, hashes: &[KeyHash]) -> Vec<Vec<u16>> {
+        let live = self.live_mask();
+        hashes.iter().map(|&h| self.locate_with(&live, h)).collect()
+    }
+
     /// An existence check over the live directory, for [`kvtier_proto::query::evaluate`].
     pub fn exists_fn(&self) -> impl FnMut(&[u8]) -> bool + '_ {
         let live = self.live_mask();

@@ -1,8 +1,8 @@
-//! What the KV-event stream says about a page group, and its msgpack encoding.
+//! What a KV-event stream says about a page group, and its msgpack encoding.
 //!
 //! Owns: the mapping of an engine page group to the block hash the engine's own events carry
 //! for the same tokens ([`map_group`], through the key schemes of `kvtier_proto::keys`), and
-//! the encoding of a batch as vLLM 0.34's `KVEventBatch` ([`encode_batch`]).
+//! the encoding of a batch as vLLM 0.34's `KVEventBatch` ([`encode_batch`], [`encode_owned`]).
 //!
 //! Hashes:
 //! - a vLLM block (`vllm/<model>_<digest>/<block hash hex>_g<group>`): vLLM publishes
@@ -199,13 +199,24 @@ fn wire_len(events: &[Event]) -> usize {
         .sum()
 }
 
-/// A `KVEventBatch` (`[ts, events]`) as msgpack.
+/// A `KVEventBatch` (`[ts, events]`) as msgpack, every event owned by `ownership`.
 pub fn encode_batch(ts: f64, events: &[Event], medium: &str, ownership: &str) -> Vec<u8> {
+    let owned: Vec<(&str, &Event)> = events.iter().map(|e| (ownership, e)).collect();
+    encode_owned(ts, &owned, medium)
+}
+
+/// A `KVEventBatch` whose events each name their own `ownership` (the cluster stream: the
+/// node(s) holding the blocks).
+pub fn encode_owned(ts: f64, events: &[(&str, &Event)], medium: &str) -> Vec<u8> {
     let mut out = Vec::with_capacity(64 + 24 * events.len());
     let _ = rmp::encode::write_array_len(&mut out, 2);
     let _ = rmp::encode::write_f64(&mut out, ts);
-    let _ = rmp::encode::write_array_len(&mut out, wire_len(events) as u32);
-    for e in events {
+    let wire: usize = events
+        .iter()
+        .map(|(_, e)| wire_len(std::slice::from_ref(*e)))
+        .sum();
+    let _ = rmp::encode::write_array_len(&mut out, wire as u32);
+    for (ownership, e) in events {
         match e {
             Event::Stored(b) | Event::Removed(b) => {
                 for run in runs(b) {
