@@ -466,6 +466,7 @@ fn the_master_places_and_commits_only_cluster_keys() {
         claim: 0,
         keys: vec![local],
         stored: vec![NodeList { nodes: vec![0] }],
+        target_node_id: String::new(),
     }));
     refused(commit.unwrap_err());
     // A cluster key is placed as before.
@@ -693,6 +694,7 @@ fn forged_bytes_with_a_recomputed_unkeyed_trailer_are_rejected() {
                     .map(|_| NodeList { nodes: vec![index] })
                     .collect(),
                 keys: keys.clone(),
+                target_node_id: String::new(),
             }),
         )
         .unwrap()
@@ -732,6 +734,7 @@ fn forged_bytes_with_a_recomputed_unkeyed_trailer_are_rejected() {
             claim: place.claim,
             keys: vec![only.clone()],
             stored: vec![NodeList { nodes: vec![index] }],
+            target_node_id: String::new(),
         }))
         .unwrap()
         .into_inner()

@@ -205,6 +205,7 @@ where
                         claim: 0,
                         keys: vec![b"trust-000".to_vec()],
                         stored: vec![NodeList { nodes: vec![0] }],
+                        target_node_id: String::new(),
                     })
                     .await,
             ),
@@ -548,6 +549,7 @@ fn a_fake_node_never_learns_the_token_and_its_bytes_are_never_hits() {
                     .map(|_| NodeList { nodes: vec![index] })
                     .collect(),
                 keys,
+                target_node_id: String::new(),
             }),
         )
         .unwrap()
@@ -644,6 +646,7 @@ fn forged_torn_or_misplaced_bytes_are_a_miss_and_counted() {
                     .map(|_| NodeList { nodes: vec![index] })
                     .collect(),
                 keys: keys.clone(),
+                target_node_id: String::new(),
             }),
         )
         .unwrap()
@@ -676,6 +679,7 @@ fn forged_torn_or_misplaced_bytes_are_a_miss_and_counted() {
             claim: place.claim,
             keys: vec![only.clone()],
             stored: vec![NodeList { nodes: vec![index] }],
+            target_node_id: String::new(),
         }))
         .unwrap()
         .into_inner()
@@ -851,6 +855,7 @@ fn oversized_and_crafted_master_requests_are_refused_and_the_master_serves_on() 
                 claim: 1,
                 keys: vec![b"a".to_vec(), b"b".to_vec()],
                 stored: vec![],
+                target_node_id: String::new(),
             })
             .await;
         assert_eq!(refused.unwrap_err().code(), Code::InvalidArgument);

@@ -256,6 +256,23 @@ fn check_keys(keys: &[Vec<u8>]) -> Result<(), Status> {
     Ok(())
 }
 
+/// Issue 29 §4 (found by the simulation): a copy task handed out by an earlier leader names
+/// its target by that leader's node index, which this leader may have given to another node.
+/// A copy commit (claim 0) that says which node it meant is refused whole unless every index
+/// it lists is that node here; the source then drops the copy, and this leader plans its own.
+fn stale_copy_target(directory: &Directory, r: &CommitPutsRequest) -> bool {
+    if r.claim != 0 || r.target_node_id.is_empty() {
+        return false;
+    }
+    let nodes = directory.nodes();
+    r.stored.iter().flat_map(|s| &s.nodes).any(|&n| {
+        nodes
+            .iter()
+            .find(|x| u32::from(x.index) == n)
+            .is_none_or(|x| x.spec.node_id != r.target_node_id)
+    })
+}
+
 /// [`check_keys`], and every key is in the cluster namespace (`NUL 'C' tag 0x1f key`): a
 /// write may only claim and commit cluster objects, as the nodes' data ports only store those.
 /// Reads and node reports are not held to it (a node may still report keys of an older
@@ -530,6 +547,11 @@ impl Master for MasterService {
         check_cluster_keys(&r.keys)?;
         if r.stored.len() != r.keys.len() {
             return Err(Status::invalid_argument("stored is not parallel to keys"));
+        }
+        if stale_copy_target(&self.directory, &r) {
+            return Ok(Response::new(CommitPutsReply {
+                committed: vec![false; r.keys.len()],
+            }));
         }
         let mut committed = Vec::with_capacity(r.keys.len());
         for (key, stored) in r.keys.iter().zip(&r.stored) {

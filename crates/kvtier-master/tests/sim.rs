@@ -1228,6 +1228,7 @@ impl Sim {
             claim: 0,
             keys: keys.clone(),
             stored,
+            target_node_id: self.nodes[to].id.clone(),
         };
         self.call(
             Actor::Node(n),
@@ -1351,6 +1352,7 @@ impl Sim {
             claim: put.claim,
             keys: vec![put.key.clone()],
             stored: vec![NodeList { nodes: put.stored }],
+            target_node_id: String::new(),
         };
         self.call(
             Actor::Client,

@@ -446,6 +446,7 @@ impl Worker {
                     nodes: vec![task.target],
                 })
                 .collect(),
+            target_node_id: task.target_node_id.clone(),
         };
         let reply = self.runtime.block_on(self.link.call(|mut c| {
             let request = request.clone();

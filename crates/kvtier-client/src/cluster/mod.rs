@@ -439,6 +439,7 @@ impl ClusterStore {
                     nodes: stored.get(&wanted[slot]).cloned().unwrap_or_default(),
                 })
                 .collect(),
+            target_node_id: String::new(),
         };
         if commit.keys.is_empty() {
             return out;
@@ -726,7 +727,14 @@ impl ClusterStore {
         if stored.is_empty() {
             return;
         }
-        // Claim 0 adds a replica to entries that exist.
+        // Claim 0 adds a replica to entries that exist; the node named by id as well, so a
+        // master that numbered it otherwise (a takeover since) commits nothing.
+        let target_node_id = self
+            .nodes
+            .read()
+            .get(&local)
+            .map(|n| n.node_id.clone())
+            .unwrap_or_default();
         let commit = CommitPutsRequest {
             claim: 0,
             stored: stored
@@ -734,6 +742,7 @@ impl ClusterStore {
                 .map(|_| NodeList { nodes: vec![local] })
                 .collect(),
             keys: stored,
+            target_node_id,
         };
         let _ = self.runtime.block_on(self.master.call(|mut c| {
             let commit = commit.clone();
