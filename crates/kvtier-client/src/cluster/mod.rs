@@ -427,20 +427,10 @@ impl ClusterStore {
             }
         }
         let (stored, write_errors) = self.write_to_nodes(keys, values, depths, &per_node);
-        let commit = CommitPutsRequest {
-            claim: placed.claim,
-            keys: to_commit
-                .iter()
-                .map(|&slot| keys[wanted[slot]].clone())
-                .collect(),
-            stored: to_commit
-                .iter()
-                .map(|&slot| NodeList {
-                    nodes: stored.get(&wanted[slot]).cloned().unwrap_or_default(),
-                })
-                .collect(),
-            target_node_id: String::new(),
-        };
+        let commit = claim_commit(placed.claim, &to_commit, |slot| {
+            let i = wanted[slot];
+            (keys[i].clone(), stored.get(&i).cloned().unwrap_or_default())
+        });
         if commit.keys.is_empty() {
             return out;
         }
@@ -1014,5 +1004,27 @@ impl ClusterStore {
     /// The namespace of whole keys (single-key calls prefix it themselves).
     pub fn namespaced(&self, key: &[u8]) -> Vec<u8> {
         self.full_key(&[], key, &[])
+    }
+}
+
+/// The commit of a placed write (`claim` from `PlacePuts`): per slot, its key and the node
+/// indexes that now hold it (`of(slot)`).
+fn claim_commit(
+    claim: u64,
+    slots: &[usize],
+    of: impl Fn(usize) -> (Vec<u8>, Vec<u32>),
+) -> CommitPutsRequest {
+    let (keys, stored): (Vec<Vec<u8>>, Vec<NodeList>) = slots
+        .iter()
+        .map(|&slot| {
+            let (key, nodes) = of(slot);
+            (key, NodeList { nodes })
+        })
+        .unzip();
+    CommitPutsRequest {
+        claim,
+        keys,
+        stored,
+        target_node_id: String::new(),
     }
 }
