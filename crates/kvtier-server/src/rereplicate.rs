@@ -159,7 +159,7 @@ impl Rereplicator {
         let refused = match tx.try_send(tasks) {
             Ok(()) => return,
             Err(TrySendError::Full(tasks)) => {
-                eprintln!(
+                tracing::warn!(
                     "kvtier serve: re-replication: {objects} copy tasks refused, the worker is \
                      still busy (the master plans them again)"
                 );
@@ -415,7 +415,12 @@ impl Worker {
                 commit_error.map(|e| format!(" ({e})")).unwrap_or_default()
             ));
         }
-        eprintln!("{line}");
+        // Through the log (levels, timestamps): the soak could not time copies from these.
+        if failed > 0 {
+            tracing::warn!("{line}");
+        } else {
+            tracing::info!("{line}");
+        }
     }
 
     /// One object's bytes, or `None` when the store no longer has it.

@@ -804,7 +804,7 @@ fn progress_loop(
     let mut last_reap = Instant::now();
     while !stop.load(Ordering::Relaxed) {
         if let Err(e) = worker.progress_or_wait(PROGRESS_WAIT) {
-            eprintln!("kvtier serve: UCX progress failed ({e}); the UCX data plane stops");
+            tracing::error!("kvtier serve: UCX progress failed ({e}); the UCX data plane stops");
             return;
         }
         if last_reap.elapsed() >= PROGRESS_WAIT {
