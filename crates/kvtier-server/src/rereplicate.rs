@@ -399,28 +399,18 @@ impl Worker {
         count_failures("not_held", not_held);
         count_failures("push", push_failed);
         count_failures("commit", commit_failed);
-        let failed = not_held + push_failed + commit_failed;
-        let mut line = format!(
-            "kvtier serve: re-replication: {committed} of {} objects copied to {} ({})",
+        let copied = format!(
+            "{committed} of {} objects copied to {} ({})",
             task.key_hashes.len(),
             task.target_node_id,
             task.target_address
         );
-        if failed > 0 {
-            line.push_str(&format!(
-                "; failed: {not_held} no longer held here, {} not stored there{}, {commit_failed} \
-                 not committed{}",
-                push_failed,
-                push_error.map(|e| format!(" ({e})")).unwrap_or_default(),
-                commit_error.map(|e| format!(" ({e})")).unwrap_or_default()
-            ));
-        }
-        // Through the log (levels, timestamps): the soak could not time copies from these.
-        if failed > 0 {
-            tracing::warn!("{line}");
-        } else {
-            tracing::info!("{line}");
-        }
+        log_copy(
+            &copied,
+            [not_held, push_failed, commit_failed],
+            push_error,
+            commit_error,
+        );
     }
 
     /// One object's bytes, or `None` when the store no longer has it.
@@ -494,4 +484,24 @@ impl Worker {
             ),
         }
     }
+}
+
+/// One copy task's outcome in the log (levels, timestamps: the soak times copies from these):
+/// `copied`, then the failures by kind (`[not held here, not stored there, not committed]`).
+fn log_copy(
+    copied: &str,
+    [not_held, push_failed, commit_failed]: [usize; 3],
+    push_error: Option<String>,
+    commit_error: Option<String>,
+) {
+    if not_held + push_failed + commit_failed == 0 {
+        tracing::info!("kvtier serve: re-replication: {copied}");
+        return;
+    }
+    tracing::warn!(
+        "kvtier serve: re-replication: {copied}; failed: {not_held} no longer held here, \
+         {push_failed} not stored there{}, {commit_failed} not committed{}",
+        push_error.map(|e| format!(" ({e})")).unwrap_or_default(),
+        commit_error.map(|e| format!(" ({e})")).unwrap_or_default()
+    );
 }
