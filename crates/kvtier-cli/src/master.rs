@@ -85,17 +85,17 @@ fn events_config(
         (
             "--events-buffer-batches",
             args.events_buffer_batches,
-            1 << 20,
+            kvtier_events::MAX_BUFFER_BATCHES as usize,
         ),
         (
             "--events-max-subscribers",
             args.events_max_subscribers,
-            4096,
+            kvtier_events::MAX_SUBSCRIBERS as usize,
         ),
         (
             "--events-subscriber-queue",
             args.events_subscriber_queue,
-            1 << 20,
+            kvtier_events::MAX_SUBSCRIBER_QUEUE as usize,
         ),
         ("--events-max-blocks", args.events_max_blocks, 1 << 26),
     ] {
@@ -105,16 +105,22 @@ fn events_config(
     }
     let parse = kvtier_events::parse_endpoint;
     Ok(Some(kvtier_master::events::ClusterEventsConfig {
-        endpoint: parse("--events-endpoint", endpoint)?,
-        replay_endpoint: args
-            .events_replay_endpoint
-            .as_deref()
-            .map(|t| parse("--events-replay-endpoint", t))
-            .transpose()?,
-        topic: args.events_topic.clone(),
-        buffer_batches: args.events_buffer_batches,
-        max_subscribers: args.events_max_subscribers,
-        subscriber_queue: args.events_subscriber_queue,
+        stream: kvtier_events::StreamConfig {
+            name: "kvtier master",
+            endpoint_key: "--events-endpoint",
+            replay_key: "--events-replay-endpoint",
+            endpoint: parse("--events-endpoint", endpoint)?,
+            replay_endpoint: args
+                .events_replay_endpoint
+                .as_deref()
+                .map(|t| parse("--events-replay-endpoint", t))
+                .transpose()?,
+            topic: args.events_topic.clone(),
+            buffer_batches: args.events_buffer_batches,
+            max_subscribers: args.events_max_subscribers,
+            subscriber_queue: args.events_subscriber_queue,
+            medium: "CPU".into(),
+        },
         max_blocks: args.events_max_blocks,
     }))
 }

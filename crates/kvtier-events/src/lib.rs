@@ -13,5 +13,6 @@ pub mod stream;
 pub mod zmtp;
 
 pub use stream::{
-    parse_endpoint, EventsError, HeldSet, Owned, Stream, StreamConfig, END_SEQ, SNAPSHOT, TICK,
+    parse_endpoint, EventsError, HeldSet, Owned, Stream, StreamConfig, END_SEQ, MAX_BUFFER_BATCHES,
+    MAX_SUBSCRIBERS, MAX_SUBSCRIBER_QUEUE, SNAPSHOT, TICK,
 };

@@ -66,6 +66,12 @@ pub enum EventsError {
     Io(#[from] io::Error),
 }
 
+/// Upper bounds of a stream's settings, checked where each producer's settings are read
+/// (`kvtier serve`'s `host_events_*`, `kvtier master --events-*`).
+pub const MAX_BUFFER_BATCHES: u64 = 1 << 20;
+pub const MAX_SUBSCRIBERS: u64 = 4096;
+pub const MAX_SUBSCRIBER_QUEUE: u64 = 1 << 20;
+
 /// The publisher's settings.
 #[derive(Clone, Debug)]
 pub struct StreamConfig {

@@ -66,12 +66,8 @@ const MAX_OWNERS: usize = 4096;
 /// The stream's settings (`kvtier master --events-*`).
 #[derive(Clone, Debug)]
 pub struct ClusterEventsConfig {
-    pub endpoint: SocketAddr,
-    pub replay_endpoint: Option<SocketAddr>,
-    pub topic: String,
-    pub buffer_batches: usize,
-    pub max_subscribers: usize,
-    pub subscriber_queue: usize,
+    /// The publisher's endpoints and bounds.
+    pub stream: StreamConfig,
     /// Most blocks tracked (about 200 bytes each).
     pub max_blocks: usize,
 }
@@ -170,18 +166,7 @@ impl ClusterEvents {
         leadership: Arc<Leadership>,
     ) -> Result<Arc<ClusterEvents>, EventsError> {
         let stream = Stream::start(
-            StreamConfig {
-                name: "kvtier master",
-                endpoint_key: "--events-endpoint",
-                replay_key: "--events-replay-endpoint",
-                endpoint: config.endpoint,
-                replay_endpoint: config.replay_endpoint,
-                topic: config.topic,
-                buffer_batches: config.buffer_batches,
-                max_subscribers: config.max_subscribers,
-                subscriber_queue: config.subscriber_queue,
-                medium: "CPU".into(),
-            },
+            config.stream,
             ClusterHeld {
                 blocks: HashMap::new(),
                 members: HashMap::new(),
@@ -503,12 +488,18 @@ mod tests {
         ));
         let leadership = Arc::new(Leadership::single("127.0.0.1:1"));
         let config = ClusterEventsConfig {
-            endpoint: "127.0.0.1:0".parse().unwrap(),
-            replay_endpoint: None,
-            topic: String::new(),
-            buffer_batches: 16,
-            max_subscribers: 1,
-            subscriber_queue: 1,
+            stream: StreamConfig {
+                name: "kvtier master",
+                endpoint_key: "--events-endpoint",
+                replay_key: "--events-replay-endpoint",
+                endpoint: "127.0.0.1:0".parse().unwrap(),
+                replay_endpoint: None,
+                topic: String::new(),
+                buffer_batches: 16,
+                max_subscribers: 1,
+                subscriber_queue: 1,
+                medium: "CPU".into(),
+            },
             max_blocks: 2,
         };
         let events = ClusterEvents::start(config, Arc::clone(&directory), leadership).unwrap();

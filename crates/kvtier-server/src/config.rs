@@ -768,17 +768,17 @@ fn check_host_events(
         (
             "host_events_buffer_batches",
             settings.host_events_buffer_batches,
-            1 << 20,
+            kvtier_events::MAX_BUFFER_BATCHES,
         ),
         (
             "host_events_max_subscribers",
             settings.host_events_max_subscribers,
-            4096,
+            kvtier_events::MAX_SUBSCRIBERS,
         ),
         (
             "host_events_subscriber_queue",
             settings.host_events_subscriber_queue,
-            1 << 20,
+            kvtier_events::MAX_SUBSCRIBER_QUEUE,
         ),
         (
             "host_events_interval_ms",

@@ -56,12 +56,8 @@ const DRAIN_BATCH: usize = 4096;
 /// The stream's settings (validated from the `host_events_*` server keys).
 #[derive(Clone, Debug)]
 pub struct EventsConfig {
-    pub endpoint: SocketAddr,
-    pub replay_endpoint: Option<SocketAddr>,
-    pub topic: String,
-    pub buffer_batches: usize,
-    pub max_subscribers: usize,
-    pub subscriber_queue: usize,
+    /// The publisher's endpoints and bounds.
+    pub stream: StreamConfig,
     pub interval: Duration,
     /// Capacity of each engine's event ring.
     pub engine_ring: usize,
@@ -110,18 +106,7 @@ impl HostEvents {
     ) -> Result<HostEvents, EventsError> {
         let ownership: Arc<str> = config.ownership.as_str().into();
         let stream = Arc::new(Stream::start(
-            StreamConfig {
-                name: "kvtier serve",
-                endpoint_key: "host_events_endpoint",
-                replay_key: "host_events_replay_endpoint",
-                endpoint: config.endpoint,
-                replay_endpoint: config.replay_endpoint,
-                topic: config.topic.clone(),
-                buffer_batches: config.buffer_batches,
-                max_subscribers: config.max_subscribers,
-                subscriber_queue: config.subscriber_queue,
-                medium: "CPU".into(),
-            },
+            config.stream.clone(),
             HostHeld {
                 groups: std::collections::HashMap::new(),
                 ownership: Arc::clone(&ownership),
@@ -324,12 +309,18 @@ impl EventsConfig {
             .unwrap_or_else(|| "localhost".into());
         let size = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
         Ok(Some(EventsConfig {
-            endpoint,
-            replay_endpoint,
-            topic: s.host_events_topic.clone(),
-            buffer_batches: size(s.host_events_buffer_batches),
-            max_subscribers: size(s.host_events_max_subscribers),
-            subscriber_queue: size(s.host_events_subscriber_queue),
+            stream: StreamConfig {
+                name: "kvtier serve",
+                endpoint_key: "host_events_endpoint",
+                replay_key: "host_events_replay_endpoint",
+                endpoint,
+                replay_endpoint,
+                topic: s.host_events_topic.clone(),
+                buffer_batches: size(s.host_events_buffer_batches),
+                max_subscribers: size(s.host_events_max_subscribers),
+                subscriber_queue: size(s.host_events_subscriber_queue),
+                medium: "CPU".into(),
+            },
             interval: Duration::from_millis(s.host_events_interval_ms),
             engine_ring: size(s.host_events_engine_ring),
             ownership: format!("kvtier:{node}"),
