@@ -25,30 +25,11 @@ import test_cluster as tc
 import test_server_mode as sm
 from test_vllm_tier import FULL_BLOCKS, PROMPT, TIER, check_loaded_from_kvtier  # noqa: F401
 
+# The tier tests' fixtures (engines closed at the end, no leftover regions), shared.
+from test_vllm_tier import _no_leftover_regions, engines  # noqa: F401
+
 kvtier_bin = sm.kvtier_bin
 cluster = tc.cluster
-
-
-@pytest.fixture(autouse=True)
-def _no_leftover_regions():
-    ve.remove_leftover_regions()
-    yield
-    ve.remove_leftover_regions()
-
-
-@pytest.fixture
-def engines():
-    made = []
-
-    def make(*args, **kw):
-        e = ve.Engine(*args, **kw)
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        if e.manager is not None:
-            e.close()
 
 
 def tier_events(manager, ownership="KvtierTier"):

@@ -697,42 +697,11 @@ impl Endpoint {
         locals: &[Option<Arc<Registration>>],
         timeout: Duration,
     ) -> Result<(), UcxError> {
-        if extents.len() != dsts.len()
-            || extents
-                .iter()
-                .zip(dsts.iter())
-                .any(|(e, d)| e.len != d.len())
-        {
-            return Err(UcxError::Invalid("extents and destinations differ".into()));
-        }
-        let memhs = self.memhs(locals, dsts.iter().map(|d| (d.as_ptr() as u64, d.len())))?;
-        let ucp = self.worker.context.ucp;
-        let raw = self.raw;
         let rkey = self.rkey;
         if rkey.is_null() {
             return Err(UcxError::Invalid("no remote key set".into()));
         }
-        self.run(timeout, |issue| {
-            for ((extent, dst), memh) in extents.iter().zip(dsts.iter_mut()).zip(&memhs) {
-                let param = request_param(*memh);
-                // SAFETY: live endpoint and key under the worker's lock (held by `run`);
-                // `dst` is valid for `extent.len` bytes and stays borrowed until `run`
-                // returned, which is after every request completed or was released; a memory
-                // handle passed covers `dst` and belongs to this worker's context (`memhs`).
-                let ptr = unsafe {
-                    (ucp.get_nbx)(
-                        raw,
-                        dst.as_mut_ptr().cast(),
-                        extent.len,
-                        extent.remote,
-                        rkey,
-                        &param,
-                    )
-                };
-                issue(ptr)?;
-            }
-            Ok(())
-        })
+        self.issue_gets(extents, dsts, locals, timeout, |_| rkey)
     }
 
     /// [`Self::get_with`] with a remote key per read (issue 26: a node registers each leased
@@ -747,37 +716,54 @@ impl Endpoint {
         locals: &[Option<Arc<Registration>>],
         timeout: Duration,
     ) -> Result<(), UcxError> {
+        if extents.len() != key_of.len() || key_of.iter().any(|&k| k >= keys.len()) {
+            return Err(UcxError::Invalid("extents and keys differ".into()));
+        }
+        let unpacked = self.unpack_keys(keys)?;
+        let rkeys = &unpacked.keys;
+        // `rkeys` were unpacked on this endpoint and are destroyed only after the reads
+        // returned (by `unpacked`'s drop).
+        self.issue_gets(extents, dsts, locals, timeout, |i| rkeys[key_of[i]])
+    }
+
+    /// The reads of [`Self::get_with`] / [`Self::get_keyed`]: `extents[i]` into `dsts[i]` with
+    /// the remote key `key_for(i)`, a live key of this endpoint for the whole call.
+    fn issue_gets(
+        &mut self,
+        extents: &[RemoteExtent],
+        dsts: &mut [&mut [u8]],
+        locals: &[Option<Arc<Registration>>],
+        timeout: Duration,
+        key_for: impl Fn(usize) -> ffi::RKey,
+    ) -> Result<(), UcxError> {
         if extents.len() != dsts.len()
-            || extents.len() != key_of.len()
-            || key_of.iter().any(|&k| k >= keys.len())
             || extents
                 .iter()
                 .zip(dsts.iter())
                 .any(|(e, d)| e.len != d.len())
         {
-            return Err(UcxError::Invalid(
-                "extents, destinations and keys differ".into(),
-            ));
+            return Err(UcxError::Invalid("extents and destinations differ".into()));
         }
         let memhs = self.memhs(locals, dsts.iter().map(|d| (d.as_ptr() as u64, d.len())))?;
-        let unpacked = self.unpack_keys(keys)?;
         let ucp = self.worker.context.ucp;
         let raw = self.raw;
-        let rkeys = &unpacked.keys;
         self.run(timeout, |issue| {
-            for (((extent, dst), memh), &key) in
-                extents.iter().zip(dsts.iter_mut()).zip(&memhs).zip(key_of)
+            for (i, ((extent, dst), memh)) in
+                extents.iter().zip(dsts.iter_mut()).zip(&memhs).enumerate()
             {
                 let param = request_param(*memh);
-                // SAFETY: as in `get_with`; `rkeys[key]` was unpacked on this endpoint and
-                // is destroyed only after `run` returned (by `unpacked`'s drop).
+                // SAFETY: live endpoint and key (`key_for`'s contract) under the worker's lock
+                // (held by `run`); `dst` is valid for `extent.len` bytes and stays borrowed
+                // until `run` returned, which is after every request completed or was
+                // released; a memory handle passed covers `dst` and belongs to this worker's
+                // context (`memhs`).
                 let ptr = unsafe {
                     (ucp.get_nbx)(
                         raw,
                         dst.as_mut_ptr().cast(),
                         extent.len,
                         extent.remote,
-                        rkeys[key],
+                        key_for(i),
                         &param,
                     )
                 };
