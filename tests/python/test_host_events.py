@@ -80,6 +80,28 @@ def client(served):
     return _native.Store(json.dumps({"server_socket": served.socket}))
 
 
+def replay_batches(ctx, endpoint, start):
+    """vLLM's replay protocol, as a router speaks it: the start sequence (8 bytes, big-endian)
+    to the ROUTER; the buffered raw batches from it by sequence, then the end marker (sequence
+    -1, empty topic and payload)."""
+    d = ctx.socket(zmq.DEALER)
+    try:
+        d.connect(endpoint)
+        d.send_multipart((b"", start.to_bytes(8, "big")))
+        out = {}
+        for _ in range(100_000):
+            assert d.poll(5000), "no end marker from the replay socket"
+            empty, topic, seq, payload = d.recv_multipart()
+            assert empty == b""
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                assert payload == b""
+                return out
+            out[int.from_bytes(seq, "big")] = payload
+        raise AssertionError("replay did not end")
+    finally:
+        d.close(linger=0)
+
+
 class Router:
     """A router's end: SUB for the live stream, DEALER replay; raw batches kept by sequence."""
 
@@ -108,22 +130,7 @@ class Router:
             timeout = 0.3
 
     def replay(self, start):
-        d = self.ctx.socket(zmq.DEALER)
-        try:
-            d.connect(self.replay_ep)
-            d.send_multipart((b"", start.to_bytes(8, "big")))
-            out = {}
-            for _ in range(100_000):
-                assert d.poll(5000), "no end marker"
-                empty, topic, seq, payload = d.recv_multipart()
-                assert empty == b""
-                if seq == (-1).to_bytes(8, "big", signed=True):
-                    assert (topic, payload) == (b"", b"")
-                    return out
-                out[int.from_bytes(seq, "big")] = payload
-            raise AssertionError("replay did not end")
-        finally:
-            d.close(linger=0)
+        return replay_batches(self.ctx, self.replay_ep, start)
 
     def snapshot(self, prefix: bytes):
         """kvtier's snapshot request on the replay socket: ``(seq, batch)`` or None (nothing

@@ -22,6 +22,7 @@ import zmq
 
 import _vllm_engine as ve
 import test_cluster as tc
+import test_host_events as he
 import test_server_mode as sm
 from test_vllm_tier import FULL_BLOCKS, PROMPT, TIER, check_loaded_from_kvtier  # noqa: F401
 
@@ -239,23 +240,9 @@ class Subscriber:
             timeout = 0.2
 
     def replay(self, start):
-        """vLLM's replay protocol: the start sequence (8 bytes, big-endian) to the ROUTER;
-        buffered batches from it, then the end marker (sequence -1, empty payload)."""
-        d = self.ctx.socket(zmq.DEALER)
-        try:
-            d.connect(self.replay_ep)
-            d.send_multipart((b"", start.to_bytes(8, "big")))
-            out = {}
-            for _ in range(100_000):
-                assert d.poll(5000), "no end marker from the replay socket"
-                _, topic, seq, payload = d.recv_multipart()
-                if int.from_bytes(seq, "big", signed=True) == -1:
-                    assert payload == b""
-                    return out
-                out[int.from_bytes(seq, "big")] = self.decoder.decode(payload)
-            raise AssertionError("replay did not end")
-        finally:
-            d.close(linger=0)
+        """vLLM's replay protocol (``test_host_events.replay_batches``), decoded."""
+        raw = he.replay_batches(self.ctx, self.replay_ep, start)
+        return {seq: self.decoder.decode(payload) for seq, payload in raw.items()}
 
     def close(self):
         self.sub.close(linger=0)
