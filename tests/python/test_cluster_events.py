@@ -30,57 +30,9 @@ import pytest
 
 import test_cluster as tc
 import test_host_events as he
+from chaos_soak import Etcd  # a real etcd on free loopback ports
 
 kvtier_bin = tc.kvtier_bin
-ETCD = "/usr/bin/etcd"
-
-
-class Etcd:
-    """A one-member etcd on free ports (its data in ``tmp_path``)."""
-
-    def __init__(self, tmp_path):
-        client, peer = tc.free_port(), tc.free_port()
-        while peer == client:
-            peer = tc.free_port()
-        self.endpoint = f"http://127.0.0.1:{client}"
-        peer_url = f"http://127.0.0.1:{peer}"
-        self.log = open(tmp_path / "etcd.log", "w")
-        self.proc = subprocess.Popen(
-            [
-                ETCD,
-                "--name",
-                "kvtier-events-test",
-                "--data-dir",
-                str(tmp_path / "etcd"),
-                "--listen-client-urls",
-                self.endpoint,
-                "--advertise-client-urls",
-                self.endpoint,
-                "--listen-peer-urls",
-                peer_url,
-                "--initial-advertise-peer-urls",
-                peer_url,
-                "--initial-cluster",
-                f"kvtier-events-test={peer_url}",
-                "--initial-cluster-state",
-                "new",
-                "--log-level",
-                "error",
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.time() + 15
-        while not tc._tcp_open(f"127.0.0.1:{client}"):
-            assert self.proc.poll() is None, "etcd exited"
-            assert time.time() < deadline, "etcd did not start"
-            time.sleep(0.05)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.log.close()
 
 
 class EventMaster(tc.Master):
