@@ -20,6 +20,12 @@ use common::{free_port, metric_sum, spawn_master, wait_alive, wait_for, Nodes};
 use kvtier_client::{Client, KvtierConfig};
 
 const OBJECTS: usize = 48;
+/// Three nodes on three loopback addresses, standing in for three hosts.
+const THREE: [(&str, &str); 3] = [
+    ("node-a", "127.0.0.2"),
+    ("node-b", "127.0.0.3"),
+    ("node-c", "127.0.0.4"),
+];
 const NAMESPACE: &str = "rr";
 /// Node lease of the test's master.
 const LEASE_MS: u64 = 1000;
@@ -78,12 +84,7 @@ fn objects_that_lost_a_replica_get_it_back_and_survive_a_second_failure() {
     wait_for(Duration::from_secs(10), "the master", || {
         TcpStream::connect(&master).is_ok()
     });
-    let three = [
-        ("node-a", "127.0.0.2"),
-        ("node-b", "127.0.0.3"),
-        ("node-c", "127.0.0.4"),
-    ];
-    let Nodes { opts, mut procs } = Nodes::start(dir.path(), &master, &three, true);
+    let Nodes { opts, mut procs } = Nodes::start(dir.path(), &master, &THREE, true);
     let writer = client(&master, Some("node-a"));
     wait_alive(&writer, 3);
 
@@ -239,12 +240,7 @@ fn nodes_with_full_dram_and_ssd_room_take_repairs() {
     wait_for(Duration::from_secs(10), "the master", || {
         TcpStream::connect(&master).is_ok()
     });
-    let three = [
-        ("node-a", "127.0.0.2"),
-        ("node-b", "127.0.0.3"),
-        ("node-c", "127.0.0.4"),
-    ];
-    let mut procs: Vec<common::Proc> = three
+    let mut procs: Vec<common::Proc> = THREE
         .iter()
         .map(|(id, ip)| {
             let mut o = common::NodeOpts::new(dir.path(), &master, id, ip);

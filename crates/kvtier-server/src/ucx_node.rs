@@ -260,6 +260,8 @@ pub struct UcxNode {
     worker: Worker,
     /// Registers each lease's extents.
     context: Context,
+    /// Registrations UCX refused, logged rate-limited.
+    registration_log: Arc<kvtier_proto::refusals::RefusalLog>,
 }
 
 impl std::fmt::Debug for UcxNode {
@@ -300,34 +302,7 @@ impl UcxNode {
             host: host_id(),
         };
         let devices = context.devices().to_string();
-        let landing = if landing_bytes == 0 {
-            None
-        } else {
-            let len = usize::try_from(landing_bytes).map_err(|e| e.to_string())?;
-            let memory = LandingMemory::new(len)?;
-            let registration = context
-                .register_prot(memory.base(), memory.len(), true)
-                .map_err(|e| format!("cannot register the put landing area: {e}"))?;
-            let extents = Extents::new(landing_bytes);
-            let offer = UcxLanding {
-                rkey: registration.pack_key().map_err(|e| e.to_string())?,
-                size: extents.size(),
-                max_connection_bytes: extents.size() / CONNECTION_SHARE,
-                reservation_ms: RESERVATION_TIME.as_millis() as u64,
-            };
-            Some(Arc::new(Landing {
-                reservations: Mutex::new(Reservations {
-                    held: HashMap::new(),
-                    extents,
-                    per_connection: HashMap::new(),
-                    next_id: 1,
-                }),
-                offer,
-                expired: AtomicU64::new(0),
-                _registration: registration,
-                memory,
-            }))
-        };
+        let landing = landing_area(&context, landing_bytes)?;
         let leases = Arc::new(Mutex::new(Leases::default()));
         let stop = Arc::new(AtomicBool::new(false));
         let progress = {
@@ -351,6 +326,10 @@ impl UcxNode {
             landing,
             worker,
             context,
+            registration_log: kvtier_proto::refusals::RefusalLog::new(
+                "kvtier serve",
+                "UCX lease registration",
+            ),
         })
     }
 
@@ -565,9 +544,11 @@ impl UcxNode {
                     self.counters
                         .registrations_refused
                         .fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(
-                        "kvtier serve: UCX refused to register a leased extent of {len} bytes at \
-                         {addr:#x} ({e}); the object is read over frames"
+                    // Rate-limited: a registration limit reached would refuse every lease.
+                    self.registration_log.record(
+                        "refused a leased extent's registration",
+                        "UCX",
+                        &format!("{len} bytes at {addr:#x} ({e}); the object is read over frames"),
                     );
                     return None;
                 }
@@ -782,6 +763,38 @@ impl UcxNode {
         }
         UcxCommitReply { items }
     }
+}
+
+/// The put landing area of `landing_bytes` (0: none), registered writable with `context`.
+fn landing_area(context: &Context, landing_bytes: u64) -> Result<Option<Arc<Landing>>, String> {
+    Ok(if landing_bytes == 0 {
+        None
+    } else {
+        let len = usize::try_from(landing_bytes).map_err(|e| e.to_string())?;
+        let memory = LandingMemory::new(len)?;
+        let registration = context
+            .register_prot(memory.base(), memory.len(), true)
+            .map_err(|e| format!("cannot register the put landing area: {e}"))?;
+        let extents = Extents::new(landing_bytes);
+        let offer = UcxLanding {
+            rkey: registration.pack_key().map_err(|e| e.to_string())?,
+            size: extents.size(),
+            max_connection_bytes: extents.size() / CONNECTION_SHARE,
+            reservation_ms: RESERVATION_TIME.as_millis() as u64,
+        };
+        Some(Arc::new(Landing {
+            reservations: Mutex::new(Reservations {
+                held: HashMap::new(),
+                extents,
+                per_connection: HashMap::new(),
+                next_id: 1,
+            }),
+            offer,
+            expired: AtomicU64::new(0),
+            _registration: registration,
+            memory,
+        }))
+    })
 }
 
 impl Drop for UcxNode {
