@@ -859,6 +859,21 @@ fn oversized_and_crafted_master_requests_are_refused_and_the_master_serves_on() 
             })
             .await;
         assert_eq!(refused.unwrap_err().code(), Code::InvalidArgument);
+        // A node index this master never registered (a put placed by an earlier leader): an
+        // infrastructure event the caller retries, not its mistake (issue 29).
+        let mut key = kvtier_proto::namespace::cluster_prefix("");
+        key.extend_from_slice(b"stale-index");
+        let refused = holder
+            .commit_puts(CommitPutsRequest {
+                claim: 1,
+                keys: vec![key],
+                stored: vec![NodeList { nodes: vec![500] }],
+                target_node_id: String::new(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
+        assert!(refused.message().contains("took over"), "{refused:?}");
         let refused = holder
             .report_dropped(ReportDroppedRequest {
                 node: u32::MAX,
