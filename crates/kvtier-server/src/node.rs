@@ -37,12 +37,12 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::server::TenantStore;
-use kvtier_client::cluster::master::MasterLink;
-use kvtier_client::metrics::ReadyGate;
 use kvtier_master::rpc::{
     AddNodeKeysRequest, HeartbeatRequest, LeaveNodeRequest, RegisterNodeRequest,
     ReportDroppedRequest,
 };
+use kvtier_store::metrics::ReadyGate;
+use kvtier_transport::master::MasterLink;
 
 use crate::peer::HeldKeys;
 use crate::rereplicate::{Rereplicator, RereplicatorConfig};
@@ -133,7 +133,7 @@ fn backoff(failures: u32) -> Duration {
 }
 
 /// The fatal error of a refused credential, or `None` for a failure worth retrying.
-fn refused(e: &kvtier_client::cluster::ClusterError, masters: &[String]) -> Option<String> {
+fn refused(e: &kvtier_transport::master::ClusterError, masters: &[String]) -> Option<String> {
     e.is_credential_refused().then(|| {
         format!(
             "the master refused this node's cluster token ({e}); check KVTIER_CLUSTER_TOKEN / \

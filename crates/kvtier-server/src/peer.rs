@@ -50,8 +50,6 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::server::TenantStore;
-use kvtier_client::metrics::names;
-use kvtier_client::transport::tcp::write_all_vectored;
 use kvtier_engine::PinnedObject;
 use kvtier_master::directory::{key_hash, KeyHash};
 use kvtier_proto::auth::{
@@ -69,6 +67,8 @@ use kvtier_proto::{
     encode_frame, read_frame_limited, BatchResult as WireResult, Decode, ErrorReply, FrameHeader,
     KeyBatch, Opcode, ProtoError,
 };
+use kvtier_store::metrics::names;
+use kvtier_transport::tcp::write_all_vectored;
 use parking_lot::Mutex;
 
 /// Largest body accepted before the handshake is done.

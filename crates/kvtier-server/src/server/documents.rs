@@ -13,9 +13,9 @@
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
-use kvtier_client::client::ClientStats;
-use kvtier_client::metrics::{names, Collector, Samples};
 use kvtier_proto::server::InspectQuery;
+use kvtier_store::metrics::{names, Collector, Samples};
+use kvtier_store::stats::ClientStats;
 use serde_json::{json, Value};
 
 use super::session::Session;

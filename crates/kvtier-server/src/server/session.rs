@@ -10,7 +10,7 @@
 //!   cannot all pass a limit checked before any of them is counted.
 //! - A session ends when its last connection closes (a client killed with SIGKILL included):
 //!   its mappings leave the table then, and each is unmapped once the last request still
-//!   holding it (in a [`kvtier_client::store::CheckedBuffers`]) finishes.
+//!   holding it (in a [`kvtier_store::store::CheckedBuffers`]) finishes.
 //! - Keys of a session live under its tenant's namespace (`tenant 0x1f`,
 //!   [`kvtier_proto::namespace::tenant_prefix`]) inside its store: never in the cluster
 //!   namespace a node's data port serves (those keys start with NUL, which no tenant name

@@ -17,11 +17,11 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use kvtier_client::metrics::{names, Lookup, Op};
-use kvtier_client::store::{CheckedBuffers, EmbeddedStore, Store, StoreMeter};
-use kvtier_client::{BatchResult, ClientError, KvtierConfig, PageBatch};
 use kvtier_engine::{Engine, EngineStats, PinnedObject, PutOutcome};
 use kvtier_proto::{ExistsV2Answer, ExistsV2Query};
+use kvtier_store::metrics::{names, Lookup, Op};
+use kvtier_store::store::{CheckedBuffers, EmbeddedStore, Store, StoreMeter};
+use kvtier_store::{BatchResult, ClientError, KvtierConfig, PageBatch};
 
 use crate::config::ServerConfig;
 
