@@ -37,7 +37,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::server::TenantStore;
-use kvtier_master::rpc::{
+use kvtier_rpc::{
     AddNodeKeysRequest, HeartbeatRequest, LeaveNodeRequest, RegisterNodeRequest,
     ReportDroppedRequest,
 };
@@ -214,7 +214,7 @@ async fn sleep_unless_stopped(total: Duration, stop: &AtomicBool) -> bool {
 const MAX_REGISTERED_KEYS: usize = 16 << 20;
 /// Most keys, and most key bytes, one master call carries (the master's per-call key limit, and
 /// well inside its 16 MiB message limit with the encoding's few bytes per key).
-const KEYS_PER_CALL: usize = kvtier_master::service::MAX_KEYS_PER_CALL;
+const KEYS_PER_CALL: usize = kvtier_rpc::MAX_KEYS_PER_CALL;
 pub(crate) const KEY_BYTES_PER_CALL: usize = 8 << 20;
 
 /// `keys` cut into runs a master call carries.

@@ -51,7 +51,6 @@ use std::time::{Duration, Instant};
 
 use crate::server::TenantStore;
 use kvtier_engine::PinnedObject;
-use kvtier_master::directory::{key_hash, KeyHash};
 use kvtier_proto::auth::{
     proof, verify, ObjectIntegrity, NONCE_LEN, PEER_CLIENT_LABEL, PEER_NODE_LABEL,
 };
@@ -67,6 +66,7 @@ use kvtier_proto::{
     encode_frame, read_frame_limited, BatchResult as WireResult, Decode, ErrorReply, FrameHeader,
     KeyBatch, Opcode, ProtoError,
 };
+use kvtier_rpc::{key_hash, KeyHash};
 use kvtier_store::metrics::names;
 use kvtier_transport::tcp::write_all_vectored;
 use parking_lot::Mutex;

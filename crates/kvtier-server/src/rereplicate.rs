@@ -37,8 +37,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::server::TenantStore;
-use kvtier_master::directory::{key_hash, KeyHash};
-use kvtier_master::rpc::{CommitPutsRequest, CopyFailure, CopyFailureReason, CopyTask, NodeList};
+use kvtier_rpc::{key_hash, KeyHash};
+use kvtier_rpc::{CommitPutsRequest, CopyFailure, CopyFailureReason, CopyTask, NodeList};
 use kvtier_store::metrics::names;
 use kvtier_transport::master::MasterLink;
 use kvtier_transport::tcp::{TcpTransport, TcpTransportConfig};
