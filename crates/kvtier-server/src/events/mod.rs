@@ -28,6 +28,14 @@
 //! gap in the sequence and replays), writes that block 5 s close the subscriber, and the
 //! replay ring keeps `host_events_buffer_batches` batches.
 //!
+//! **Media**: a group in a store's DRAM tier is published with `medium` `CPU`, one in its SSD
+//! tier with `STORAGE` (the engine's `SsdStored` / `SsdRemoved` events, turned on here with
+//! `enable_media_events`); each (medium, group) is one residency. A write-back demotion is
+//! `BlockStored` `STORAGE` then `BlockRemoved` `CPU` (the engine publishes the SSD copy before
+//! DRAM drops the object), a write-through put `BlockStored` `CPU` then, once copied,
+//! `BlockStored` `STORAGE`; a promotion on read adds `BlockStored` `CPU`. This is how vLLM's
+//! tracker counts its tiers' residencies: a block is held while any of them is.
+//!
 //! Sequence numbers start at 0 with each process and increase by one per batch; a restarted
 //! server starts again at 0 (its stores are new too: a router that sees a sequence go back
 //! drops what it credited to this stream). Events the engine ring dropped before the producer
@@ -35,7 +43,7 @@
 //! not happen at the drain interval; the counter says when it did.
 
 pub use kvtier_events::{encode, zmtp};
-pub use kvtier_events::{parse_endpoint, EventsError, END_SEQ, SNAPSHOT};
+pub use kvtier_events::{parse_endpoint, EndpointError, EventsError, END_SEQ, SNAPSHOT};
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -48,7 +56,7 @@ use kvtier_events::{HeldSet, Stream, StreamConfig, TICK};
 use serde_json::{json, Value};
 
 use crate::server::TenantStore;
-use encode::Event;
+use encode::{Event, Holder, Medium};
 
 /// Engine events taken per drain call.
 const DRAIN_BATCH: usize = 4096;
@@ -66,19 +74,19 @@ pub struct EventsConfig {
 }
 
 /// What the stream has published as held: each stored group (with its store namespace, so
-/// one page held by two tenants is two entries, as on the live stream) -> its name on the
-/// stream.
+/// one page held by two tenants is two entries, as on the live stream) and the medium it is
+/// on -> its name on the stream.
 struct HostHeld {
-    groups: std::collections::HashMap<Box<[u8]>, encode::Mapped>,
+    groups: std::collections::HashMap<(Box<[u8]>, Medium), encode::Mapped>,
     ownership: Arc<str>,
 }
 
 impl HeldSet for HostHeld {
-    fn snapshot(&self, prefix: &[u8]) -> Vec<(Arc<str>, encode::Mapped)> {
+    fn snapshot(&self, prefix: &[u8]) -> Vec<(Holder, encode::Mapped)> {
         self.groups
             .iter()
-            .filter(|(k, _)| encode::engine_key(k).starts_with(prefix))
-            .map(|(_, m)| (Arc::clone(&self.ownership), *m))
+            .filter(|((k, _), _)| encode::engine_key(k).starts_with(prefix))
+            .map(|((_, medium), m)| (Holder::new(Arc::clone(&self.ownership), Some(*medium)), *m))
             .collect()
     }
 }
@@ -113,7 +121,7 @@ impl HostEvents {
             },
         )?);
         for store in &stores {
-            store.with_engine(|e| e.enable_events(config.engine_ring));
+            store.with_engine(|e| e.enable_media_events(config.engine_ring));
         }
         let engine_dropped = Arc::new(AtomicU64::new(0));
         let p = Producer {
@@ -169,15 +177,35 @@ impl Drop for HostEvents {
 
 // ------------------------------------------------------------------ producer
 
-/// Append `blocks` of one kind to `out`, merging with the last event of the same kind.
-fn push(out: &mut Vec<Event>, stored: bool, m: encode::Mapped) {
+/// Append a block of one kind and medium to `out`, merging with the last event of the same
+/// kind and medium.
+fn push(out: &mut Vec<(Option<Medium>, Event)>, medium: Medium, stored: bool, m: encode::Mapped) {
     match (out.last_mut(), stored) {
-        (Some(Event::Stored(v)), true) | (Some(Event::Removed(v)), false) => v.push(m),
-        _ => out.push(if stored {
-            Event::Stored(vec![m])
-        } else {
-            Event::Removed(vec![m])
-        }),
+        (Some((Some(md), Event::Stored(v))), true)
+        | (Some((Some(md), Event::Removed(v))), false)
+            if *md == medium =>
+        {
+            v.push(m)
+        }
+        _ => out.push((
+            Some(medium),
+            if stored {
+                Event::Stored(vec![m])
+            } else {
+                Event::Removed(vec![m])
+            },
+        )),
+    }
+}
+
+/// The medium an engine event is about and whether it stored (`None` for a clear).
+fn medium_of(kind: EventKind) -> Option<(Medium, bool)> {
+    match kind {
+        EventKind::Stored => Some((Medium::Dram, true)),
+        EventKind::Evicted | EventKind::Removed => Some((Medium::Dram, false)),
+        EventKind::SsdStored => Some((Medium::Ssd, true)),
+        EventKind::SsdRemoved => Some((Medium::Ssd, false)),
+        EventKind::Cleared => None,
     }
 }
 
@@ -187,7 +215,7 @@ fn drain_store(
     p: &Producer,
     store: &TenantStore,
     seen: &mut u64,
-    events: &mut Vec<Event>,
+    events: &mut Vec<(Option<Medium>, Event)>,
     changes: &mut Vec<Change>,
 ) {
     for _ in 0..=p.engine_ring / DRAIN_BATCH + 1 {
@@ -195,17 +223,16 @@ fn drain_store(
             break;
         };
         for ev in &d.events {
-            match ev.kind {
-                EventKind::Cleared => {
-                    events.push(Event::Cleared);
+            match medium_of(ev.kind) {
+                None => {
+                    events.push((None, Event::Cleared));
                     changes.push(None);
                 }
-                kind => match encode::map_group(&ev.group) {
+                Some((medium, stored)) => match encode::map_group(&ev.group) {
                     Some(m) => {
-                        let stored = kind == EventKind::Stored;
-                        push(events, stored, m);
+                        push(events, medium, stored, m);
                         let key: Box<[u8]> = ev.group.as_ref().into();
-                        changes.push(Some((key, stored.then_some(m))));
+                        changes.push(Some(((key, medium), stored.then_some(m))));
                     }
                     None => p.stream.count_unmapped(1),
                 },
@@ -243,7 +270,7 @@ fn produce(p: &Producer, stores: &[Arc<TenantStore>]) {
                 apply(held, changes);
                 let owned = events
                     .into_iter()
-                    .map(|e| (Arc::clone(&p.ownership), e))
+                    .map(|(medium, e)| (Holder::new(Arc::clone(&p.ownership), medium), e))
                     .collect();
                 (owned, ())
             });
@@ -263,9 +290,9 @@ fn produce(p: &Producer, stores: &[Arc<TenantStore>]) {
     }
 }
 
-/// One change of the held set: a group (as stored) with its name or removed (`None`
-/// name); `None` is a clear.
-type Change = Option<(Box<[u8]>, Option<encode::Mapped>)>;
+/// One change of the held set: a group (as stored) on a medium with its name or removed
+/// (`None` name); `None` is a clear.
+type Change = Option<((Box<[u8]>, Medium), Option<encode::Mapped>)>;
 
 fn apply(held: &mut HostHeld, changes: Vec<Change>) {
     for change in changes {
@@ -283,10 +310,11 @@ fn apply(held: &mut HostHeld, changes: Vec<Change>) {
 
 impl EventsConfig {
     /// The stream's settings from `kvtier serve`'s configuration, `None` when it is off.
-    /// The endpoints were checked when the configuration loaded.
+    /// The endpoints were checked when the configuration loaded; the error names the key
+    /// and value all the same.
     pub fn from_server(
         config: &crate::config::ServerConfig,
-    ) -> Result<Option<EventsConfig>, String> {
+    ) -> Result<Option<EventsConfig>, EndpointError> {
         let s = &config.settings;
         let Some(endpoint) = &s.host_events_endpoint else {
             return Ok(None);
@@ -319,7 +347,6 @@ impl EventsConfig {
                 buffer_batches: size(s.host_events_buffer_batches),
                 max_subscribers: size(s.host_events_max_subscribers),
                 subscriber_queue: size(s.host_events_subscriber_queue),
-                medium: "CPU".into(),
             },
             interval: Duration::from_millis(s.host_events_interval_ms),
             engine_ring: size(s.host_events_engine_ring),

@@ -88,8 +88,8 @@ pub enum ServerError {
     /// Issue 30: the host KV-event stream could not start (its endpoint named).
     #[error(transparent)]
     Events(#[from] crate::events::EventsError),
-    #[error("{0}")]
-    EventsConfig(String),
+    #[error(transparent)]
+    EventsConfig(crate::events::EndpointError),
 }
 
 /// Counter of local connections refused at accept, labelled `reason` (the cap's name).
