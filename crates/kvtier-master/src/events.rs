@@ -15,9 +15,15 @@
 //! for any of them any more (`ReportDropped`, `Forget`, a node that leaves, dies or
 //! re-registers without them). Every
 //! change is read back from the directory under the stream's lock, so the stream converges
-//! on the directory whatever the order of concurrent RPCs. `ownership` names the holders:
-//! `kvtier:<node id>[,<node id>...]` (sorted), as seen when the event was published (a
-//! snapshot names the current holders; re-replication adds holders without an event).
+//! on the directory whatever the order of concurrent RPCs.
+//!
+//! **Holders**: each node holding a block is one residency, published under `ownership`
+//! `kvtier:<node id>`: a block's holders are the union of its objects' holders, a node that
+//! joins them (registration, a put, a copy made by re-replication or repair) is a
+//! `BlockStored` for that node, one that leaves them (a drop, death, departure, a
+//! re-registration without the block) a `BlockRemoved` for that node; within one change new
+//! holders are published before lost ones. `medium` is nil: the directory knows nodes, not
+//! their tiers. A snapshot lists each block once per current holder.
 //!
 //! **Leader only, with a reset.** A follower publishes nothing. A master that becomes leader
 //! starts with a batch holding `AllBlocksCleared` and then a `BlockStored` for every block it
