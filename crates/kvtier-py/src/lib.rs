@@ -552,8 +552,26 @@ impl Store {
             .is_some()
     }
 
+    /// `enable_events`, and with the SSD tier on also its `ssd_stored` / `ssd_removed` events
+    /// (issue 30: the vLLM tier reports each block's medium). False in server mode.
+    fn enable_media_events(&self, capacity: usize) -> bool {
+        self.client
+            .with_engine(|e| e.enable_media_events(capacity))
+            .is_some()
+    }
+
+    /// Where `key` is in this process's engine: `(dram bytes, ssd bytes)`, each None where
+    /// absent; None in server mode. No stats or recency side effects.
+    fn placement(&self, key: &str) -> Option<(Option<u64>, Option<u64>)> {
+        self.client.with_engine(|e| {
+            let p = e.placement(key.as_bytes());
+            (p.dram_len, p.ssd_len)
+        })
+    }
+
     /// Take up to `max` of the oldest events: `([(seq, kind, group, depth)], dropped_total,
-    /// pending)`, `kind` one of `stored`, `evicted`, `removed`, `cleared`, `group` the page
+    /// pending)`, `kind` one of `stored`, `evicted`, `removed`, `cleared` (and `ssd_stored`,
+    /// `ssd_removed` after `enable_media_events`), `group` the page
     /// group (`[tag/]page_hash@`; bytes that are not UTF-8 are replaced). Empty in server
     /// mode.
     #[allow(clippy::type_complexity)] // the tuple is the Python-facing shape
