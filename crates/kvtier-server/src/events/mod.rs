@@ -73,11 +73,15 @@ pub struct EventsConfig {
     pub ownership: String,
 }
 
-/// What the stream has published as held: each stored group (with its store namespace, so
-/// one page held by two tenants is two entries, as on the live stream) and the medium it is
-/// on -> its name on the stream.
+/// A held group: its store (index among the server's stores), the group as stored (with its
+/// store namespace, so one page held by two tenants is two entries) and its medium.
+type HeldKey = (usize, Box<[u8]>, Medium);
+
+/// What the stream has published as held -> each group's name on the stream. Events are
+/// derived from changes of this set, so the stream never says a block is stored twice on one
+/// medium or removed when it never said it was stored (an engine event the ring lost).
 struct HostHeld {
-    groups: std::collections::HashMap<(Box<[u8]>, Medium), encode::Mapped>,
+    groups: std::collections::HashMap<HeldKey, encode::Mapped>,
     ownership: Arc<str>,
 }
 
@@ -85,8 +89,10 @@ impl HeldSet for HostHeld {
     fn snapshot(&self, prefix: &[u8]) -> Vec<(Holder, encode::Mapped)> {
         self.groups
             .iter()
-            .filter(|((k, _), _)| encode::engine_key(k).starts_with(prefix))
-            .map(|((_, medium), m)| (Holder::new(Arc::clone(&self.ownership), Some(*medium)), *m))
+            .filter(|((_, k, _), _)| encode::engine_key(k).starts_with(prefix))
+            .map(|((_, _, medium), m)| {
+                (Holder::new(Arc::clone(&self.ownership), Some(*medium)), *m)
+            })
             .collect()
     }
 }
@@ -209,13 +215,13 @@ fn medium_of(kind: EventKind) -> Option<(Medium, bool)> {
     }
 }
 
-/// Drain one store's engine ring into `events` and `changes` (bounded: at most the ring's
+/// Drain store number `index`'s engine ring into `changes` (bounded: at most the ring's
 /// capacity, DRAIN_BATCH per call).
 fn drain_store(
     p: &Producer,
     store: &TenantStore,
+    index: usize,
     seen: &mut u64,
-    events: &mut Vec<(Option<Medium>, Event)>,
     changes: &mut Vec<Change>,
 ) {
     for _ in 0..=p.engine_ring / DRAIN_BATCH + 1 {
@@ -224,15 +230,15 @@ fn drain_store(
         };
         for ev in &d.events {
             match medium_of(ev.kind) {
-                None => {
-                    events.push((None, Event::Cleared));
-                    changes.push(None);
-                }
+                None => changes.push(Change::Cleared(index)),
                 Some((medium, stored)) => match encode::map_group(&ev.group) {
                     Some(m) => {
-                        push(events, medium, stored, m);
-                        let key: Box<[u8]> = ev.group.as_ref().into();
-                        changes.push(Some(((key, medium), stored.then_some(m))));
+                        let key = (index, ev.group.as_ref().into(), medium);
+                        changes.push(if stored {
+                            Change::Held(key, m)
+                        } else {
+                            Change::Gone(key)
+                        });
                     }
                     None => p.stream.count_unmapped(1),
                 },
@@ -259,16 +265,14 @@ fn produce(p: &Producer, stores: &[Arc<TenantStore>]) {
     loop {
         // Read the flag before draining, so the last round publishes what came before it.
         let stopping = p.stream.stopping();
-        let mut events = Vec::new();
         // Changes to the held set, in order.
         let mut changes: Vec<Change> = Vec::new();
-        for (store, seen) in stores.iter().zip(dropped_seen.iter_mut()) {
-            drain_store(p, store, seen, &mut events, &mut changes);
+        for (index, (store, seen)) in stores.iter().zip(dropped_seen.iter_mut()).enumerate() {
+            drain_store(p, store, index, seen, &mut changes);
         }
-        if !events.is_empty() {
+        if !changes.is_empty() {
             p.stream.update(|held| {
-                apply(held, changes);
-                let owned = events
+                let owned = apply(held, changes)
                     .into_iter()
                     .map(|(medium, e)| (Holder::new(Arc::clone(&p.ownership), medium), e))
                     .collect();
@@ -290,22 +294,58 @@ fn produce(p: &Producer, stores: &[Arc<TenantStore>]) {
     }
 }
 
-/// One change of the held set: a group (as stored) on a medium with its name or removed
-/// (`None` name); `None` is a clear.
-type Change = Option<((Box<[u8]>, Medium), Option<encode::Mapped>)>;
+/// One change of the held set, in the engine's order.
+enum Change {
+    /// The group is held (on the key's medium) under this name.
+    Held(HeldKey, encode::Mapped),
+    /// The group left the key's medium.
+    Gone(HeldKey),
+    /// Store number `.0` was cleared (every group, every medium).
+    Cleared(usize),
+}
 
-fn apply(held: &mut HostHeld, changes: Vec<Change>) {
+/// Apply `changes` to the held set; the events are what changed. A clear is
+/// `AllBlocksCleared` when the cleared store held everything the stream holds, else a
+/// `BlockRemoved` of each of its groups (the other stores' blocks are still held).
+fn apply(held: &mut HostHeld, changes: Vec<Change>) -> Vec<(Option<Medium>, Event)> {
+    let mut out = Vec::new();
     for change in changes {
         match change {
-            None => held.groups.clear(),
-            Some((key, Some(m))) => {
-                held.groups.insert(key, m);
+            Change::Held(key, m) => {
+                let medium = key.2;
+                if held.groups.insert(key, m).is_none() {
+                    push(&mut out, medium, true, m);
+                }
             }
-            Some((key, None)) => {
-                held.groups.remove(&key);
+            Change::Gone(key) => {
+                let medium = key.2;
+                if let Some(m) = held.groups.remove(&key) {
+                    push(&mut out, medium, false, m);
+                }
+            }
+            Change::Cleared(store) => {
+                if held.groups.keys().all(|k| k.0 == store) {
+                    held.groups.clear();
+                    out.push((None, Event::Cleared));
+                    continue;
+                }
+                let mut gone: Vec<HeldKey> = held
+                    .groups
+                    .keys()
+                    .filter(|k| k.0 == store)
+                    .cloned()
+                    .collect();
+                gone.sort_by_key(|k| k.2);
+                for key in gone {
+                    let medium = key.2;
+                    if let Some(m) = held.groups.remove(&key) {
+                        push(&mut out, medium, false, m);
+                    }
+                }
             }
         }
     }
+    out
 }
 
 impl EventsConfig {
@@ -352,5 +392,57 @@ impl EventsConfig {
             engine_ring: size(s.host_events_engine_ring),
             ownership: format!("kvtier:{node}"),
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use encode::{BlockHash, Mapped};
+
+    fn m(v: i64) -> Mapped {
+        Mapped {
+            hash: BlockHash::Signed(v),
+            group_idx: None,
+        }
+    }
+
+    fn key(store: usize, group: &str, medium: Medium) -> HeldKey {
+        (store, group.as_bytes().into(), medium)
+    }
+
+    #[test]
+    fn events_follow_the_held_set_and_a_store_clear_spares_the_others() {
+        let mut held = HostHeld {
+            groups: std::collections::HashMap::new(),
+            ownership: "kvtier:n".into(),
+        };
+        let out = apply(
+            &mut held,
+            vec![
+                Change::Held(key(0, "a@", Medium::Dram), m(1)),
+                Change::Held(key(0, "a@", Medium::Ssd), m(1)),
+                Change::Held(key(0, "a@", Medium::Dram), m(1)), // a lost removal: no repeat
+                Change::Gone(key(0, "never@", Medium::Dram)),   // never held: nothing
+                Change::Held(key(1, "b@", Medium::Dram), m(2)),
+                Change::Gone(key(0, "a@", Medium::Dram)),
+            ],
+        );
+        assert_eq!(
+            out,
+            vec![
+                (Some(Medium::Dram), Event::Stored(vec![m(1)])),
+                (Some(Medium::Ssd), Event::Stored(vec![m(1)])),
+                (Some(Medium::Dram), Event::Stored(vec![m(2)])),
+                (Some(Medium::Dram), Event::Removed(vec![m(1)])),
+            ]
+        );
+        // Store 0 cleared while store 1 holds a block: removals of store 0's, no reset.
+        let out = apply(&mut held, vec![Change::Cleared(0)]);
+        assert_eq!(out, vec![(Some(Medium::Ssd), Event::Removed(vec![m(1)]))]);
+        // Store 1 holds everything left: its clear is the reset.
+        let out = apply(&mut held, vec![Change::Cleared(1)]);
+        assert_eq!(out, vec![(None, Event::Cleared)]);
+        assert!(held.groups.is_empty());
     }
 }
