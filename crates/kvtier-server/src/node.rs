@@ -39,6 +39,7 @@ use std::time::Duration;
 use crate::server::TenantStore;
 use kvtier_client::cluster::master::MasterLink;
 use kvtier_client::metrics::ReadyGate;
+use kvtier_client::store::Store;
 use kvtier_master::rpc::{
     AddNodeKeysRequest, HeartbeatRequest, LeaveNodeRequest, RegisterNodeRequest,
     ReportDroppedRequest,
@@ -261,10 +262,10 @@ pub(crate) fn cluster_keys_under(
     limit: usize,
 ) -> HashSet<Vec<u8>> {
     store
-        .with_engine(|engine| {
-            engine
-                .inspect_prefix(prefix, limit)
-                .0
+        .inner()
+        .inspect(&[], Some(prefix), limit)
+        .map(|(_, under, _)| {
+            under
                 .into_iter()
                 .map(|p| p.key)
                 .filter(|k| kvtier_proto::namespace::is_cluster_key(k))

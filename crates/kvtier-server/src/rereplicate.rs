@@ -39,6 +39,7 @@ use std::time::{Duration, Instant};
 use crate::server::TenantStore;
 use kvtier_client::cluster::master::MasterLink;
 use kvtier_client::metrics::names;
+use kvtier_client::store::Store;
 use kvtier_client::transport::tcp::{TcpTransport, TcpTransportConfig};
 use kvtier_client::transport::{PutItem, Transport};
 use kvtier_master::directory::{key_hash, KeyHash};

@@ -50,6 +50,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::server::TenantStore;
+use kvtier_client::store::Store;
 use kvtier_client::transport::ucx::{host_id, Context, Registration, Worker};
 use kvtier_engine::PinnedObject;
 use kvtier_proto::auth::{ObjectIntegrity, CHECKSUM_LEN};
@@ -290,7 +291,8 @@ impl UcxNode {
         data_ip: IpAddr,
     ) -> Result<UcxNode, String> {
         let (base, len) = store
-            .with_engine(|e| e.dram_memory())
+            .inner()
+            .dram_memory()
             .ok_or("the node's store is not an embedded engine")?;
         let context = Context::bound_to(data_ip).map_err(|e| e.to_string())?;
         let worker = context.worker().map_err(|e| e.to_string())?;

@@ -9,6 +9,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvtier_client::store::Store;
 use kvtier_client::transport::tcp::{TcpTransport, TcpTransportConfig};
 use kvtier_client::transport::{GetItem, PutItem, Transport, TransportError};
 use kvtier_client::KvtierConfig;

@@ -10,6 +10,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvtier_client::store::Store;
 use kvtier_client::transport::tcp::{TcpTransport, TcpTransportConfig};
 use kvtier_client::transport::ucx::{Context, RemoteExtent};
 use kvtier_client::KvtierConfig;
