@@ -13,9 +13,8 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use kvtier_engine::{EngineStats, PinnedObject, PutOutcome};
+use kvtier_engine::{PinnedObject, PutOutcome};
 use kvtier_proto::{ExistsV2Answer, ExistsV2Query};
-use serde::Serialize;
 
 use crate::batch::{BatchResult, MemRef, PageBatch};
 use crate::cluster::ClusterStore;
@@ -28,19 +27,7 @@ use crate::store::{
 };
 
 pub use crate::store::embedded::PARALLEL_COPY_MIN_BYTES_PER_THREAD;
-
-/// Counters the client keeps on top of the engine's.
-#[derive(Clone, Debug, Default, Serialize)]
-pub struct ClientStats {
-    #[serde(flatten)]
-    pub engine: EngineStats,
-    /// Buffers refused because they were outside registered memory.
-    pub rejected_buffers: u64,
-    /// Batches refused whole because their shape was inconsistent.
-    pub rejected_batches: u64,
-    pub registered_regions: u64,
-    pub registered_bytes: u64,
-}
+pub use kvtier_store::stats::ClientStats;
 
 pub struct Client {
     config: KvtierConfig,
@@ -571,4 +558,17 @@ unsafe fn populate_if_sparse(ptr: usize, len: usize, fd: std::os::fd::BorrowedFd
         unsafe { std::ptr::read_volatile(at as *const u8) };
         at = (at - at % page) + page;
     }
+}
+
+/// Register a memfd mapping this process owns (benchmarks, tests) with a client, zero copy in
+/// server mode. The registration must end before `map` is dropped: callers unregister (or drop
+/// the client) first.
+pub fn register_own_memfd(
+    client: &Client,
+    map: &crate::memory::StagingMap,
+    label: &str,
+) -> Result<RegionId, ClientError> {
+    // SAFETY: `map` is a live shared mapping of exactly `map.len()` bytes at `map.addr()`,
+    // which is `[0, len)` of `map.fd()`; the caller keeps it alive while registered.
+    unsafe { client.register_memfd(map.addr(), map.len(), map.fd(), 0, label) }
 }

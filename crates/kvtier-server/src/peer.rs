@@ -50,11 +50,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::server::TenantStore;
-use kvtier_client::metrics::names;
-use kvtier_client::store::Store;
-use kvtier_client::transport::tcp::write_all_vectored;
 use kvtier_engine::PinnedObject;
-use kvtier_master::directory::{key_hash, KeyHash};
 use kvtier_proto::auth::{
     proof, verify, ObjectIntegrity, NONCE_LEN, PEER_CLIENT_LABEL, PEER_NODE_LABEL,
 };
@@ -70,6 +66,10 @@ use kvtier_proto::{
     encode_frame, read_frame_limited, BatchResult as WireResult, Decode, ErrorReply, FrameHeader,
     KeyBatch, Opcode, ProtoError,
 };
+use kvtier_rpc::{key_hash, KeyHash};
+use kvtier_store::metrics::names;
+use kvtier_store::store::Store;
+use kvtier_transport::tcp::write_all_vectored;
 use parking_lot::Mutex;
 
 /// Largest body accepted before the handshake is done.
@@ -1009,7 +1009,7 @@ fn remove_or_demote(shared: &PortShared, op: Opcode, keys: &[Vec<u8>]) -> Vec<bo
                 shared.held.remove(k);
                 return shared.store.remove_keys(&[k]) == 1;
             }
-            let page = kvtier_client::PageBatch {
+            let page = kvtier_store::PageBatch {
                 prefix: &[],
                 page_keys: &[k],
                 suffixes: &[[0u8; 0]],

@@ -43,9 +43,9 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use kvtier_client::store::Store;
 use kvtier_engine::eviction::events::EventKind;
 use kvtier_events::{HeldSet, Stream, StreamConfig, TICK};
+use kvtier_store::store::Store;
 use serde_json::{json, Value};
 
 use crate::server::TenantStore;

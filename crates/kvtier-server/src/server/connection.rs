@@ -26,8 +26,6 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_client::store::Store;
-use kvtier_client::PageBatch;
 use kvtier_proto::frame::{
     FrameHeader, FLAG_ERROR, FLAG_RESPONSE, HEADER_LEN, MAX_FRAME_BODY, PROTOCOL_VERSION,
 };
@@ -39,6 +37,8 @@ use kvtier_proto::{
     encode_frame, BatchResult as WireResult, Decode, Encode, ErrorReply, ExistsV2Query, Handshake,
     KeyBatch, Opcode, ProtoError,
 };
+use kvtier_store::store::Store;
+use kvtier_store::PageBatch;
 
 use super::documents::{inspect_document, stats_document};
 use super::ledger::Kind;

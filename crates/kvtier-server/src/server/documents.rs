@@ -13,10 +13,10 @@
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
-use kvtier_client::client::ClientStats;
-use kvtier_client::metrics::{names, Collector, Samples};
-use kvtier_client::store::Store;
 use kvtier_proto::server::InspectQuery;
+use kvtier_store::metrics::{names, Collector, Samples};
+use kvtier_store::stats::ClientStats;
+use kvtier_store::store::Store;
 use serde_json::{json, Value};
 
 use super::session::Session;

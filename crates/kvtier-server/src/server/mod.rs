@@ -29,7 +29,7 @@
 //! client killed with SIGKILL included), while a request already running keeps its mapping
 //! alive until it finishes; page puts are put-if-absent with per-page rollback, so nothing
 //! half-written is visible; each page buffer is bounds-checked once, against the session's
-//! mapping ([`kvtier_client::store::CheckedBuffers`]), never against a region registry.
+//! mapping ([`kvtier_store::store::CheckedBuffers`]), never against a region registry.
 
 mod connection;
 mod documents;
@@ -50,10 +50,10 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvtier_client::metrics::{self as kvmetrics, Endpoint};
-use kvtier_client::store::Store;
 use kvtier_proto::server::error_code;
 use kvtier_proto::Opcode;
+use kvtier_store::metrics::{self as kvmetrics, Endpoint};
+use kvtier_store::store::Store;
 use parking_lot::Mutex;
 use serde_json::{json, Value};
 
@@ -70,9 +70,9 @@ pub use tenant::TenantStore;
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
     #[error(transparent)]
-    Config(#[from] kvtier_client::ConfigError),
+    Config(#[from] kvtier_store::ConfigError),
     #[error("cannot open the store: {0}")]
-    Store(#[from] kvtier_client::ClientError),
+    Store(#[from] kvtier_store::ClientError),
     #[error("socket {path}: {source}")]
     Socket {
         path: PathBuf,
@@ -91,7 +91,7 @@ pub enum ServerError {
     #[error("socket group {0:?} not found in /etc/group")]
     UnknownGroup(String),
     #[error(transparent)]
-    Metrics(#[from] kvtier_client::metrics::MetricsError),
+    Metrics(#[from] kvtier_store::metrics::MetricsError),
     /// Issue 30: the host KV-event stream could not start (its endpoint named).
     #[error(transparent)]
     Events(#[from] crate::events::EventsError),
@@ -236,7 +236,7 @@ impl Server {
             .engine
             .engine
             .resolve_default_ssd_dir()
-            .map_err(kvtier_client::ClientError::from)?
+            .map_err(kvtier_store::ClientError::from)?
         {
             tracing::warn!("{notice}");
         }

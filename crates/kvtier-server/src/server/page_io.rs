@@ -18,10 +18,10 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use kvtier_client::store::CheckedBuffers;
-use kvtier_client::{BatchResult, PageBatch};
 use kvtier_proto::server::{PageIo, ShmRef};
 use kvtier_proto::{BatchResult as WireResult, ItemFailure};
+use kvtier_store::store::CheckedBuffers;
+use kvtier_store::{BatchResult, PageBatch};
 
 use super::session::Session;
 use crate::shm::{Mapping, ShmError};

@@ -10,7 +10,7 @@
 //!   cannot all pass a limit checked before any of them is counted.
 //! - A session ends when its last connection closes (a client killed with SIGKILL included):
 //!   its mappings leave the table then, and each is unmapped once the last request still
-//!   holding it (in a [`kvtier_client::store::CheckedBuffers`]) finishes.
+//!   holding it (in a [`kvtier_store::store::CheckedBuffers`]) finishes.
 //! - Import direction (issue 28): this module never names the server-wide state
 //!   (`super::Shared`); the server's `mod.rs` owns a [`Sessions`] and lends what a session's
 //!   calls need as an [`Env`]. The arrow points one way: `mod.rs` → `session`.
@@ -27,8 +27,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvtier_client::store::Store;
 use kvtier_proto::server::{error_code, RegisterRegion};
+use kvtier_store::store::Store;
 use parking_lot::{Mutex, MutexGuard, RwLock};
 
 use super::ledger::{Kind, Ledger};

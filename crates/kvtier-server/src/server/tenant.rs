@@ -18,9 +18,9 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use kvtier_client::metrics::names;
-use kvtier_client::store::{EmbeddedStore, Metered, Store, StoreMeter};
-use kvtier_client::{ClientError, KvtierConfig};
+use kvtier_store::metrics::names;
+use kvtier_store::store::{EmbeddedStore, Metered, Store, StoreMeter};
+use kvtier_store::{ClientError, KvtierConfig};
 
 use crate::config::ServerConfig;
 

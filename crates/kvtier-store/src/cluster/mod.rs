@@ -17,7 +17,8 @@
 //! - Failures are per item: a dead node costs at most one request timeout, after which the
 //!   transport fails it fast (marked down) and the master drops it when its lease lapses.
 
-pub mod master;
+pub use kvtier_transport::master;
+pub use kvtier_transport::master::ClusterError;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -117,31 +118,6 @@ impl ObjectError {
     }
 }
 
-/// Errors of the cluster control path.
-#[derive(Debug, thiserror::Error)]
-pub enum ClusterError {
-    #[error("kvtier master {address}: {reason}")]
-    Connect { address: String, reason: String },
-    #[error("no kvtier master answered as leader ({last})")]
-    NoLeader { last: String },
-    #[error("kvtier master {address}: {code:?}: {message}")]
-    Rpc {
-        address: String,
-        code: tonic::Code,
-        message: String,
-    },
-    #[error("cluster mode: {0}")]
-    Setup(String),
-    #[error("kvtier master sent a malformed reply: {0}")]
-    BadReply(String),
-    #[error("cluster node {node}: {source}")]
-    Node {
-        node: String,
-        #[source]
-        source: TransportError,
-    },
-}
-
 /// A master call's failure as an object's: the master refusing the request's content is the
 /// caller's; anything else (unreachable, no leader, a timeout, overload) the cluster's.
 fn master_error(e: &ClusterError) -> ObjectError {
@@ -168,33 +144,6 @@ fn fetch_error(e: &TransportError) -> ObjectError {
         TransportError::SizeMismatch { .. } => ObjectError::WrongLength(e.to_string()),
         TransportError::Integrity { .. } => ObjectError::Integrity(e.to_string()),
         e => node_error(e),
-    }
-}
-
-impl ClusterError {
-    /// Issue 29: a fault of the cluster (a master unreachable, no leader, a node down, a
-    /// timeout, a malformed reply), not of the caller's setup or credential.
-    pub fn is_infrastructure(&self) -> bool {
-        match self {
-            ClusterError::Setup(_) => false,
-            ClusterError::Rpc { code, .. } => !matches!(
-                code,
-                tonic::Code::InvalidArgument
-                    | tonic::Code::OutOfRange
-                    | tonic::Code::Unauthenticated
-                    | tonic::Code::PermissionDenied
-            ),
-            ClusterError::Connect { .. }
-            | ClusterError::NoLeader { .. }
-            | ClusterError::BadReply(_)
-            | ClusterError::Node { .. } => true,
-        }
-    }
-
-    /// Issue 27: the master refused the cluster token (Unauthenticated / PermissionDenied):
-    /// retrying cannot help.
-    pub fn is_credential_refused(&self) -> bool {
-        matches!(self, ClusterError::Rpc { code, .. } if master::credential_refused(*code))
     }
 }
 
