@@ -776,7 +776,7 @@ pub(crate) fn run(args: BenchClusterArgs) -> Result<ExitCode, String> {
     // Touch every page once, so no round pays for page faults.
     let zeros = vec![0u8; 2 * half];
     pool.write(0, &zeros).map_err(|e| e.to_string())?;
-    let region = kvtier_server::shm::register_own_memfd(&client, &pool, "bench pool")
+    let region = kvtier_client::client::register_own_memfd(&client, &pool, "bench pool")
         .map_err(|e| e.to_string())?;
     let mut raw = RawTcp::start(half).map_err(|e| format!("raw TCP baseline: {e}"))?;
     let max_streams = sizes

@@ -237,7 +237,7 @@ fn measure(
     let mut pool = StagingMap::create(2 * half, "bench-ucx-pool").map_err(|e| e.to_string())?;
     pool.write(0, &vec![0u8; 2 * half])
         .map_err(|e| e.to_string())?;
-    let region = kvtier_server::shm::register_own_memfd(&client, &pool, "bench pool")
+    let region = kvtier_client::client::register_own_memfd(&client, &pool, "bench pool")
         .map_err(|e| e.to_string())?;
     let mut rows = Vec::new();
     let mut round_id = 0u64;

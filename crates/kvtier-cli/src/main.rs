@@ -17,6 +17,8 @@
 
 mod bench;
 mod bench_cluster;
+/// `kvtier bench server` (it lived in kvtier-server before the store/transport split).
+mod bench_server;
 /// Issue 17: `kvtier bench cluster --transport`.
 mod bench_ucx;
 mod cluster_view;
@@ -84,7 +86,7 @@ enum Command {
 enum BenchCommand {
     /// Batch get/set through `kvtier serve` with shared memory vs same-run memcpy and memfd
     /// copy; batch_exists_v2 (128 pages x 4 pools) round-trip latency.
-    Server(kvtier_server::bench::BenchServerArgs),
+    Server(bench_server::BenchServerArgs),
     /// Multi-turn chat workload through the real SGLang backend under a DRAM budget:
     /// prefix_depth vs lru eviction (runs `python -m kvtier_dev.bench workload ARGS...`).
     Workload(workload::WorkloadArgs),

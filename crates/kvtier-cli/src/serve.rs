@@ -3,7 +3,7 @@
 
 use std::process::ExitCode;
 
-use kvtier_server::bench::BenchServerArgs;
+use crate::bench_server::BenchServerArgs;
 use kvtier_server::cli::{InspectArgs, ServeArgs, StatArgs};
 
 #[derive(clap::Subcommand)]
@@ -35,5 +35,5 @@ pub fn run(command: ServerCommand) -> Result<ExitCode, String> {
 }
 
 pub fn bench(args: BenchServerArgs) -> Result<ExitCode, String> {
-    kvtier_server::bench::bench_server_main(args).map(|_| ExitCode::SUCCESS)
+    crate::bench_server::bench_server_main(args).map(|_| ExitCode::SUCCESS)
 }

@@ -496,7 +496,7 @@ fn legit_round(socket: &Path, tenant: &str, as_other_uid: bool) -> Result<(), St
     const LEN: usize = 64 << 10;
     let map =
         kvtier_client::memory::StagingMap::create(8 * LEN, "legit").map_err(|e| e.to_string())?;
-    let region = kvtier_server::shm::register_own_memfd(&client, &map, "legit")
+    let region = kvtier_client::client::register_own_memfd(&client, &map, "legit")
         .map_err(|e| e.to_string())?;
     let names: Vec<Vec<u8>> = (0..8)
         .map(|i| format!("{tenant}-legit-{i}").into_bytes())

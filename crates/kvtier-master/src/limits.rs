@@ -35,8 +35,8 @@ pub const REPAIR_GRACE_LEASES: u32 = 2;
 
 // --- the RPC service -----------------------------------------------------------------------
 
-/// Most keys one RPC may carry (the protocol's batch bound).
-pub const MAX_KEYS_PER_CALL: usize = kvtier_proto::limits::MAX_KEYS_PER_BATCH;
+/// Most keys one RPC may carry (declared in `kvtier-rpc`: a node splits its calls by it).
+pub const MAX_KEYS_PER_CALL: usize = kvtier_rpc::MAX_KEYS_PER_CALL;
 /// Largest RPC message the master decodes (declared in `kvtier-rpc` for both ends).
 pub const MAX_RPC_MESSAGE_BYTES: usize = kvtier_rpc::MAX_RPC_MESSAGE_BYTES;
 /// How long one existence query may evaluate.

@@ -219,7 +219,7 @@ pub fn serve_config(args: &ServeArgs) -> Result<ServerConfig, String> {
         }
     }
     // Issue 26: `vars_os`, so a non-UTF-8 variable of another program cannot panic the server.
-    let env = kvtier_client::config::process_env().map_err(|e| e.to_string())?;
+    let env = kvtier_store::config::process_env().map_err(|e| e.to_string())?;
     ServerConfig::load(ServerSources {
         file: args.config.clone(),
         env,
@@ -294,7 +294,7 @@ pub fn check_serve_config(config: &ServerConfig) -> Result<Option<std::net::Sock
 
 /// The cluster flags: none, or a master with a data address peers can reach.
 fn check_cluster_settings(
-    settings: &kvtier_client::KvtierConfig,
+    settings: &kvtier_store::KvtierConfig,
 ) -> Result<Option<std::net::SocketAddr>, String> {
     let masters = settings.master_addresses();
     if masters.is_empty() {
@@ -451,7 +451,7 @@ pub fn fetch_stats(socket: &std::path::Path) -> Result<Value, String> {
         socket,
         "kvtier-stat",
         Opcode::Stats,
-        &kvtier_client::remote::EmptyBody,
+        &kvtier_store::store::local_server::EmptyBody,
     )
 }
 
@@ -762,7 +762,7 @@ pub struct ClusterNode {
 /// cannot serve it says why and serves frames only (`Err(why)`).
 /// Issue 26 §1: UCX uses only the devices behind the interface of `data` (`--data-addr`).
 fn start_ucx_node(
-    settings: &kvtier_client::KvtierConfig,
+    settings: &kvtier_store::KvtierConfig,
     store: &crate::server::TenantStore,
     data: std::net::SocketAddr,
 ) -> Result<std::sync::Arc<crate::ucx_node::UcxNode>, String> {
@@ -788,7 +788,7 @@ fn start_ucx_node(
 
 /// Start the data port and the node agent when the settings name a master.
 pub fn start_cluster_node(
-    settings: &kvtier_client::KvtierConfig,
+    settings: &kvtier_store::KvtierConfig,
     store: std::sync::Arc<crate::server::TenantStore>,
 ) -> Result<Option<ClusterNode>, String> {
     let masters = settings.master_addresses();

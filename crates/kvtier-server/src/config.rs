@@ -17,7 +17,7 @@
 //!
 //! Issue 16: the server's own keys may also sit in a `[server]` table, and the engine schema's
 //! `[cluster]` / `[events]` sections (kvtier's configuration by audience, see
-//! `kvtier_client::config::SECTIONS`) may be top-level tables here or nested in `[engine]`;
+//! `kvtier_store::config::SECTIONS`) may be top-level tables here or nested in `[engine]`;
 //! a key given both ways is an error naming both.
 //!
 //! Parsing is as strict as the client's: unknown keys, wrong types and out-of-range values are
@@ -26,8 +26,8 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use kvtier_client::config::{read_toml, strict, ConfigError, ConfigSources, Origin};
-use kvtier_client::KvtierConfig;
+use kvtier_store::config::{read_toml, strict, ConfigError, ConfigSources, Origin};
+use kvtier_store::KvtierConfig;
 use serde::de::{self, Deserializer};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -501,7 +501,7 @@ impl ServerConfig {
         for key in merged.keys() {
             if !known.iter().any(|k| k == key) {
                 // Issue 27: a key of the client schema is not unknown, it is misplaced.
-                let engine_key = kvtier_client::config::SECTIONS.iter().any(|(s, keys)| {
+                let engine_key = kvtier_store::config::SECTIONS.iter().any(|(s, keys)| {
                     *s == ENGINE_TABLE && keys.iter().any(|(_, f)| *f == key.as_str())
                 });
                 let reason = if engine_key {
@@ -647,7 +647,7 @@ impl ServerConfig {
                         .is_some_and(|f| *origin == Origin::File(f.clone()))
             })
             .collect();
-        engine.check_applicable(&own, kvtier_client::config::Role::Server)?;
+        engine.check_applicable(&own, kvtier_store::config::Role::Server)?;
         // The server is the store: it never runs in server mode itself.
         engine.server_socket = None;
         engine.server_auto_start = false;

@@ -10,7 +10,7 @@
 //! in a guarded mapping replaces that whole mapping (`MAP_FIXED`) with private anonymous zero
 //! memory and marks its slot *revoked*, so the faulting copy resumes and finishes on zeros.
 //! Every copy from or to client memory asks the region's intact check afterwards (see
-//! [`kvtier_client::store::SharedRegion::intact`]): a put that read revoked memory is not stored, a
+//! [`kvtier_store::store::SharedRegion::intact`]): a put that read revoked memory is not stored, a
 //! get that wrote into it fails, and later requests on the region fail before copying. The
 //! fast path costs nothing (no extra syscall or copy per page); only the fault pays.
 //!

@@ -11,15 +11,14 @@
 //!   tasks of re-replication.
 //!
 //! Each tenant store (and the cluster node's store) is a
-//! [`kvtier_client::store::EmbeddedStore`] reached directly ([`server::TenantStore`]), not
+//! [`kvtier_store::store::EmbeddedStore`] reached directly ([`server::TenantStore`]), not
 //! through a `Client`, so server mode has exactly the put/get/rollback/fold semantics of
 //! embedded mode. A page buffer is bounds-checked once, against the session's mapping, and
-//! handed to the store as [`kvtier_client::store::CheckedBuffers`]: no region registry.
+//! handed to the store as [`kvtier_store::store::CheckedBuffers`]: no region registry.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
-pub mod bench;
 pub mod cli;
 pub mod config;
 /// Issue 30: the host KV-event stream (vLLM's ZMQ wire protocol).

@@ -4,8 +4,8 @@
 
 pub use crate::fault_guard::MAX_GUARDED_MAPPINGS;
 pub use crate::peer::{HELLO_TIMEOUT, MAX_CONNECTIONS, MAX_UNAUTHENTICATED, STOP_WAIT};
-use kvtier_master::limits::{MAX_KEYS_PER_CALL, MAX_RPC_MESSAGE_BYTES};
 use kvtier_proto::limits::{MAX_KEYS_PER_BATCH, MAX_KEY_LEN};
+use kvtier_rpc::{MAX_KEYS_PER_CALL, MAX_RPC_MESSAGE_BYTES};
 
 // --- the local socket's per-uid caps (issue 26 §3; `server::ledger`) ----------------------
 

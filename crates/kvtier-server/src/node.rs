@@ -37,12 +37,13 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::server::TenantStore;
-use kvtier_client::cluster::master::MasterLink;
-use kvtier_client::metrics::ReadyGate;
-use kvtier_master::rpc::{
+use kvtier_rpc::{
     AddNodeKeysRequest, HeartbeatRequest, LeaveNodeRequest, RegisterNodeRequest,
     ReportDroppedRequest,
 };
+use kvtier_store::metrics::ReadyGate;
+use kvtier_store::store::Store;
+use kvtier_transport::master::MasterLink;
 
 use crate::peer::HeldKeys;
 use crate::rereplicate::{Rereplicator, RereplicatorConfig};
@@ -133,7 +134,7 @@ fn backoff(failures: u32) -> Duration {
 }
 
 /// The fatal error of a refused credential, or `None` for a failure worth retrying.
-fn refused(e: &kvtier_client::cluster::ClusterError, masters: &[String]) -> Option<String> {
+fn refused(e: &kvtier_transport::master::ClusterError, masters: &[String]) -> Option<String> {
     e.is_credential_refused().then(|| {
         format!(
             "the master refused this node's cluster token ({e}); check KVTIER_CLUSTER_TOKEN / \
@@ -214,7 +215,7 @@ async fn sleep_unless_stopped(total: Duration, stop: &AtomicBool) -> bool {
 const MAX_REGISTERED_KEYS: usize = 16 << 20;
 /// Most keys, and most key bytes, one master call carries (the master's per-call key limit, and
 /// well inside its 16 MiB message limit with the encoding's few bytes per key).
-const KEYS_PER_CALL: usize = kvtier_master::service::MAX_KEYS_PER_CALL;
+const KEYS_PER_CALL: usize = kvtier_rpc::MAX_KEYS_PER_CALL;
 pub(crate) const KEY_BYTES_PER_CALL: usize = 8 << 20;
 
 /// `keys` cut into runs a master call carries.
@@ -261,10 +262,10 @@ pub(crate) fn cluster_keys_under(
     limit: usize,
 ) -> HashSet<Vec<u8>> {
     store
-        .with_engine(|engine| {
-            engine
-                .inspect_prefix(prefix, limit)
-                .0
+        .inner()
+        .inspect(&[], Some(prefix), limit)
+        .map(|(_, under, _)| {
+            under
                 .into_iter()
                 .map(|p| p.key)
                 .filter(|k| kvtier_proto::namespace::is_cluster_key(k))

@@ -37,12 +37,13 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::server::TenantStore;
-use kvtier_client::cluster::master::MasterLink;
-use kvtier_client::metrics::names;
-use kvtier_client::transport::tcp::{TcpTransport, TcpTransportConfig};
-use kvtier_client::transport::{PutItem, Transport};
-use kvtier_master::directory::{key_hash, KeyHash};
-use kvtier_master::rpc::{CommitPutsRequest, CopyFailure, CopyFailureReason, CopyTask, NodeList};
+use kvtier_rpc::{key_hash, KeyHash};
+use kvtier_rpc::{CommitPutsRequest, CopyFailure, CopyFailureReason, CopyTask, NodeList};
+use kvtier_store::metrics::names;
+use kvtier_store::store::Store;
+use kvtier_transport::master::MasterLink;
+use kvtier_transport::tcp::{TcpTransport, TcpTransportConfig};
+use kvtier_transport::{PutItem, Transport};
 use parking_lot::Mutex;
 
 use crate::peer::HeldKeys;

@@ -6,7 +6,7 @@
 //!
 //! A mapping is a [`SharedRegion`]: every access names `(offset, len)` relative to the region
 //! and is checked once, with overflow-safe arithmetic against the region's length, by
-//! [`kvtier_client::store::CheckedBuffers::push`] before any pointer is formed, so the server
+//! [`kvtier_store::store::CheckedBuffers::push`] before any pointer is formed, so the server
 //! never touches memory outside what the client registered. The checked buffers hold an `Arc`
 //! of the mapping, so it stays mapped until the last request using it has finished; the
 //! embedded store (which owns put/get/rollback semantics) copies through them directly, and
@@ -38,9 +38,7 @@ use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use kvtier_client::memory::RegionId;
-use kvtier_client::store::SharedRegion;
-use kvtier_client::Client;
+use kvtier_store::store::SharedRegion;
 use rustix::fs::{fcntl_add_seals, fcntl_get_seals, fstat, fstatfs, FileType, SealFlags};
 
 use crate::fault_guard::{self, Guard, GuardError};
@@ -228,7 +226,7 @@ impl Mapping {
     }
 
     /// Whether every page of `[offset, offset + len)` of the region (already bounds-checked
-    /// by [`kvtier_client::store::CheckedBuffers::push`]) has memory behind it, so that the
+    /// by [`kvtier_store::store::CheckedBuffers::push`]) has memory behind it, so that the
     /// server's copy into (a get) or out of (a put) it commits nothing. A page of a tmpfs
     /// memfd that was never written (a hole of a sparse file, or punched) has none: touching
     /// it would allocate a page charged to the server (issue 26: a get into every slot of a
@@ -300,19 +298,6 @@ unsafe impl SharedRegion for Mapping {
     fn intact(&self) -> bool {
         !self.revoked()
     }
-}
-
-/// Register a memfd mapping this process owns (benchmarks, tests) with a client, zero copy in
-/// server mode. The registration must end before `map` is dropped: callers unregister (or drop
-/// the client) first.
-pub fn register_own_memfd(
-    client: &Client,
-    map: &kvtier_client::memory::StagingMap,
-    label: &str,
-) -> Result<RegionId, kvtier_client::ClientError> {
-    // SAFETY: `map` is a live shared mapping of exactly `map.len()` bytes at `map.addr()`,
-    // which is `[0, len)` of `map.fd()`; the caller keeps it alive while registered.
-    unsafe { client.register_memfd(map.addr(), map.len(), map.fd(), 0, label) }
 }
 
 impl Drop for Mapping {

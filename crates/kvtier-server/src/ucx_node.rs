@@ -9,18 +9,18 @@
 //! - Only the data port calls [`serve`], on connections that passed the cluster-token
 //!   handshake: an unauthenticated process never learns the worker address or the key.
 //! - Issue 26: the context loads only transports that protect memory (RDMA RC/DC, cma:
-//!   [`kvtier_client::transport::ucx::lanes`]); UCX's emulated lanes, which would serve a
+//!   [`kvtier_transport::ucx::lanes`]); UCX's emulated lanes, which would serve a
 //!   stranger's reads and writes without any key check, are never loaded, and without an RDMA
 //!   lane [`UcxNode::start`] fails with the reason and the node serves frames only. The
 //!   context uses only the devices behind the interface of the node's `--data-addr`
-//!   ([`kvtier_client::transport::ucx::devices`]; a wildcard or no device left: frames).
+//!   ([`kvtier_transport::ucx::devices`]; a wildcard or no device left: frames).
 //! - Issue 26: the arena is never registered as a whole. A lease registers each of its
 //!   extents (whole DRAM blocks of one leased object: blocks are page multiples, so the
 //!   registration's pages hold nothing else) for remote reads only, hands the packed keys to
 //!   the lease's connection, and unmaps them when the lease ends, before its pins drop: a key
 //!   reaches only what one lease pinned, for as long as it is pinned, never a local tenant's
 //!   memory (the data port leases cluster keys only).
-//! - A leased object is pinned ([`kvtier_client::Client::pin`]): its DRAM extents cannot be
+//! - A leased object is pinned ([`kvtier_store::store::Store::pin`]): its DRAM extents cannot be
 //!   evicted or reused until the lease is released or expires ([`LEASE_TIME`]); at most
 //!   [`MAX_LEASES`] leases are held (a new one beyond is refused, the reader uses frames), so
 //!   a peer cannot pin the store full. Expired leases are dropped by the progress thread.
@@ -50,7 +50,6 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::server::TenantStore;
-use kvtier_client::transport::ucx::{host_id, Context, Registration, Worker};
 use kvtier_engine::PinnedObject;
 use kvtier_proto::auth::{ObjectIntegrity, CHECKSUM_LEN};
 use kvtier_proto::frame::{FLAG_ERROR, FLAG_RESPONSE};
@@ -59,6 +58,8 @@ use kvtier_proto::peer_ucx::{
     UcxLeaseReply, UcxLeaseRequest, UcxOffer, UcxRelease, UcxReserveReply, UcxReserveRequest,
     MAX_LEASE_EXTENTS,
 };
+use kvtier_store::store::Store;
+use kvtier_transport::ucx::{host_id, Context, Registration, Worker};
 
 use crate::landing::{Extents, LandingMemory};
 use kvtier_proto::server::error_code;
@@ -290,7 +291,8 @@ impl UcxNode {
         data_ip: IpAddr,
     ) -> Result<UcxNode, String> {
         let (base, len) = store
-            .with_engine(|e| e.dram_memory())
+            .inner()
+            .dram_memory()
             .ok_or("the node's store is not an embedded engine")?;
         let context = Context::bound_to(data_ip).map_err(|e| e.to_string())?;
         let worker = context.worker().map_err(|e| e.to_string())?;

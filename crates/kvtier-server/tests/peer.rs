@@ -9,11 +9,12 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_client::transport::tcp::{TcpTransport, TcpTransportConfig};
-use kvtier_client::transport::{GetItem, PutItem, Transport, TransportError};
-use kvtier_client::KvtierConfig;
 use kvtier_server::peer::DataPort;
 use kvtier_server::server::TenantStore;
+use kvtier_store::store::Store;
+use kvtier_store::KvtierConfig;
+use kvtier_transport::tcp::{TcpTransport, TcpTransportConfig};
+use kvtier_transport::{GetItem, PutItem, Transport, TransportError};
 
 fn store() -> Arc<TenantStore> {
     let config = KvtierConfig {

@@ -8,15 +8,15 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_client::transport::tcp::{TcpTransport, TcpTransportConfig};
-use kvtier_client::transport::{PutItem, Transport};
-use kvtier_client::KvtierConfig;
 use kvtier_proto::auth::CHECKSUM_LEN;
 use kvtier_proto::peer_ucx::{LeaseItem, UcxHello, UcxLeaseReply, UcxLeaseRequest, UcxRelease};
 use kvtier_proto::Opcode;
 use kvtier_server::peer::DataPort;
 use kvtier_server::server::TenantStore;
 use kvtier_server::ucx_node::UcxNode;
+use kvtier_store::KvtierConfig;
+use kvtier_transport::tcp::{TcpTransport, TcpTransportConfig};
+use kvtier_transport::{PutItem, Transport};
 
 const TOKEN: &[u8] = b"lease-token";
 /// A cluster key (the data port serves the cluster namespace only).
@@ -47,10 +47,7 @@ fn leases_are_owned_by_their_connection_and_end_with_it() {
     std::env::set_var("UCX_TLS", "tcp");
     // Issue 26: UCX's tcp lane is emulated and refused by default; the protocol is tested
     // over it through the INSECURE test hook (no RDMA here).
-    std::env::set_var(
-        kvtier_client::transport::ucx::lanes::INSECURE_EMULATED_RMA_ENV,
-        "1",
-    );
+    std::env::set_var(kvtier_transport::ucx::lanes::INSECURE_EMULATED_RMA_ENV, "1");
     std::env::set_var("UCX_NET_DEVICES", "lo");
     let store = Arc::new(
         TenantStore::open(
@@ -169,10 +166,7 @@ fn leases_are_owned_by_their_connection_and_end_with_it() {
 #[test]
 fn a_member_leasing_everything_cannot_block_puts() {
     std::env::set_var("UCX_TLS", "tcp");
-    std::env::set_var(
-        kvtier_client::transport::ucx::lanes::INSECURE_EMULATED_RMA_ENV,
-        "1",
-    );
+    std::env::set_var(kvtier_transport::ucx::lanes::INSECURE_EMULATED_RMA_ENV, "1");
     std::env::set_var("UCX_NET_DEVICES", "lo");
     let store = Arc::new(
         TenantStore::open(

@@ -10,9 +10,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_client::transport::tcp::{TcpTransport, TcpTransportConfig};
-use kvtier_client::transport::ucx::{Context, RemoteExtent};
-use kvtier_client::KvtierConfig;
 use kvtier_proto::auth::ObjectIntegrity;
 use kvtier_proto::peer_ucx::{
     CommitItem, ReserveItem, UcxCommit, UcxCommitReply, UcxHello, UcxLanding, UcxOffer,
@@ -22,6 +19,10 @@ use kvtier_proto::Opcode;
 use kvtier_server::peer::DataPort;
 use kvtier_server::server::TenantStore;
 use kvtier_server::ucx_node::UcxNode;
+use kvtier_store::store::Store;
+use kvtier_store::KvtierConfig;
+use kvtier_transport::tcp::{TcpTransport, TcpTransportConfig};
+use kvtier_transport::ucx::{Context, RemoteExtent};
 
 const TOKEN: &[u8] = b"put-token";
 /// Cluster keys (the data port serves the cluster namespace only).
@@ -58,10 +59,7 @@ fn puts_land_verified_and_reservations_are_owned_and_bounded() {
     std::env::set_var("UCX_TLS", "tcp");
     // Issue 26: UCX's tcp lane is emulated and refused by default; the protocol is tested
     // over it through the INSECURE test hook (no RDMA here).
-    std::env::set_var(
-        kvtier_client::transport::ucx::lanes::INSECURE_EMULATED_RMA_ENV,
-        "1",
-    );
+    std::env::set_var(kvtier_transport::ucx::lanes::INSECURE_EMULATED_RMA_ENV, "1");
     std::env::set_var("UCX_NET_DEVICES", "lo");
     let store = Arc::new(
         TenantStore::open(

@@ -53,6 +53,7 @@ use std::time::Duration;
 
 use kvtier_engine::eviction::events::EventKind;
 use kvtier_events::{HeldSet, Stream, StreamConfig, TICK};
+use kvtier_store::store::Store;
 use serde_json::{json, Value};
 
 use crate::server::TenantStore;
@@ -127,7 +128,7 @@ impl HostEvents {
             },
         )?);
         for store in &stores {
-            store.with_engine(|e| e.enable_media_events(config.engine_ring));
+            store.enable_media_events(config.engine_ring);
         }
         let engine_dropped = Arc::new(AtomicU64::new(0));
         let p = Producer {
@@ -225,7 +226,7 @@ fn drain_store(
     changes: &mut Vec<Change>,
 ) {
     for _ in 0..=p.engine_ring / DRAIN_BATCH + 1 {
-        let Some(d) = store.with_engine(|e| e.drain_events(DRAIN_BATCH)) else {
+        let Some(d) = store.drain_events(DRAIN_BATCH) else {
             break;
         };
         for ev in &d.events {

@@ -23,7 +23,7 @@ use tonic::service::Interceptor;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Request, Response, Status};
 
-use super::ClusterError;
+use crate::TransportError;
 
 /// Largest RPC message sent or accepted: the master's own limit, so an oversized request fails
 /// here with a clear error.
@@ -251,5 +251,57 @@ impl MasterLink {
                 }
             }
         }
+    }
+}
+
+/// Errors of the cluster control path.
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error("kvtier master {address}: {reason}")]
+    Connect { address: String, reason: String },
+    #[error("no kvtier master answered as leader ({last})")]
+    NoLeader { last: String },
+    #[error("kvtier master {address}: {code:?}: {message}")]
+    Rpc {
+        address: String,
+        code: tonic::Code,
+        message: String,
+    },
+    #[error("cluster mode: {0}")]
+    Setup(String),
+    #[error("kvtier master sent a malformed reply: {0}")]
+    BadReply(String),
+    #[error("cluster node {node}: {source}")]
+    Node {
+        node: String,
+        #[source]
+        source: TransportError,
+    },
+}
+
+impl ClusterError {
+    /// Issue 29: a fault of the cluster (a master unreachable, no leader, a node down, a
+    /// timeout, a malformed reply), not of the caller's setup or credential.
+    pub fn is_infrastructure(&self) -> bool {
+        match self {
+            ClusterError::Setup(_) => false,
+            ClusterError::Rpc { code, .. } => !matches!(
+                code,
+                tonic::Code::InvalidArgument
+                    | tonic::Code::OutOfRange
+                    | tonic::Code::Unauthenticated
+                    | tonic::Code::PermissionDenied
+            ),
+            ClusterError::Connect { .. }
+            | ClusterError::NoLeader { .. }
+            | ClusterError::BadReply(_)
+            | ClusterError::Node { .. } => true,
+        }
+    }
+
+    /// Issue 27: the master refused the cluster token (Unauthenticated / PermissionDenied):
+    /// retrying cannot help.
+    pub fn is_credential_refused(&self) -> bool {
+        matches!(self, ClusterError::Rpc { code, .. } if credential_refused(*code))
     }
 }

@@ -10,9 +10,9 @@ use kvtier_client::{Client, KvtierConfig, MemRef};
 use kvtier_proto::{ExistsV2Query, HitPolicy, KvComponents, PoolQuery};
 use serde_json::{json, Map, Value};
 
-use crate::config::{ServerConfig, ServerSources};
-use crate::server::Server;
-use crate::shm::register_own_memfd;
+use kvtier_client::client::register_own_memfd;
+use kvtier_server::config::{ServerConfig, ServerSources};
+use kvtier_server::server::Server;
 
 /// Options of `kvtier bench server`.
 #[derive(Debug, Clone, clap::Args)]

@@ -51,7 +51,7 @@ use kvtier_proto::{
 use parking_lot::Mutex;
 
 use super::{GetItem, PutItem, Transport, TransportError};
-use crate::metrics::names;
+use crate::names;
 
 /// A get's bytes are read and hashed in pieces of this size (hashed while in cache).
 const HASH_PIECE: usize = 256 << 10;

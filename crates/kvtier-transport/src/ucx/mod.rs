@@ -73,7 +73,7 @@ use parking_lot::Mutex;
 
 use super::tcp::{ControlSession, TcpTransport};
 use super::{GetItem, PutItem, Transport, TransportError};
-use crate::metrics::names;
+use crate::names;
 pub use plane::{Context, Endpoint, Registration, RemoteExtent, UcxError, Worker};
 
 /// Test-only environment variable (not `KVTIER_*`: that prefix is the config's): caller

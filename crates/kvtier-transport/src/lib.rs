@@ -5,6 +5,10 @@
 //! it never decides placement (the master does) and never sees unregistered memory: callers
 //! hand it slices that the region registry has already bounds-checked.
 
+/// The connection to the cluster's leading master (failover, per-call credentials).
+pub mod master;
+/// The metric names this crate records (listed with every other in `kvtier_store::metrics::names`).
+pub mod names;
 pub mod tcp;
 /// Issue 17: the UCX data plane (one-sided reads from a node's registered arena).
 pub mod ucx;

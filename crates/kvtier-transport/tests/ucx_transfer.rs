@@ -18,13 +18,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier_client::transport::ucx::lanes::INSECURE_EMULATED_RMA_ENV;
-use kvtier_client::transport::ucx::{Context, RemoteExtent, UcxError};
+use kvtier_transport::ucx::lanes::INSECURE_EMULATED_RMA_ENV;
+use kvtier_transport::ucx::{Context, RemoteExtent, UcxError};
 
 const CHILD: &str = "TEST_CHILD_UCX_TRANSFER";
 
 fn run_child(tls: &str) {
-    if let Err(reason) = kvtier_client::transport::ucx::ffi::Ucp::get() {
+    if let Err(reason) = kvtier_transport::ucx::ffi::Ucp::get() {
         eprintln!("SKIP: libucp is not available here: {reason}");
         return;
     }
@@ -49,11 +49,11 @@ fn run_child(tls: &str) {
 
 #[test]
 fn contexts_refuse_emulated_lanes_without_the_hook() {
-    if kvtier_client::transport::ucx::ffi::Ucp::get().is_err() {
+    if kvtier_transport::ucx::ffi::Ucp::get().is_err() {
         eprintln!("SKIP: libucp is not available here");
         return;
     }
-    if !kvtier_client::transport::ucx::rdma_devices().is_empty() {
+    if !kvtier_transport::ucx::rdma_devices().is_empty() {
         eprintln!("SKIP: this host has an RDMA device (the allow-list keeps a lane)");
         return;
     }

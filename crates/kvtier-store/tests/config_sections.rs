@@ -4,8 +4,8 @@
 //! round trips the server and the Python module rely on (`to_toml` / `to_sectioned_toml`).
 #![allow(clippy::unwrap_used)]
 
-use kvtier_client::config::{sectioned_name, unsection, Origin, SECTIONS};
-use kvtier_client::{ConfigError, ConfigSources, KvtierConfig};
+use kvtier_store::config::{sectioned_name, unsection, Origin, SECTIONS};
+use kvtier_store::{ConfigError, ConfigSources, KvtierConfig};
 use serde_json::{json, Map, Value};
 
 fn extra(v: Value) -> Map<String, Value> {

@@ -107,11 +107,9 @@ pub mod names {
     pub const TENANT_BYTES: &str = "kvtier_tenant_bytes_total";
     /// Counter `{tenant, op}`: pages a tenant stored (`put`) or read (`get`).
     pub const TENANT_PAGES: &str = "kvtier_tenant_pages_total";
-    /// Counter `{peer, direction}`: page bytes moved to / from a cluster peer (cluster mode).
-    pub const PEER_TRANSFER_BYTES: &str = "kvtier_peer_transfer_bytes_total";
-    /// Gauge `{peer, transport}` (issue 17): 1 for the data transport a cluster client uses to
-    /// read from that peer (`ucx` or `tcp`), 0 for the other.
-    pub const PEER_TRANSPORT: &str = "kvtier_peer_transport";
+    /// The peer data path's names (`PEER_TRANSFER_BYTES`, `PEER_TRANSPORT`) are declared by
+    /// the transport that records them.
+    pub use kvtier_transport::names::{PEER_TRANSFER_BYTES, PEER_TRANSPORT};
     /// Counter `{peer}`: objects a cluster client read whose bytes failed their end-to-end
     /// checksum (each a miss, never a hit).
     pub const CLUSTER_INTEGRITY_FAILURES: &str = "kvtier_cluster_integrity_failures_total";
