@@ -135,12 +135,15 @@ fn push(out: &mut Vec<Owned>, owner: &Arc<str>, stored: bool, m: Mapped) {
 }
 
 impl ClusterHeld {
-    /// The `ownership` of each node index in `holders` (sorted, no duplicates).
+    /// The `ownership` of each node index in `holders` (sorted, no duplicates). An index
+    /// with no node any more (it left between the two directory reads) holds nothing: the
+    /// watcher's rescan settles it.
     fn holders(&mut self, holders: &[u16], names: &[String]) -> Vec<Arc<str>> {
         let mut out: Vec<Arc<str>> = holders
             .iter()
-            .map(|&n| {
-                let id = names.get(usize::from(n)).map_or("?", String::as_str);
+            .filter_map(|&n| names.get(usize::from(n)).filter(|id| !id.is_empty()))
+            .map(|id| {
+                let id = id.as_str();
                 if let Some(o) = self.owners.get(id) {
                     return Arc::clone(o);
                 }
