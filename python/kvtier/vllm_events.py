@@ -11,8 +11,8 @@ tier's side of that contract:
   whatever removed it: kvtier's own capacity eviction, an explicit remove, a ``clear``;
 - every event carries ``ownership`` (the tier's type, as registered with vLLM),
   ``locality`` (``LOCAL`` for an embedded store or a ``kvtier serve`` of this host, ``REMOTE``
-  for a cluster, unless the tier config names one), ``medium`` ``CPU`` (kvtier's DRAM tier)
-  and ``removal_expected=True`` (so vLLM's tracker keeps a block's payload until its removal,
+  for a cluster, unless the tier config names one), ``medium`` (``CPU``: kvtier's DRAM tier;
+  ``STORAGE``: its SSD tier, embedded mode only) and ``removal_expected=True`` (so vLLM's tracker keeps a block's payload until its removal,
   as for the KVCR tier, the other tier that reports its own removals).
 
 Where the facts come from depends on the store's mode:
@@ -21,7 +21,11 @@ Where the facts come from depends on the store's mode:
   page group that appeared in or left DRAM, in the order the index changed; a vLLM key
   (``vllm/<model>_<digest>/<block hash hex>_g<group>``, ``kvtier_proto::keys::vllm_key``) is
   its own group, so each event maps back to exactly one ``OffloadKey``. Groups of another
-  namespace or of no vLLM shape are counted (``unmapped``), never reported.
+  namespace or of no vLLM shape are counted (``unmapped``), never reported. With the SSD tier
+  on, the ring also names groups that appeared on and left the SSD (``enable_media_events``):
+  each (block, medium) is one residency, as vLLM's tracker counts them, and a write-back
+  demotion is reported ``STORAGE`` stored before ``CPU`` removed, so the block never looks
+  absent in between.
 - **server / cluster**: the engine runs in another process, so the tier reports its own
   completed stores, and learns removals two ways: a lookup that answers "absent" for a block
   it reported (a failed load proves nothing: it may be a transport error), and a
@@ -35,10 +39,10 @@ Where the facts come from depends on the store's mode:
 Invariants: a block is reported stored at most once until it is reported removed (the tier
 keeps the set of blocks it reported; ``max`` bounded by what kvtier holds of the namespace);
 when the engine's ring overflowed (``dropped``) the tier re-checks every reported block and
-reports the vanished ones removed, so a router may under-count kvtier's blocks, never credit
-one kvtier lost. With the SSD tier on, blocks evicted from DRAM may still be on SSD; they are
-reported removed from ``CPU`` and SSD holdings are not reported (again: under-counted, never
-over-counted).
+reports the vanished ones removed (from every medium), so a router may under-count kvtier's
+blocks, never credit one kvtier lost. In server and cluster mode the tier does not see where
+the server keeps a block: it reports ``CPU`` while the block exists (the server's host stream
+names the medium).
 """
 
 from __future__ import annotations
@@ -108,10 +112,12 @@ class TierEvents:
         self.locality = locality
         self.medium = Medium.CPU
         # True: the engine's ring is the source (embedded mode).
-        self.from_engine = bool(store.enable_events(int(buffer)))
+        self.from_engine = bool(store.enable_media_events(int(buffer)))
         self._lock = threading.Lock()
-        # Reported blocks -> generation of their latest store report.
+        # Reported blocks (medium CPU) -> generation of their latest store report.
         self._present: dict[OffloadKey, int] = {}
+        # Blocks reported on kvtier's SSD tier (medium STORAGE; embedded mode).
+        self._on_ssd: set[OffloadKey] = set()
         self._gen = 0
         # Blocks found absent off the scheduler thread: (key, generation seen present).
         self._absent: list[tuple[OffloadKey, int]] = []
@@ -141,17 +147,17 @@ class TierEvents:
 
     # ------------------------------------------------------------------ building events
 
-    def _emit(self, keys: list[OffloadKey], removed: bool) -> None:
+    def _emit(self, keys: list[OffloadKey], removed: bool, medium: Medium = Medium.CPU) -> None:
         if not keys:
             return
         last = self._out[-1] if self._out else None
-        if last is not None and last.removed == removed:
+        if last is not None and last.removed == removed and last.medium == medium:
             last.keys.extend(keys)
         else:
             self._out.append(
                 OffloadingEvent(
                     keys=list(keys),
-                    medium=self.medium,
+                    medium=medium,
                     removed=removed,
                     locality=self.locality,
                     ownership=self.ownership,
@@ -174,6 +180,21 @@ class TierEvents:
         """Report ``keys`` removed (those reported); caller holds the lock."""
         gone = [k for k in keys if self._present.pop(k, None) is not None]
         self._emit(gone, removed=True)
+
+    def _ssd(self, key: OffloadKey, stored: bool) -> None:
+        """Report ``key``'s SSD residency (embedded mode); caller holds the lock."""
+        if stored and key not in self._on_ssd:
+            self._on_ssd.add(key)
+            self._emit([key], removed=False, medium=Medium.STORAGE)
+        elif not stored and key in self._on_ssd:
+            self._on_ssd.discard(key)
+            self._emit([key], removed=True, medium=Medium.STORAGE)
+
+    def _drop_everywhere(self, keys: list[OffloadKey]) -> None:
+        """Report ``keys`` removed from every medium; caller holds the lock."""
+        self._drop(keys)
+        for k in keys:
+            self._ssd(k, stored=False)
 
     # ------------------------------------------------------------------ inputs
 
@@ -206,13 +227,15 @@ class TierEvents:
             for _seq, kind, group, _depth in events:
                 if kind == "cleared":
                     self.counts["cleared"] += 1
-                    self._drop(list(self._present))
+                    self._drop_everywhere(list(self._present) + list(self._on_ssd))
                     continue
                 key = parse_vllm_group(group, self._namespace)
                 if key is None:
                     self.counts["unmapped"] += 1
                 elif kind == "stored":
                     self._add((key,))
+                elif kind in ("ssd_stored", "ssd_removed"):
+                    self._ssd(key, stored=kind == "ssd_stored")
                 else:  # evicted / removed
                     self._drop((key,))
             if dropped_total > self._dropped_seen:
@@ -223,16 +246,17 @@ class TierEvents:
                 return
 
     def _resync(self) -> None:
-        """The ring overflowed: removals may be lost, so re-check every reported block."""
+        """The ring overflowed: removals may be lost, so re-check every reported block (one
+        kvtier no longer holds anywhere is reported removed from every medium)."""
         self.counts["resyncs"] += 1
-        keys = list(self._present)
+        keys = list(self._present.keys() | self._on_ssd)
         logger.warning(
             "kvtier vLLM tier events: the engine's ring (kv_events_buffer) overflowed; "
             "re-checking %d reported blocks",
             len(keys),
         )
         found = self._store.exists_keys([self._store_key(k) for k in keys]) if keys else []
-        self._drop([k for k, f in zip(keys, found) if not f])
+        self._drop_everywhere([k for k, f in zip(keys, found) if not f])
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -274,7 +298,7 @@ class TierEvents:
 
     def stats(self) -> dict:
         with self._lock:
-            return dict(self.counts, reported=len(self._present))
+            return dict(self.counts, reported=len(self._present), reported_ssd=len(self._on_ssd))
 
     def close(self) -> None:
         self._stop.set()

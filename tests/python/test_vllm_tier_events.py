@@ -104,6 +104,63 @@ def test_embedded_tier_reports_stores_evictions_and_clear(engines):
     assert credit.held == set() == truth(e.tier, keys)
 
 
+def test_embedded_tier_reports_each_blocks_medium(engines, tmp_path):
+    """With kvtier's SSD tier (write-back) under 1 MiB of DRAM, each block is reported on the
+    medium kvtier keeps it on: ``CPU`` (DRAM) or ``STORAGE`` (SSD); a demotion is ``STORAGE``
+    stored before ``CPU`` removed (no held block ever looks absent). The oracle: the engine's
+    own placement of each key."""
+    from vllm.v1.kv_offload.base import Medium
+
+    e = engines(
+        [
+            dict(
+                TIER,
+                dram_capacity_bytes=1 << 20,
+                dram_block_size=65536,
+                ssd_enabled=True,
+                ssd_storage_dir=str(tmp_path / "ssd"),
+                ssd_write_policy="write_back",
+                ssd_capacity_bytes=64 << 20,
+                ssd_segment_size_bytes=4 << 20,
+            )
+        ],
+        events=True,
+    )
+    keys = ve.request_keys("events-media", 48)
+    held: dict = {}
+    vanished = set()
+    for i in range(0, 48, 8):
+        e.offload(keys[i : i + 8])
+        for ev in tier_events(e.manager):
+            for k in ev.keys:
+                media = held.setdefault(k, set())
+                if ev.removed:
+                    assert ev.medium in media, "a removal from a medium never reported"
+                    media.discard(ev.medium)
+                    if not media:
+                        del held[k]
+                        vanished.add(k)
+                else:
+                    assert ev.medium not in media, "a block reported twice on one medium"
+                    media.add(ev.medium)
+    truth = {}
+    for k in keys:
+        dram, ssd = e.tier._store.placement(e.tier.store_key(k))
+        media = {m for m, on in ((Medium.CPU, dram), (Medium.STORAGE, ssd)) if on is not None}
+        if media:
+            truth[k] = media
+    assert held == truth
+    assert sum(1 for m in truth.values() if m == {Medium.STORAGE}) >= 16, truth
+    assert not vanished, "a demoted block was reported gone"
+    # kvtier's clear removes every residency.
+    e.tier._store.clear()
+    for ev in tier_events(e.manager):
+        assert ev.removed
+        for k in ev.keys:
+            held[k].discard(ev.medium)
+    assert all(not m for m in held.values())
+
+
 def test_events_are_off_unless_vllm_publishes_them(engines):
     off = engines([dict(TIER, dram_capacity_bytes=8 << 20)])
     assert off.tier._events is None

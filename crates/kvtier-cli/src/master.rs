@@ -103,7 +103,8 @@ fn events_config(
             return Err(format!("{flag} {value} is outside the range 1..={hi}"));
         }
     }
-    let parse = kvtier_events::parse_endpoint;
+    let parse =
+        |key: &str, text: &str| kvtier_events::parse_endpoint(key, text).map_err(|e| e.to_string());
     Ok(Some(kvtier_master::events::ClusterEventsConfig {
         stream: kvtier_events::StreamConfig {
             name: "kvtier master",
@@ -119,7 +120,6 @@ fn events_config(
             buffer_batches: args.events_buffer_batches,
             max_subscribers: args.events_max_subscribers,
             subscriber_queue: args.events_subscriber_queue,
-            medium: "CPU".into(),
         },
         max_blocks: args.events_max_blocks,
     }))

@@ -7,7 +7,9 @@
 //! [`ClientError::Object`] naming the key, with an [`ObjectError`] that says which part
 //! failed, and [`ClientError::is_infrastructure`] tells the cluster's faults (no room, a node
 //! down, no master) from the caller's (a buffer of the wrong size), in that order here: no
-//! room, a caller's mistake, a node SIGKILLed, the master SIGKILLed.
+//! room, a caller's mistake, a node SIGKILLed, the master SIGKILLed. Issue 28: each also says,
+//! typed, what it means for the item ([`ClientError::item_failure`]): a wrong length, a miss,
+//! unavailable.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -17,6 +19,7 @@ use std::time::Duration;
 
 use common::{free_port, spawn_master, wait_alive, wait_for, NodeOpts};
 use kvtier_client::cluster::ObjectError;
+use kvtier_client::error::ItemFailure;
 use kvtier_client::{Client, ClientError, KvtierConfig};
 
 fn assert_not_malformed(e: &ClientError) {
@@ -61,11 +64,20 @@ fn cluster_failures_are_typed_and_named_for_what_they_are() {
     let mut short = vec![0u8; 100];
     let e = client.get_into_slice(b"small", &mut short).unwrap_err();
     eprintln!("test: caller's buffer: {e}");
-    assert!(matches!(e, ClientError::BatchShape(_)), "{e:?}");
+    // Issue 28: typed as a wrong length (it was a "malformed batch" text before).
+    assert!(
+        matches!(&e, ClientError::Object { key, error: ObjectError::WrongLength(_) } if key == "small"),
+        "{e:?}"
+    );
+    assert_eq!(e.item_failure(), ItemFailure::WrongLength);
     assert!(!e.is_infrastructure(), "{e:?}");
     let mut whole = vec![0u8; value.len()];
     client.get_into_slice(b"small", &mut whole).unwrap();
     assert!(whole == value);
+    // A miss is a miss, typed, and not a fault.
+    let e = client.get_into_slice(b"absent", &mut whole).unwrap_err();
+    assert_eq!(e.item_failure(), ItemFailure::Miss, "{e:?}");
+    assert!(e.is_miss() && !e.is_infrastructure(), "{e:?}");
 
     // A node down (its lease has not lapsed yet): the node is named, as unavailable.
     node_proc.kill();
@@ -76,6 +88,8 @@ fn cluster_failures_are_typed_and_named_for_what_they_are() {
         "{e:?}"
     );
     assert!(e.is_infrastructure(), "{e:?}");
+    // Issue 28: the lost connection is typed for the item: unavailable.
+    assert_eq!(e.item_failure(), ItemFailure::Unavailable, "{e:?}");
     assert!(e.to_string().contains("node unavailable"), "{e}");
     assert_not_malformed(&e);
 

@@ -28,6 +28,7 @@ use common::{
     all_registered, cluster_config, free_port, metric_sum, object_bytes, spawn_master,
     test_transport, wait_for, Pool, Proc, TOKEN,
 };
+use kvtier_client::store::Store;
 use kvtier_client::transport::tcp::{TcpTransport, TcpTransportConfig};
 use kvtier_client::transport::{GetItem, PutItem, Transport, TransportError};
 use kvtier_client::{Client, KvtierConfig};

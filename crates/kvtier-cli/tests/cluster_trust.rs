@@ -28,6 +28,7 @@ use common::{
     NodeOpts, Proc, TOKEN,
 };
 use kvtier_client::cluster::master::{connect, MasterCredential, MasterRpc};
+use kvtier_client::store::Store;
 use kvtier_client::{Client, KvtierConfig};
 use kvtier_master::rpc::master_client::MasterClient;
 use kvtier_master::rpc::*;
@@ -687,8 +688,21 @@ fn forged_torn_or_misplaced_bytes_are_a_miss_and_counted() {
     assert_eq!(committed, vec![true]);
     let mut dst = vec![0u8; 4096];
     let r = cluster.get_objects(std::slice::from_ref(&only), vec![Ok(&mut dst[..])]);
-    assert!(r[0].is_err(), "forged bytes were a hit");
+    assert!(
+        matches!(r[0], Err(kvtier_client::cluster::ObjectError::Integrity(_))),
+        "forged bytes were a hit or failed otherwise: {:?}",
+        r[0]
+    );
     assert_eq!(cluster.integrity_failures(), 4);
+    // Issue 28: through the Store API the failure arrives typed, as an integrity failure.
+    let e = reader.get_into_slice(b"only-forged", &mut dst).unwrap_err();
+    assert_eq!(
+        e.item_failure(),
+        kvtier_client::error::ItemFailure::Integrity,
+        "{e:?}"
+    );
+    assert!(!e.is_miss(), "{e:?}");
+    assert_eq!(cluster.integrity_failures(), 5);
     // The writer's node still serves everything byte-exact.
     let plain = cluster_client(&master, Some("node-a"));
     assert!(get(&plain, &items).iter().all(|&hit| hit));

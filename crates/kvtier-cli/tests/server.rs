@@ -18,7 +18,8 @@ use kvtier_proto::server::{
     error_code, OpenSession, PageIo, PageKeys, RegionGrant, RegisterRegion, SessionTicket, ShmRef,
 };
 use kvtier_proto::{
-    encode_frame, read_frame, BatchResult, Decode, Encode, ErrorReply, Handshake, Opcode,
+    encode_frame, read_frame, BatchResult, Decode, Encode, ErrorReply, Handshake, ItemFailure,
+    Opcode,
 };
 use kvtier_server::{RunningServer, Server, ServerConfig, ServerSources};
 use serde_json::{json, Map, Value};
@@ -541,6 +542,10 @@ fn buffers_outside_registered_regions_fail_that_key_with_a_clear_error() {
     };
     let reply = BatchResult::decode(&raw.call(Opcode::PutPages, &io).unwrap()).unwrap();
     assert_eq!(reply.ok, vec![true, false, false, false]);
+    // Issue 28: each refused buffer's page says so, typed, on the wire.
+    for i in 1..4 {
+        assert_eq!(reply.failure(i), Some(ItemFailure::BadBuffer), "page {i}");
+    }
     let text = reply.errors.join(" | ");
     assert!(
         text.contains("past-end") && text.contains("outside region"),
@@ -562,6 +567,72 @@ fn buffers_outside_registered_regions_fail_that_key_with_a_clear_error() {
         server.stats()["server"]["live_mappings"] == 0
     });
     server.shutdown(Duration::from_secs(5));
+}
+
+/// Issue 28: every item-level outcome of a server-mode get arrives typed at the client's
+/// Store API (a status byte per item on the wire, mapped once at each end), for single-key
+/// gets (staging ring) and zero-copy page gets alike: a miss, a wrong length, a refused
+/// buffer, and a server gone (connection lost). Nothing is matched on a message's text.
+#[test]
+fn server_mode_item_outcomes_arrive_typed() {
+    let (_dir, server) = start(&[]);
+    let c = client(&server, json!({}));
+    let small = vec![5u8; 4096];
+    c.put_slice(b"small", &small, None).unwrap();
+    let mut shm = ShmBuf::new(3 * PAGE);
+    fill(shm.bytes(), 9);
+    // SAFETY: shm outlives the client's use of it (the client is closed first).
+    unsafe { c.register_memfd(shm.addr(), shm.len, shm.fd.as_fd(), 0, "pool") }.unwrap();
+    let base = shm.addr();
+    let page = |i: usize| MemRef {
+        ptr: base + i * PAGE,
+        len: PAGE,
+    };
+    assert!(c.put_keys(&["whole"], &[page(0)], None).ok[0]);
+
+    // Single-key gets through the staging ring.
+    let mut dst = vec![0u8; 4096];
+    let e = c.get_into_slice(b"absent", &mut dst).unwrap_err();
+    assert_eq!(e.item_failure(), ItemFailure::Miss, "{e:?}");
+    assert!(e.is_miss() && !e.is_infrastructure(), "{e:?}");
+    let mut short = vec![0u8; 100];
+    let e = c.get_into_slice(b"small", &mut short).unwrap_err();
+    assert_eq!(e.item_failure(), ItemFailure::WrongLength, "{e:?}");
+    c.get_into_slice(b"small", &mut dst).unwrap();
+    assert!(dst == small);
+
+    // A zero-copy page batch: a hit, a miss, a wrong length, a buffer outside any region.
+    let outside = [0u8; 64];
+    let got = c.get_keys(
+        &["whole", "absent", "small", "whole"],
+        &[
+            page(1),
+            page(2),
+            page(2),
+            MemRef {
+                ptr: outside.as_ptr() as usize,
+                len: outside.len(),
+            },
+        ],
+    );
+    assert_eq!(got.ok, vec![true, false, false, false], "{got:?}");
+    assert_eq!(got.failure(0), None);
+    assert_eq!(got.failure(1), Some(ItemFailure::Miss), "{got:?}");
+    assert_eq!(got.failure(2), Some(ItemFailure::WrongLength), "{got:?}");
+    assert_eq!(got.failure(3), Some(ItemFailure::BadBuffer), "{got:?}");
+    let bytes = shm.bytes();
+    assert!(bytes[PAGE..2 * PAGE] == bytes[..PAGE], "the hit's bytes");
+
+    // The server gone: every item is unavailable (a fault of the infrastructure).
+    server.shutdown(Duration::from_secs(5));
+    let e = c.get_into_slice(b"small", &mut dst).unwrap_err();
+    assert_eq!(e.item_failure(), ItemFailure::Unavailable, "{e:?}");
+    assert!(e.is_infrastructure(), "{e:?}");
+    let got = c.get_keys(&["whole", "small"], &[page(1), page(2)]);
+    assert_eq!(got.ok, vec![false, false], "{got:?}");
+    assert_eq!(got.failure(0), Some(ItemFailure::Unavailable), "{got:?}");
+    assert_eq!(got.failure(1), Some(ItemFailure::Unavailable), "{got:?}");
+    c.close();
 }
 
 #[test]

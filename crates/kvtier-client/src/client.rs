@@ -2,8 +2,9 @@
 //!
 //! A small owner (issue 16): the configuration, the registry of caller memory, the metrics,
 //! and one store behind the [`Store`] seam ([`Stores`]: embedded, local server or cluster).
-//! The client checks that it is open and that a page batch is well formed, times the call and
-//! counts pool lookups; what a call means is the store's (see [`crate::store`]). Every method
+//! The client checks that it is open and that a page batch is well formed; its store is
+//! [`Metered`] (issue 28: the one wrapper that times calls and counts pool lookups, the same
+//! one `kvtier serve`'s stores use); what a call means is the store's (see [`crate::store`]). Every method
 //! is safe to call from many threads at once and never panics on caller input: a bad buffer,
 //! a size mismatch or a full store is a `false` for that item plus a reason in the result.
 // A named unsafe module (issue 16 lints): registering caller memory is an unsafe contract.
@@ -12,7 +13,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use kvtier_engine::{Engine, PinnedObject, PutOutcome};
+use kvtier_engine::{PinnedObject, PutOutcome};
 use kvtier_proto::{ExistsV2Answer, ExistsV2Query};
 
 use crate::batch::{BatchResult, MemRef, PageBatch};
@@ -20,20 +21,21 @@ use crate::cluster::ClusterStore;
 use crate::config::KvtierConfig;
 use crate::error::ClientError;
 use crate::memory::{RegionId, RegionInfo, RegionRegistry};
-use crate::metrics::{self, Endpoint, Lookup, Op};
-use crate::store::{check_page_shape, EmbeddedStore, LocalServerStore, Store, StoreMeter, Stores};
+use crate::metrics::{self, Endpoint};
+use crate::store::{
+    check_page_shape, EmbeddedStore, LocalServerStore, Metered, Store, StoreMeter, Stores,
+};
 
 pub use crate::store::embedded::PARALLEL_COPY_MIN_BYTES_PER_THREAD;
 pub use kvtier_store::stats::ClientStats;
 
 pub struct Client {
     config: KvtierConfig,
-    store: Stores,
+    /// The store, recording its calls when the process publishes metrics.
+    store: Metered<Stores>,
     regions: RegionRegistry,
     closed: AtomicBool,
     rejected_batches: AtomicU64,
-    /// What this client's calls record when the process publishes metrics.
-    meter: StoreMeter,
     /// The endpoint this client's `metrics_addr` asked for.
     endpoint: Option<Arc<Endpoint>>,
     /// This store's part of `/readyz` (issue 27): not ready while it opens.
@@ -83,11 +85,10 @@ impl Client {
         }
         Ok(Client {
             config,
-            store: backend,
+            store: Metered::new(backend, meter),
             regions: RegionRegistry::new(),
             closed: AtomicBool::new(false),
             rejected_batches: AtomicU64::new(0),
-            meter,
             endpoint,
             _ready: ready,
         })
@@ -96,11 +97,6 @@ impl Client {
     /// The bound address of the metrics endpoint this client's `metrics_addr` started.
     pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
         self.endpoint.as_ref().map(|e| e.addr())
-    }
-
-    /// Time `f` as one call of `op` when metrics are on.
-    fn timed<R>(&self, op: Op, f: impl FnOnce() -> R) -> R {
-        self.meter.timed(op, f)
     }
 
     pub fn config(&self) -> &KvtierConfig {
@@ -113,9 +109,9 @@ impl Client {
         &self.regions
     }
 
-    /// The store behind this client.
+    /// The store behind this client (unmetered: its own calls, not the `Store` ones).
     pub fn store(&self) -> &Stores {
-        &self.store
+        self.store.inner()
     }
 
     /// Register caller memory that later batches may read or write.
@@ -138,7 +134,7 @@ impl Client {
     /// Issue 17: in cluster mode, also register the memory with UCX (one-sided transfers
     /// into and out of it pass its memory handle); a refusal is logged and counted there.
     fn register_with_ucx(&self, id: RegionId, ptr: usize, len: usize, label: &str) {
-        if let Stores::Cluster(cluster) = &self.store {
+        if let Stores::Cluster(cluster) = self.store() {
             cluster.ucx().register_host_region(id.0, ptr, len, label);
         }
     }
@@ -177,7 +173,7 @@ impl Client {
     ) -> Result<RegionId, ClientError> {
         // SAFETY: forwarded contract, see the function docs.
         let id = unsafe { self.regions.register(ptr, len, label) }?;
-        if let Stores::Server(remote) = &self.store {
+        if let Stores::Server(remote) = self.store() {
             // Issue 26: the server copies only into and out of memory that exists (it never
             // allocates a page on a client's behalf), so a sparse memfd is populated here, by
             // its owner, before the server maps it.
@@ -194,10 +190,10 @@ impl Client {
     }
 
     pub fn unregister_region(&self, id: RegionId) -> bool {
-        if let Stores::Server(remote) = &self.store {
+        if let Stores::Server(remote) = self.store() {
             remote.unregister(id);
         }
-        if let Stores::Cluster(cluster) = &self.store {
+        if let Stores::Cluster(cluster) = self.store() {
             cluster.ucx().unregister_host_region(id.0);
         }
         self.regions.unregister(id)
@@ -210,7 +206,7 @@ impl Client {
 
     /// The cluster store (cluster mode only).
     pub fn cluster(&self) -> Option<&ClusterStore> {
-        match &self.store {
+        match self.store() {
             Stores::Cluster(c) => Some(c),
             _ => None,
         }
@@ -218,7 +214,7 @@ impl Client {
 
     /// Regions the server maps directly (server mode; 0 in embedded mode).
     pub fn zero_copy_regions(&self) -> usize {
-        match &self.store {
+        match self.store() {
             Stores::Embedded(_) | Stores::Cluster(_) => 0,
             Stores::Server(remote) => remote.zero_copy_regions(),
         }
@@ -270,10 +266,8 @@ impl Client {
         buffers: &[MemRef],
         depths: Option<&[u32]>,
     ) -> BatchResult {
-        self.timed(Op::Put, || {
-            self.page_batch(batch, buffers, depths, || {
-                self.store.put_pages(&self.regions, batch, buffers, depths)
-            })
+        self.page_batch(batch, buffers, depths, || {
+            self.store.put_pages(&self.regions, batch, buffers, depths)
         })
     }
 
@@ -284,14 +278,9 @@ impl Client {
         batch: &PageBatch<'_, K, S>,
         buffers: &[MemRef],
     ) -> BatchResult {
-        let result = self.timed(Op::Get, || {
-            self.page_batch(batch, buffers, None, || {
-                self.store.get_pages(&self.regions, batch, buffers)
-            })
-        });
-        self.meter
-            .count_pages(batch, Lookup::Get, result.succeeded());
-        result
+        self.page_batch(batch, buffers, None, || {
+            self.store.get_pages(&self.regions, batch, buffers)
+        })
     }
 
     /// Put whole keys from caller memory, one buffer per key.
@@ -327,15 +316,15 @@ impl Client {
         depth: Option<u32>,
     ) -> Result<PutOutcome, ClientError> {
         self.ensure_open()?;
-        self.timed(Op::Put, || self.store.put_slice(key, value, depth))
+        self.store.put_slice(key, value, depth)
     }
 
-    /// Copy an object into a slice the caller owns; its length must match exactly.
+    /// Copy an object into a slice the caller owns; its length must match exactly. A failure
+    /// says what it means for the item, typed ([`ClientError::item_failure`]: a miss, a wrong
+    /// length, an integrity failure, the store unreachable), in every mode.
     pub fn get_into_slice(&self, key: &[u8], dst: &mut [u8]) -> Result<(), ClientError> {
         self.ensure_open()?;
-        let result = self.timed(Op::Get, || self.store.get_into_slice(key, dst));
-        self.meter.count_get(key, result.is_ok());
-        result
+        self.store.get_into_slice(key, dst)
     }
 
     /// Embedded mode: pin `key` for reading its bytes in place ([`PinnedObject::slices`]),
@@ -344,9 +333,7 @@ impl Client {
     /// (their objects are not in this process).
     pub fn pin(&self, key: &[u8]) -> Option<PinnedObject> {
         self.ensure_open().ok()?;
-        let pinned = self.timed(Op::Get, || self.store.pin(key));
-        self.meter.count_get(key, pinned.is_some());
-        pinned
+        self.store.pin(key)
     }
 
     pub fn object_len(&self, key: &[u8]) -> Option<u64> {
@@ -357,9 +344,7 @@ impl Client {
         if self.ensure_open().is_err() {
             return vec![false; keys.len()];
         }
-        let found = self.timed(Op::Exists, || self.store.exists_keys(keys));
-        self.meter.count_exists_keys(keys, &found);
-        found
+        self.store.exists_keys(keys)
     }
 
     /// Number of leading pages whose every component exists.
@@ -367,14 +352,10 @@ impl Client {
         &self,
         batch: &PageBatch<'_, K, S>,
     ) -> usize {
-        let hit = self.timed(Op::Exists, || {
-            if self.ensure_open().is_err() || batch.components() == 0 {
-                return 0;
-            }
-            self.store.exists_pages_prefix(batch)
-        });
-        self.meter.count_pages(batch, Lookup::Exists, hit);
-        hit
+        if self.ensure_open().is_err() || batch.components() == 0 {
+            return 0;
+        }
+        self.store.exists_pages_prefix(batch)
     }
 
     /// Mark every component of these pages superseded window state, an eviction hint: the
@@ -404,24 +385,22 @@ impl Client {
             tracing::warn!(%error, "kvtier: exists_v2 query refused; reporting a miss");
             return ExistsV2Answer::default();
         }
-        let answer = self.timed(Op::ExistsV2, || self.store.exists_v2(query));
-        self.meter.count_exists_v2(query, &answer);
-        answer
+        self.store.exists_v2(query)
     }
 
     pub fn remove_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> usize {
-        self.timed(Op::Remove, || self.store.remove_keys(keys))
+        self.store.remove_keys(keys)
     }
 
     pub fn clear(&self) {
-        self.timed(Op::Clear, || self.store.clear());
+        self.store.clear();
     }
 
     /// Make every acknowledged put as durable as the configuration promises. The DRAM tier has
     /// nothing to flush; the SSD tier's copy pipeline drains here.
     pub fn flush(&self) -> Result<(), ClientError> {
         self.ensure_open()?;
-        self.timed(Op::Flush, || self.store.flush())
+        self.store.flush()
     }
 
     /// Close the store: later calls fail cleanly. Idempotent. In server mode this ends the
@@ -429,19 +408,54 @@ impl Client {
     pub fn close(&self) {
         if !self.closed.swap(true, Ordering::AcqRel) {
             self.store.close();
-            if let Stores::Cluster(cluster) = &self.store {
+            if let Stores::Cluster(cluster) = self.store() {
                 cluster.ucx().unregister_all_host_regions();
             }
             self.regions.clear();
         }
     }
 
-    /// Run `f` on the engine of embedded mode (`None` in server mode or once closed).
-    pub fn with_engine<R>(&self, f: impl FnOnce(&Engine) -> R) -> Option<R> {
-        match &self.store {
-            Stores::Embedded(embedded) => embedded.with_engine(f),
-            Stores::Server(_) | Stores::Cluster(_) => None,
-        }
+    /// Refresh the recency of each key's page group (an eviction hint); how many keys were
+    /// in DRAM (0 in server and cluster mode: the engine is elsewhere). Issue 28: these are
+    /// capabilities of the store ([`Store::touch_keys`] ...), not a reach into its engine.
+    pub fn touch_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> usize {
+        self.store.touch_keys(keys)
+    }
+
+    /// Refresh the recency of each page group (`[tag/]page_hash@`) in DRAM; how many were
+    /// there (0 in server and cluster mode).
+    pub fn touch_groups<K: AsRef<[u8]>>(&self, groups: &[K]) -> usize {
+        self.store.touch_groups(groups)
+    }
+
+    /// Start recording page-group events into a ring of `capacity` (false in server and
+    /// cluster mode: the events happen in another process's engine).
+    pub fn enable_events(&self, capacity: usize) -> bool {
+        self.store.enable_events(capacity)
+    }
+
+    /// [`Client::enable_events`], and with the SSD tier on also its `ssd_stored` /
+    /// `ssd_removed` events (issue 30: the vLLM tier reports each block's medium).
+    pub fn enable_media_events(&self, capacity: usize) -> bool {
+        self.store.enable_media_events(capacity)
+    }
+
+    /// Where `key` is in this process's engine (`None` in server and cluster mode, or once
+    /// closed).
+    pub fn placement(&self, key: &[u8]) -> Option<kvtier_engine::Placement> {
+        self.store.placement(key)
+    }
+
+    /// Take up to `max` of the oldest page-group events (`None` in server and cluster mode,
+    /// or once closed).
+    pub fn drain_events(&self, max: usize) -> Option<kvtier_engine::eviction::events::Drained> {
+        self.store.drain_events(max)
+    }
+
+    /// `(groups evicted whole, groups tracked)` of the DRAM tier (`None` in server and
+    /// cluster mode).
+    pub fn group_stats(&self) -> Option<(u64, u64)> {
+        self.store.group_stats()
     }
 
     /// [`stats`](Self::stats) as JSON; in server mode the engine figures are the server's for
@@ -456,7 +470,7 @@ impl Client {
             map.insert("metrics_addr".into(), addr.to_string().into());
         }
         // Issue 17: the data transport per cluster peer.
-        if let Stores::Cluster(cluster) = &self.store {
+        if let Stores::Cluster(cluster) = self.store() {
             map.insert(
                 "peer_transports".into(),
                 serde_json::to_value(cluster.peer_transports()).unwrap_or_default(),
@@ -484,7 +498,7 @@ impl Client {
                 ucx.unavailable().map(str::to_string).into(),
             );
         }
-        if let Stores::Server(remote) = &self.store {
+        if let Stores::Server(remote) = self.store() {
             map.extend(remote.local_stats());
             if let Ok(server) = remote.server_stats() {
                 if let Some(serde_json::Value::Object(engine)) = server.get("you_engine_stats") {

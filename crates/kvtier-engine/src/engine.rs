@@ -31,7 +31,7 @@ use kvtier_proto::{ExistsV2Answer, ExistsV2Query, ProtoError};
 use crate::config::{EngineConfig, SsdDurabilityMode, SsdWritePolicy};
 use crate::dram::{DramAllocation, DramOptions, DramTier};
 use crate::error::{EngineError, NoSpaceCause};
-use crate::eviction::events::{Drained, EventKind, EventLog};
+use crate::eviction::events::{Drained, EventKind, EventLog, TierGroups};
 use crate::eviction::{group_of, new_policy, EvictionPolicy, GroupChange, Victim};
 use crate::index::Index;
 use crate::object::{Location, Object, PinnedObject};
@@ -74,7 +74,7 @@ pub struct Engine {
     counters: Arc<Counters>,
     ssd: Option<SsdTier>,
     promotions: std::sync::atomic::AtomicU64,
-    events: EventLog,
+    events: Arc<EventLog>,
     evicted_groups: std::sync::atomic::AtomicU64,
 }
 
@@ -115,8 +115,15 @@ impl Engine {
         let dram = DramTier::open(blocks, config.dram_block_size, options)
             .map_err(EngineError::ArenaMap)?;
         let index = Arc::new(Index::new(config.index_shards));
+        let events = Arc::new(EventLog::default());
         let ssd = if config.ssd_enabled {
-            Some(SsdTier::open(&config, Arc::clone(&index), progress)?)
+            let groups = TierGroups::new(Arc::clone(&events));
+            Some(SsdTier::open(
+                &config,
+                Arc::clone(&index),
+                groups,
+                progress,
+            )?)
         } else {
             None
         };
@@ -127,7 +134,7 @@ impl Engine {
             counters: Arc::default(),
             ssd,
             promotions: Default::default(),
-            events: EventLog::default(),
+            events,
             evicted_groups: Default::default(),
             config,
         })
@@ -496,6 +503,16 @@ impl Engine {
     /// of `capacity` events; see [`crate::eviction::events`]. Off by default.
     pub fn enable_events(&self, capacity: usize) {
         self.events.enable(capacity);
+    }
+
+    /// [`Engine::enable_events`], and with the SSD tier on also its `SsdStored` /
+    /// `SsdRemoved` events (the groups on SSD now are recorded as `SsdStored` first), so a
+    /// consumer can name each group's medium (the host KV-event stream, issue 30).
+    pub fn enable_media_events(&self, capacity: usize) {
+        self.events.enable(capacity);
+        if let Some(ssd) = &self.ssd {
+            ssd.enable_group_events();
+        }
     }
 
     /// Take up to `max` of the oldest recorded events.

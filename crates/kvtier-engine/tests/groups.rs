@@ -262,6 +262,9 @@ fn run(ops: Vec<Op>, policy: EvictionPolicyKind) -> Result<(), TestCaseError> {
                     prop_assert!(live.remove(&g), "left without being stored")
                 }
                 EventKind::Cleared => live.clear(),
+                EventKind::SsdStored | EventKind::SsdRemoved => {
+                    prop_assert!(false, "an SSD event without enable_media_events")
+                }
             }
         }
         let mut resident: HashMap<String, bool> = HashMap::new();

@@ -445,6 +445,69 @@ fn write_back_copies_on_eviction_only() {
     e.check_invariants().unwrap();
 }
 
+/// Issue 30: with media events on, every group's events per medium alternate stored /
+/// removed, a write-back demotion shows its SSD copy before the DRAM eviction, and what the
+/// SSD holds at enable time (a warm restart) is reported first.
+#[test]
+fn media_events_follow_each_tier() {
+    use kvtier_engine::eviction::events::EventKind;
+    use std::collections::HashMap;
+    let dir = tempfile::tempdir().unwrap();
+    let c = ssd_config(dir.path(), 16, 16, |c| {
+        c.ssd_write_policy = SsdWritePolicy::WriteBack;
+    });
+    let e = open(&c);
+    e.enable_media_events(1 << 16);
+    for k in 0..80 {
+        put_k(&e, k).unwrap();
+    }
+    assert!(e.remove(&key(0)) || e.remove(&key(1)));
+    let events = e.drain_events(usize::MAX).events;
+    // group -> (in DRAM, on SSD) as the events say.
+    let mut live: HashMap<Vec<u8>, (bool, bool)> = HashMap::new();
+    let mut demoted = 0;
+    for ev in &events {
+        let s = live.entry(ev.group.to_vec()).or_default();
+        match ev.kind {
+            EventKind::Stored => assert!(!std::mem::replace(&mut s.0, true)),
+            EventKind::Evicted => {
+                assert!(std::mem::replace(&mut s.0, false));
+                assert!(
+                    s.1,
+                    "write-back: the SSD copy is reported before the eviction"
+                );
+                demoted += 1;
+            }
+            EventKind::Removed => assert!(std::mem::replace(&mut s.0, false)),
+            EventKind::SsdStored => assert!(!std::mem::replace(&mut s.1, true)),
+            EventKind::SsdRemoved => assert!(std::mem::replace(&mut s.1, false)),
+            EventKind::Cleared => unreachable!(),
+        }
+    }
+    assert!(demoted > 0);
+    for k in 0..80 {
+        let s = live.get(&key(k)).copied().unwrap_or_default();
+        let p = e.placement(&key(k));
+        assert_eq!(s, (p.dram_len.is_some(), p.ssd_len.is_some()), "key {k}");
+    }
+    let on_ssd = live.values().filter(|s| s.1).count();
+    e.flush().unwrap();
+    drop(e);
+    // A warm restart: what the SSD holds is reported when the events are turned on.
+    let e = open(&c);
+    e.enable_media_events(1 << 16);
+    let again = e.drain_events(usize::MAX).events;
+    assert_eq!(again.len(), on_ssd);
+    assert!(again.iter().all(|ev| ev.kind == EventKind::SsdStored));
+    e.clear();
+    let kinds: Vec<EventKind> = e.drain_events(16).events.iter().map(|e| e.kind).collect();
+    assert_eq!(
+        kinds,
+        vec![EventKind::Cleared],
+        "one clear covers both tiers"
+    );
+}
+
 #[test]
 fn write_errors_fail_strict_puts_and_drop_relaxed_copies() {
     let dir = tempfile::tempdir().unwrap();

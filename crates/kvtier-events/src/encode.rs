@@ -19,6 +19,14 @@
 //! `lora_id`, `lora_name` nil, `token_ids` empty, `block_size` 0: kvtier does not know the
 //! tokens) plus `medium`, `group_idx` (vLLM blocks) and `ownership`. Unknown fields are ignored
 //! by both decoders, so one stream serves both.
+//!
+//! Media ([`Medium`]): kvtier's DRAM tier is vLLM's `CPU`, its SSD tier vLLM's `STORAGE` (the
+//! names vLLM's own secondary tiers publish, `MEDIUM_CPU` / `MEDIUM_STORAGE`); a holder whose
+//! tier is not known (the cluster stream: the master's directory knows the node, not its
+//! tier) publishes `medium` nil, which vLLM's and SGLang's classes read as "unknown". Each
+//! (ownership, medium) is one residency, as in vLLM's `OffloadingEventsTracker`: a block moved
+//! between media is a `BlockStored` with the new medium followed by a `BlockRemoved` with the
+//! old one, so a router that counts residencies never sees the block absent in between.
 
 use kvtier_proto::keys::{self, KeyScheme};
 use kvtier_proto::namespace::{self, Owner};
@@ -38,6 +46,39 @@ pub struct Mapped {
     pub hash: BlockHash,
     /// vLLM's KV cache group of the block (`None` for SGLang pages).
     pub group_idx: Option<u32>,
+}
+
+/// The tier a holder keeps a block on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Medium {
+    /// kvtier's DRAM tier (`CPU`).
+    Dram,
+    /// kvtier's SSD tier (`STORAGE`).
+    Ssd,
+}
+
+impl Medium {
+    /// The name vLLM's events use (`MEDIUM_CPU`, `MEDIUM_STORAGE`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Medium::Dram => "CPU",
+            Medium::Ssd => "STORAGE",
+        }
+    }
+}
+
+/// Who holds the events' blocks and where: `ownership` (`kvtier:<node>`) and the medium
+/// (`None`: not known, published as nil).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Holder {
+    pub ownership: std::sync::Arc<str>,
+    pub medium: Option<Medium>,
+}
+
+impl Holder {
+    pub fn new(ownership: std::sync::Arc<str>, medium: Option<Medium>) -> Holder {
+        Holder { ownership, medium }
+    }
 }
 
 /// One event of a batch.
@@ -151,7 +192,7 @@ fn runs(blocks: &[Mapped]) -> Vec<&[Mapped]> {
     out
 }
 
-fn w_event(out: &mut Vec<u8>, stored: bool, blocks: &[Mapped], medium: &str, ownership: &str) {
+fn w_event(out: &mut Vec<u8>, stored: bool, blocks: &[Mapped], holder: &Holder) {
     let group = blocks.first().and_then(|b| b.group_idx);
     let n = if stored { 9 } else { 4 } + u32::from(group.is_some());
     let _ = rmp::encode::write_map_len(out, n);
@@ -179,13 +220,18 @@ fn w_event(out: &mut Vec<u8>, stored: bool, blocks: &[Mapped], medium: &str, own
         let _ = rmp::encode::write_nil(out);
     }
     w_str(out, "medium");
-    w_str(out, medium);
+    match holder.medium {
+        Some(m) => w_str(out, m.as_str()),
+        None => {
+            let _ = rmp::encode::write_nil(out);
+        }
+    }
     if let Some(g) = group {
         w_str(out, "group_idx");
         let _ = rmp::encode::write_uint(out, u64::from(g));
     }
     w_str(out, "ownership");
-    w_str(out, ownership);
+    w_str(out, &holder.ownership);
 }
 
 /// How many wire events `events` become (runs of one `group_idx` are split).
@@ -199,15 +245,14 @@ fn wire_len(events: &[Event]) -> usize {
         .sum()
 }
 
-/// A `KVEventBatch` (`[ts, events]`) as msgpack, every event owned by `ownership`.
-pub fn encode_batch(ts: f64, events: &[Event], medium: &str, ownership: &str) -> Vec<u8> {
-    let owned: Vec<(&str, &Event)> = events.iter().map(|e| (ownership, e)).collect();
-    encode_owned(ts, &owned, medium)
+/// A `KVEventBatch` (`[ts, events]`) as msgpack, every event held by `holder`.
+pub fn encode_batch(ts: f64, events: &[Event], holder: &Holder) -> Vec<u8> {
+    let owned: Vec<(&Holder, &Event)> = events.iter().map(|e| (holder, e)).collect();
+    encode_owned(ts, &owned)
 }
 
-/// A `KVEventBatch` whose events each name their own `ownership` (the cluster stream: the
-/// node(s) holding the blocks).
-pub fn encode_owned(ts: f64, events: &[(&str, &Event)], medium: &str) -> Vec<u8> {
+/// A `KVEventBatch` whose events each name their own holder (ownership and medium).
+pub fn encode_owned(ts: f64, events: &[(&Holder, &Event)]) -> Vec<u8> {
     let mut out = Vec::with_capacity(64 + 24 * events.len());
     let _ = rmp::encode::write_array_len(&mut out, 2);
     let _ = rmp::encode::write_f64(&mut out, ts);
@@ -216,12 +261,12 @@ pub fn encode_owned(ts: f64, events: &[(&str, &Event)], medium: &str) -> Vec<u8>
         .map(|(_, e)| wire_len(std::slice::from_ref(*e)))
         .sum();
     let _ = rmp::encode::write_array_len(&mut out, wire as u32);
-    for (ownership, e) in events {
+    for (holder, e) in events {
         match e {
             Event::Stored(b) | Event::Removed(b) => {
                 for run in runs(b) {
                     let stored = matches!(e, Event::Stored(_));
-                    w_event(&mut out, stored, run, medium, ownership);
+                    w_event(&mut out, stored, run, holder);
                 }
             }
             Event::Cleared => {
@@ -281,7 +326,14 @@ mod tests {
         };
         let events = [Event::Stored(vec![a, a, b]), Event::Cleared];
         assert_eq!(wire_len(&events), 3);
-        let bytes = encode_batch(1.5, &events, "CPU", "kvtier");
+        let h = Holder::new("kvtier".into(), Some(Medium::Ssd));
+        let bytes = encode_batch(1.5, &events, &h);
         assert_eq!(bytes[0], 0x92); // fixarray of 2
+        let has = |s: &[u8]| bytes.windows(s.len()).any(|w| w == s);
+        assert!(has(b"STORAGE") && !has(b"CPU"));
+        // An unknown medium is nil (0xc0) right after the `medium` key.
+        let bytes = encode_batch(1.5, &events, &Holder::new("kvtier".into(), None));
+        let at = bytes.windows(7).position(|w| w == b"\xa6medium").unwrap();
+        assert_eq!(bytes[at + 7], 0xc0);
     }
 }

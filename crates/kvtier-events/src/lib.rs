@@ -15,7 +15,8 @@ pub mod encode;
 pub mod stream;
 pub mod zmtp;
 
+pub use encode::{Holder, Medium};
 pub use stream::{
-    parse_endpoint, EventsError, HeldSet, Owned, Stream, StreamConfig, END_SEQ, MAX_BUFFER_BATCHES,
-    MAX_SUBSCRIBERS, MAX_SUBSCRIBER_QUEUE, SNAPSHOT, TICK,
+    parse_endpoint, EndpointError, EventsError, HeldSet, Owned, Stream, StreamConfig, END_SEQ,
+    MAX_BUFFER_BATCHES, MAX_SUBSCRIBERS, MAX_SUBSCRIBER_QUEUE, SNAPSHOT, TICK,
 };

@@ -32,7 +32,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use parking_lot::Mutex;
 use serde_json::{json, Map, Value};
 
-use crate::encode::{self, Event};
+use crate::encode::{self, Event, Holder};
 use crate::zmtp;
 
 /// The end-of-replay sequence (`-1` as 8 big-endian bytes).
@@ -86,29 +86,43 @@ pub struct StreamConfig {
     pub buffer_batches: usize,
     pub max_subscribers: usize,
     pub subscriber_queue: usize,
-    /// `medium` of every event (`CPU`: kvtier's DRAM/SSD tiers as vLLM names host memory).
-    pub medium: String,
+}
+
+/// A stream endpoint setting that cannot be bound as given; names the setting and its value.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum EndpointError {
+    #[error("`{key}` {value:?} is not tcp://IP:PORT")]
+    NotTcp { key: String, value: String },
+    /// A host name (or anything but an IP literal and a port): nothing is resolved, so
+    /// nothing listens on an interface the operator did not name.
+    #[error(
+        "`{key}` {value:?} is not tcp://IP:PORT with an IP address literal (e.g. tcp://127.0.0.1:5557)"
+    )]
+    NotIpLiteral { key: String, value: String },
 }
 
 /// Parse `tcp://IP:PORT` (an IP literal; port 0 picks a free one). `key` names the setting.
-pub fn parse_endpoint(key: &str, text: &str) -> Result<SocketAddr, String> {
-    let rest = text
-        .strip_prefix("tcp://")
-        .ok_or_else(|| format!("`{key}` {text:?} is not tcp://IP:PORT"))?;
+pub fn parse_endpoint(key: &str, text: &str) -> Result<SocketAddr, EndpointError> {
+    let named = || (key.to_string(), text.to_string());
+    let Some(rest) = text.strip_prefix("tcp://") else {
+        let (key, value) = named();
+        return Err(EndpointError::NotTcp { key, value });
+    };
     rest.parse::<SocketAddr>().map_err(|_| {
-        format!("`{key}` {text:?} is not tcp://IP:PORT with an IP address literal (e.g. tcp://127.0.0.1:5557)")
+        let (key, value) = named();
+        EndpointError::NotIpLiteral { key, value }
     })
 }
 
 /// What a stream has published as held, owned by the stream's producer.
 pub trait HeldSet: Send + 'static {
-    /// Every held block whose scope starts with `prefix`, with the `ownership` to publish it
-    /// under, in a stable order.
-    fn snapshot(&self, prefix: &[u8]) -> Vec<(Arc<str>, encode::Mapped)>;
+    /// Every held block whose scope starts with `prefix`, once per holder (ownership and
+    /// medium) it is published under.
+    fn snapshot(&self, prefix: &[u8]) -> Vec<(Holder, encode::Mapped)>;
 }
 
-/// One event of a batch with the `ownership` it names.
-pub type Owned = (Arc<str>, Event);
+/// One event of a batch with the holder (ownership, medium) it names.
+pub type Owned = (Holder, Event);
 
 #[derive(Default)]
 struct Counters {
@@ -260,8 +274,8 @@ impl<H: HeldSet> Stream<H> {
                 Event::Cleared => add(&c.published_cleared, 1),
             }
         }
-        let owned: Vec<(&str, &Event)> = events.iter().map(|(o, e)| (&**o, e)).collect();
-        let payload = encode::encode_owned(now_ts(), &owned, &self.inner.config.medium);
+        let owned: Vec<(&Holder, &Event)> = events.iter().map(|(h, e)| (h, e)).collect();
+        let payload = encode::encode_owned(now_ts(), &owned);
         let seq = self.inner.next_seq.fetch_add(1, Ordering::SeqCst);
         held.last_seq = Some(seq);
         // Still under the lock: concurrent updates reach the ring and queues in order.
@@ -578,16 +592,16 @@ fn send_snapshot<H: HeldSet>(inner: &Inner<H>, s: &mut TcpStream, prefix: &[u8])
     };
     add(&inner.counters.snapshots, 1);
     if let Some(seq) = last {
-        let payload = snapshot_batch(blocks, &inner.config.medium);
+        let payload = snapshot_batch(blocks);
         let seq = seq.to_be_bytes();
         s.write_all(&zmtp::encode_message(&[b"", topic, &seq, &payload]))?;
     }
     zmtp::write_message(s, &[b"", b"", &END_SEQ, b""])
 }
 
-/// `AllBlocksCleared`, then the blocks as `BlockStored` events, one per run of one ownership
+/// `AllBlocksCleared`, then the blocks as `BlockStored` events, one per run of one holder
 /// and KV group (vLLM's `group_idx`), in a stable order.
-fn snapshot_batch(mut blocks: Vec<(Arc<str>, encode::Mapped)>, medium: &str) -> Vec<u8> {
+fn snapshot_batch(mut blocks: Vec<(Holder, encode::Mapped)>) -> Vec<u8> {
     blocks.sort_by(|a, b| {
         (&a.0, a.1.group_idx, hash_order(a.1.hash)).cmp(&(
             &b.0,
@@ -596,16 +610,17 @@ fn snapshot_batch(mut blocks: Vec<(Arc<str>, encode::Mapped)>, medium: &str) -> 
         ))
     });
     let cleared = Event::Cleared;
-    let mut events: Vec<(Arc<str>, Event)> = Vec::new();
-    for (owner, m) in blocks {
+    let nobody = Holder::new("".into(), None);
+    let mut events: Vec<(Holder, Event)> = Vec::new();
+    for (holder, m) in blocks {
         match events.last_mut() {
-            Some((o, Event::Stored(v))) if *o == owner => v.push(m),
-            _ => events.push((owner, Event::Stored(vec![m]))),
+            Some((h, Event::Stored(v))) if *h == holder => v.push(m),
+            _ => events.push((holder, Event::Stored(vec![m]))),
         }
     }
-    let mut owned: Vec<(&str, &Event)> = vec![("", &cleared)];
-    owned.extend(events.iter().map(|(o, e)| (&**o, e)));
-    encode::encode_owned(now_ts(), &owned, medium)
+    let mut owned: Vec<(&Holder, &Event)> = vec![(&nobody, &cleared)];
+    owned.extend(events.iter().map(|(h, e)| (h, e)));
+    encode::encode_owned(now_ts(), &owned)
 }
 
 fn hash_order(h: encode::BlockHash) -> (u8, u64) {
@@ -676,19 +691,42 @@ mod tests {
     }
 
     #[test]
+    fn endpoints_are_tcp_ip_literals_and_errors_name_key_and_value() {
+        assert_eq!(
+            parse_endpoint("k", "tcp://127.0.0.1:0").unwrap(),
+            "127.0.0.1:0".parse::<SocketAddr>().unwrap()
+        );
+        let e = parse_endpoint("host_events_endpoint", "127.0.0.1:5557").unwrap_err();
+        assert!(matches!(e, EndpointError::NotTcp { .. }));
+        let e = parse_endpoint("--events-endpoint", "tcp://localhost:5557").unwrap_err();
+        assert_eq!(
+            e,
+            EndpointError::NotIpLiteral {
+                key: "--events-endpoint".into(),
+                value: "tcp://localhost:5557".into()
+            }
+        );
+        let text = e.to_string();
+        assert!(text.contains("--events-endpoint") && text.contains("localhost:5557"));
+    }
+
+    #[test]
     fn a_snapshot_is_a_reset_then_one_event_per_owner_and_group() {
         let m = |v, g| Mapped {
             hash: BlockHash::Unsigned(v),
             group_idx: Some(g),
         };
-        let (a, b): (Arc<str>, Arc<str>) = ("kvtier:a".into(), "kvtier:a,b".into());
+        let (a, b) = (
+            Holder::new("kvtier:a".into(), Some(encode::Medium::Dram)),
+            Holder::new("kvtier:a,b".into(), Some(encode::Medium::Dram)),
+        );
         let blocks = vec![
-            (Arc::clone(&b), m(3, 0)),
-            (Arc::clone(&a), m(2, 1)),
-            (Arc::clone(&a), m(1, 0)),
-            (Arc::clone(&a), m(4, 0)),
+            (b.clone(), m(3, 0)),
+            (a.clone(), m(2, 1)),
+            (a.clone(), m(1, 0)),
+            (a.clone(), m(4, 0)),
         ];
-        let batch = snapshot_batch(blocks, "CPU");
+        let batch = snapshot_batch(blocks);
         // [ts, [cleared, a/g0 (1, 4), a/g1 (2), a,b/g0 (3)]]
         assert_eq!(&batch[..2], &[0x92, 0xcb]);
         assert_eq!(batch[10], 0x94, "four events");

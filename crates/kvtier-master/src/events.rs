@@ -15,9 +15,15 @@
 //! for any of them any more (`ReportDropped`, `Forget`, a node that leaves, dies or
 //! re-registers without them). Every
 //! change is read back from the directory under the stream's lock, so the stream converges
-//! on the directory whatever the order of concurrent RPCs. `ownership` names the holders:
-//! `kvtier:<node id>[,<node id>...]` (sorted), as seen when the event was published (a
-//! snapshot names the current holders; re-replication adds holders without an event).
+//! on the directory whatever the order of concurrent RPCs.
+//!
+//! **Holders**: each node holding a block is one residency, published under `ownership`
+//! `kvtier:<node id>`: a block's holders are the union of its objects' holders, a node that
+//! joins them (registration, a put, a copy made by re-replication or repair) is a
+//! `BlockStored` for that node, one that leaves them (a drop, death, departure, a
+//! re-registration without the block) a `BlockRemoved` for that node; within one change new
+//! holders are published before lost ones. `medium` is nil: the directory knows nodes, not
+//! their tiers. A snapshot lists each block once per current holder.
 //!
 //! **Leader only, with a reset.** A follower publishes nothing. A master that becomes leader
 //! starts with a batch holding `AllBlocksCleared` and then a `BlockStored` for every block it
@@ -45,7 +51,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use kvtier_events::encode::{self, Event, Mapped};
-use kvtier_events::{EventsError, HeldSet, Owned, Stream, StreamConfig, TICK};
+use kvtier_events::{EventsError, HeldSet, Holder, Owned, Stream, StreamConfig, TICK};
 use parking_lot::Mutex;
 use serde_json::{json, Value};
 
@@ -60,7 +66,7 @@ pub const EVENTS_RESETS: &str = "kvtier_master_events_resets_total";
 
 /// Most objects (components, side pools) tracked per block.
 pub const MAX_MEMBERS: usize = 64;
-/// Most distinct holder sets interned as `ownership` strings before the interner restarts.
+/// Most node ids interned as `ownership` strings before the interner restarts.
 const MAX_OWNERS: usize = 4096;
 
 /// The stream's settings (`kvtier master --events-*`).
@@ -75,9 +81,10 @@ pub struct ClusterEventsConfig {
 /// A published block.
 struct Block {
     mapped: Mapped,
-    owner: Arc<str>,
-    /// Its objects the directory lists with a holder.
-    members: Vec<KeyHash>,
+    /// Its tracked objects and the holders the directory lists for each (never empty).
+    members: HashMap<KeyHash, Vec<Arc<str>>>,
+    /// The holders published as holding the block (sorted): the union of the members'.
+    holders: Vec<Arc<str>>,
 }
 
 /// What the stream has published as held (the side map of the module doc).
@@ -86,13 +93,14 @@ pub struct ClusterHeld {
     blocks: HashMap<Arc<[u8]>, Block>,
     /// Directory key hash -> its block's group.
     members: HashMap<KeyHash, Arc<[u8]>>,
-    owners: HashMap<Vec<u16>, Arc<str>>,
+    /// Node id -> its `ownership` (`kvtier:<node id>`), interned.
+    owners: HashMap<String, Arc<str>>,
     leading: bool,
     max_blocks: usize,
 }
 
 impl HeldSet for ClusterHeld {
-    fn snapshot(&self, prefix: &[u8]) -> Vec<(Arc<str>, Mapped)> {
+    fn snapshot(&self, prefix: &[u8]) -> Vec<(Holder, Mapped)> {
         if !self.leading {
             // A follower vouches for nothing (its last batch was a reset).
             return Vec::new();
@@ -100,18 +108,23 @@ impl HeldSet for ClusterHeld {
         self.blocks
             .iter()
             .filter(|(g, _)| encode::engine_key(g).starts_with(prefix))
-            .map(|(_, b)| (Arc::clone(&b.owner), b.mapped))
+            .flat_map(|(_, b)| {
+                b.holders
+                    .iter()
+                    .map(|h| (Holder::new(Arc::clone(h), None), b.mapped))
+            })
             .collect()
     }
 }
 
-/// Append `m` to the last event when it has the same kind and owner, else a new event.
+/// Append `m` to the last event when it has the same kind and holder, else a new event. The
+/// medium is not known to the master (nil).
 fn push(out: &mut Vec<Owned>, owner: &Arc<str>, stored: bool, m: Mapped) {
     match out.last_mut() {
-        Some((o, Event::Stored(v))) if stored && o == owner => v.push(m),
-        Some((o, Event::Removed(v))) if !stored && o == owner => v.push(m),
+        Some((h, Event::Stored(v))) if stored && h.ownership == *owner => v.push(m),
+        Some((h, Event::Removed(v))) if !stored && h.ownership == *owner => v.push(m),
         _ => out.push((
-            Arc::clone(owner),
+            Holder::new(Arc::clone(owner), None),
             if stored {
                 Event::Stored(vec![m])
             } else {
@@ -122,21 +135,29 @@ fn push(out: &mut Vec<Owned>, owner: &Arc<str>, stored: bool, m: Mapped) {
 }
 
 impl ClusterHeld {
-    fn owner(&mut self, holders: &[u16], names: &[String]) -> Arc<str> {
-        if let Some(o) = self.owners.get(holders) {
-            return Arc::clone(o);
-        }
-        if self.owners.len() >= MAX_OWNERS {
-            self.owners.clear();
-        }
-        let mut ids: Vec<&str> = holders
+    /// The `ownership` of each node index in `holders` (sorted, no duplicates). An index
+    /// with no node any more (it left between the two directory reads) holds nothing: the
+    /// watcher's rescan settles it.
+    fn holders(&mut self, holders: &[u16], names: &[String]) -> Vec<Arc<str>> {
+        let mut out: Vec<Arc<str>> = holders
             .iter()
-            .map(|&n| names.get(usize::from(n)).map_or("?", String::as_str))
+            .filter_map(|&n| names.get(usize::from(n)).filter(|id| !id.is_empty()))
+            .map(|id| {
+                let id = id.as_str();
+                if let Some(o) = self.owners.get(id) {
+                    return Arc::clone(o);
+                }
+                if self.owners.len() >= MAX_OWNERS {
+                    self.owners.clear();
+                }
+                let o: Arc<str> = format!("kvtier:{id}").into();
+                self.owners.insert(id.to_string(), Arc::clone(&o));
+                o
+            })
             .collect();
-        ids.sort_unstable();
-        let o: Arc<str> = format!("kvtier:{}", ids.join(",")).into();
-        self.owners.insert(holders.to_vec(), Arc::clone(&o));
-        o
+        out.sort_unstable();
+        out.dedup();
+        out
     }
 
     /// Forget everything (a reset).
@@ -218,7 +239,7 @@ impl ClusterEvents {
                 "no longer leading"
             }
         );
-        let mut out = vec![(Arc::from(""), Event::Cleared)];
+        let mut out = vec![(Holder::new("".into(), None), Event::Cleared)];
         if leader {
             self.resets.fetch_add(1, Ordering::Relaxed);
             metrics::counter!(EVENTS_RESETS).increment(1);
@@ -283,9 +304,11 @@ impl ClusterEvents {
         self.rescan.store(true, Ordering::SeqCst);
     }
 
-    /// Publish a change of one object's block: stored when the block gained its first held
-    /// object (`new` names the block: its group and name), removed when it lost its last;
-    /// otherwise only its holders are updated.
+    /// Publish a change of one object's holders (`nodes`, from the directory): the block's
+    /// holders are the union of its objects' holders, and each holder that joined it is a
+    /// `BlockStored` under that holder's `ownership`, each that left a `BlockRemoved` (stored
+    /// first: a move between nodes never shows the block absent). `new` names the block of
+    /// an object not tracked yet (its group and name); without it such an object is ignored.
     fn check(
         &self,
         held: &mut ClusterHeld,
@@ -295,56 +318,59 @@ impl ClusterEvents {
         names: &[String],
         out: &mut Vec<Owned>,
     ) {
-        if nodes.is_empty() {
-            let Some(group) = held.members.remove(&hash) else {
-                return;
-            };
-            let Some(b) = held.blocks.get_mut(&group) else {
-                return;
-            };
-            b.members.retain(|h| *h != hash);
-            if b.members.is_empty() {
-                if let Some(b) = held.blocks.remove(&group) {
-                    push(out, &b.owner, false, b.mapped);
-                }
-            }
-            return;
-        }
-        let owner = held.owner(nodes, names);
-        if let Some(group) = held.members.get(&hash) {
-            if let Some(b) = held.blocks.get_mut(group) {
-                b.owner = owner;
-            }
-            return;
-        }
-        let Some((group, mapped)) = new else { return };
-        if let Some(g) = held.blocks.get_key_value(group).map(|(g, _)| Arc::clone(g)) {
-            if let Some(b) = held.blocks.get_mut(&g) {
-                if b.members.len() >= MAX_MEMBERS {
-                    self.count_untracked();
+        let holders = held.holders(nodes, names);
+        let group = match held.members.get(&hash) {
+            Some(g) => Arc::clone(g),
+            None => {
+                let Some((group, mapped)) = new.filter(|_| !holders.is_empty()) else {
                     return;
-                }
-                b.members.push(hash);
-                b.owner = owner;
+                };
+                let g = if let Some((g, b)) = held.blocks.get_key_value(group) {
+                    if b.members.len() >= MAX_MEMBERS {
+                        self.count_untracked();
+                        return;
+                    }
+                    Arc::clone(g)
+                } else {
+                    if held.blocks.len() >= held.max_blocks {
+                        self.count_untracked();
+                        return;
+                    }
+                    let g: Arc<[u8]> = group.into();
+                    let block = Block {
+                        mapped,
+                        members: HashMap::new(),
+                        holders: Vec::new(),
+                    };
+                    held.blocks.insert(Arc::clone(&g), block);
+                    g
+                };
+                held.members.insert(hash, Arc::clone(&g));
+                g
             }
-            held.members.insert(hash, g);
+        };
+        let Some(b) = held.blocks.get_mut(&group) else {
             return;
+        };
+        if holders.is_empty() {
+            b.members.remove(&hash);
+            held.members.remove(&hash);
+        } else {
+            b.members.insert(hash, holders);
         }
-        if held.blocks.len() >= held.max_blocks {
-            self.count_untracked();
-            return;
+        let mut union: Vec<Arc<str>> = b.members.values().flatten().cloned().collect();
+        union.sort_unstable();
+        union.dedup();
+        for h in union.iter().filter(|h| !b.holders.contains(h)) {
+            push(out, h, true, b.mapped);
         }
-        push(out, &owner, true, mapped);
-        let group: Arc<[u8]> = group.into();
-        held.members.insert(hash, Arc::clone(&group));
-        held.blocks.insert(
-            group,
-            Block {
-                mapped,
-                owner,
-                members: vec![hash],
-            },
-        );
+        for h in b.holders.iter().filter(|h| !union.contains(h)) {
+            push(out, h, false, b.mapped);
+        }
+        b.holders = union;
+        if b.members.is_empty() {
+            held.blocks.remove(&group);
+        }
     }
 
     fn count_untracked(&self) {
@@ -457,13 +483,13 @@ mod tests {
             .collect()
     }
 
-    /// (owner, hash) of every held block.
+    /// (owner, hash) of every held block, once per holder.
     fn held(events: &ClusterEvents) -> Vec<(String, BlockHash)> {
         let mut v: Vec<(String, BlockHash)> = events
             .stream
             .update(|h| (Vec::new(), h.snapshot(b"")))
             .into_iter()
-            .map(|(o, m)| (o.to_string(), m.hash))
+            .map(|(o, m)| (o.ownership.to_string(), m.hash))
             .collect();
         v.sort_by_key(|(o, h)| (o.clone(), format!("{h:?}")));
         v
@@ -498,7 +524,6 @@ mod tests {
                 buffer_batches: 16,
                 max_subscribers: 1,
                 subscriber_queue: 1,
-                medium: "CPU".into(),
             },
             max_blocks: 2,
         };
@@ -528,10 +553,13 @@ mod tests {
         directory.drop_keys(a, &p1_keys[1..]);
         events.touched(&p1_keys[1..]);
         assert_eq!(held(&events), vec![("kvtier:b".to_string(), two)]);
-        // A second holder is named; a node that leaves is noticed by the watcher.
+        // A second holder is a second residency; a node that leaves is noticed by the watcher.
         directory.add_keys(a, &page_keys(&p2)).unwrap();
         events.touched(&page_keys(&p2));
-        assert_eq!(held(&events), vec![("kvtier:a,b".to_string(), two)]);
+        assert_eq!(
+            held(&events),
+            vec![("kvtier:a".to_string(), two), ("kvtier:b".to_string(), two)]
+        );
         assert!(directory.leave("b"));
         events.nodes_changed();
         wait_held(&events, &[("kvtier:a".to_string(), two)]);
@@ -539,9 +567,9 @@ mod tests {
         events.nodes_changed();
         wait_held(&events, &[]);
         let stats = events.stats();
-        // The reset, a's page, b's page, the removal of a's page, the removal of b's page.
-        assert_eq!(stats["published_stored"], 2);
-        assert_eq!(stats["published_removed"], 2);
+        // The reset; a's p1, b's p2, a's copy of p2; and their three removals.
+        assert_eq!(stats["published_stored"], 3);
+        assert_eq!(stats["published_removed"], 3);
         assert_eq!(stats["published_cleared"], 1);
         events.stop();
     }

@@ -24,8 +24,11 @@
 //!                   count varint(delta)*               restorable prefixes, delta-coded
 //! KeyBatch       := count(n) bytes(key)*n
 //! PutBatchHeader := count(n) bytes(key)*n varint(size)*n (0x00 | 0x01 varint(depth)*n)
-//! BatchResult    := count bool* count str*           a last `... and N more distinct errors`
+//! BatchResult    := count status* count str*         a last `... and N more distinct errors`
 //!                                                      carries suppressed_errors = N > 0
+//! status         := 0x01 ok | 0x00 failed | 0x02 miss | 0x03 wrong length | 0x04 integrity
+//!                 | 0x05 unavailable | 0x06 bad buffer | 0x07 no room | 0x08 busy
+//!                   (issue 28: an item's failure typed; the older bool form is its 0x00/0x01)
 //! Handshake      := varint(version) str(client_name)
 //! ErrorReply     := varint(code) str(message)
 //! ```
@@ -805,8 +808,8 @@ fn suppressed_count(message: &str) -> Option<usize> {
 impl Encode for BatchResult {
     fn encode_fields(&self, out: &mut Vec<u8>) -> Result<(), ProtoError> {
         put_len(out, "result count", self.ok.len(), MAX_KEYS_PER_BATCH)?;
-        for &ok in &self.ok {
-            put_bool(out, ok);
+        for i in 0..self.ok.len() {
+            out.push(self.failure(i).map_or(1, crate::ItemFailure::code));
         }
         let marker = (self.suppressed_errors > 0).then(|| {
             format!(
@@ -829,8 +832,26 @@ impl Decode for BatchResult {
     fn read_from(reader: &mut Reader<'_>) -> Result<Self, ProtoError> {
         let ok_count = reader.read_count("result count", MAX_KEYS_PER_BATCH, 1)?;
         let mut ok = Vec::with_capacity(ok_count);
-        for _ in 0..ok_count {
-            ok.push(reader.read_bool("result flag")?);
+        let mut failures = Vec::new();
+        for i in 0..ok_count {
+            let status = reader.read_u8("result status")?;
+            if status == 1 {
+                ok.push(true);
+                continue;
+            }
+            let failure = crate::ItemFailure::from_code(status).ok_or(ProtoError::InvalidTag {
+                what: "result status",
+                tag: status,
+            })?;
+            ok.push(false);
+            // Only typed failures make the list (canonical: an untyped one is the default).
+            if failure != crate::ItemFailure::Failed {
+                failures.resize(i, crate::ItemFailure::Failed);
+                failures.push(failure);
+            }
+        }
+        if !failures.is_empty() {
+            failures.resize(ok_count, crate::ItemFailure::Failed);
         }
         let error_count = reader.read_count("error count", MAX_KEYS_PER_BATCH, 1)?;
         let mut errors = Vec::with_capacity(error_count);
@@ -848,6 +869,7 @@ impl Decode for BatchResult {
             ok,
             errors,
             suppressed_errors,
+            failures,
         })
     }
 }
@@ -1299,13 +1321,13 @@ mod tests {
             ),
             "{err}"
         );
-        let err = BatchResult::decode(&[1, 2, 0]).unwrap_err();
+        let err = BatchResult::decode(&[1, 9, 0]).unwrap_err();
         assert!(
             matches!(
                 err,
                 ProtoError::InvalidTag {
-                    what: "result flag",
-                    tag: 2
+                    what: "result status",
+                    tag: 9
                 }
             ),
             "{err}"
@@ -1476,6 +1498,7 @@ mod tests {
             ok: vec![true],
             errors: vec!["e".repeat(MAX_MESSAGE_LEN + 1)],
             suppressed_errors: 0,
+            ..Default::default()
         };
         assert!(matches!(
             result.encode_to_vec(),
@@ -1538,6 +1561,39 @@ mod tests {
         );
     }
 
+    /// Issue 28: every item failure crosses the wire typed, as its status byte, and the older
+    /// bool form (`0x00` / `0x01`) still decodes (as an untyped failure / a success).
+    #[test]
+    fn batch_result_carries_typed_failures() {
+        use crate::messages::ItemFailure;
+        let mut result = BatchResult::with_capacity(ItemFailure::ALL.len() + 1);
+        result.push_ok();
+        for failure in ItemFailure::ALL {
+            result.push_failed(failure);
+        }
+        let bytes = result.encode_to_vec().unwrap();
+        let decoded = BatchResult::decode(&bytes).unwrap();
+        assert_eq!(decoded, result);
+        assert_eq!(decoded.failure(0), None);
+        for (i, failure) in ItemFailure::ALL.into_iter().enumerate() {
+            assert_eq!(decoded.failure(i + 1), Some(failure));
+            assert_eq!(ItemFailure::from_code(failure.code()), Some(failure));
+        }
+        assert_eq!(ItemFailure::from_code(1), None, "1 is success");
+        // The bool form: no typed failure, and decoding then encoding gives the same bytes.
+        let plain = BatchResult::flags(vec![true, false]);
+        let bytes = plain.encode_to_vec().unwrap();
+        assert_eq!(bytes, [2, 1, 0, 0]);
+        let back = BatchResult::decode(&bytes).unwrap();
+        assert!(back.failures.is_empty());
+        assert_eq!(back.failure(1), Some(ItemFailure::Failed));
+        // A status no version defines is refused.
+        assert!(matches!(
+            BatchResult::decode(&[1, 9, 0]),
+            Err(ProtoError::InvalidTag { tag: 9, .. })
+        ));
+    }
+
     /// Issue 16: one `BatchResult`; its suppressed-error count survives the wire as the
     /// trailing message servers always sent, and only the canonical form is folded back.
     #[test]
@@ -1547,6 +1603,7 @@ mod tests {
             ok: vec![false, true],
             errors: vec!["disk full".into()],
             suppressed_errors: 7,
+            ..Default::default()
         };
         let bytes = result.encode_to_vec().unwrap();
         assert_eq!(BatchResult::decode(&bytes).unwrap(), result);
@@ -1555,6 +1612,7 @@ mod tests {
             ok: vec![false, true],
             errors: vec!["disk full".into(), "... and 7 more distinct errors".into()],
             suppressed_errors: 0,
+            ..Default::default()
         };
         let mut legacy_bytes = Vec::new();
         put_len(&mut legacy_bytes, "result count", 2, MAX_KEYS_PER_BATCH).unwrap();
@@ -1582,6 +1640,7 @@ mod tests {
                 ok: vec![],
                 errors: vec![odd.into()],
                 suppressed_errors: 0,
+                ..Default::default()
             };
             assert_eq!(BatchResult::decode(&r.encode_to_vec().unwrap()).unwrap(), r);
         }

@@ -50,7 +50,7 @@ pub use codec::{Decode, Encode, Reader};
 pub use error::ProtoError;
 pub use frame::{encode_frame, read_frame, read_frame_limited, write_frame, FrameHeader};
 pub use messages::{
-    BatchResult, ErrorReply, Handshake, KeyBatch, PutBatchHeader, MAX_ERRORS_PER_BATCH,
+    BatchResult, ErrorReply, Handshake, ItemFailure, KeyBatch, PutBatchHeader, MAX_ERRORS_PER_BATCH,
 };
 pub use opcode::Opcode;
 pub use query::{ExistsV2Answer, ExistsV2Query, HitPolicy, KvComponents, PoolQuery};

@@ -58,6 +58,7 @@ fn corpus() -> Vec<Vec<u8>> {
             ok: vec![true, false, true],
             errors: vec!["disk full".into()],
             suppressed_errors: 2,
+            ..Default::default()
         }
         .encode_to_vec(),
         Handshake {

@@ -27,7 +27,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvtier_client::{BatchResult, Client, ClientError, MemRef};
+use kvtier_client::{BatchResult, Client, MemRef};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use rustix::event::{eventfd, EventfdFlags};
@@ -149,14 +149,13 @@ fn run(client: &Client, id: u64, op: Op) -> Completion {
             let mut r = BatchResult::with_capacity(keys.len());
             for (key, buf) in keys.iter().zip(&held) {
                 match client.get_into_slice(key.as_bytes(), buf.as_bytes_mut()) {
-                    Ok(()) => r.ok.push(true),
-                    // A miss is an answer, not an error: the key's bool says it.
-                    Err(ClientError::Engine(kvtier_engine::EngineError::NotFound)) => {
-                        r.ok.push(false)
-                    }
+                    Ok(()) => r.push_ok(),
+                    // A miss is an answer, not an error: the key's bool says it (issue 28:
+                    // typed in every mode).
+                    Err(e) if e.is_miss() => r.push_failed(e.item_failure()),
                     Err(e) => {
                         r.note_error(format!("{key}: {e}"));
-                        r.ok.push(false);
+                        r.push_failed(e.item_failure());
                     }
                 }
             }

@@ -422,13 +422,12 @@ impl Store {
             let mut result = BatchResult::with_capacity(keys.len());
             for (key, buf) in keys.iter().zip(&held) {
                 match client.get_into_slice(key.as_bytes(), buf.as_bytes_mut()) {
-                    Ok(()) => result.ok.push(true),
-                    Err(ClientError::Engine(kvtier_engine::EngineError::NotFound)) => {
-                        result.ok.push(false)
-                    }
+                    Ok(()) => result.push_ok(),
+                    // Issue 28: a miss (typed, in every mode) is the key's False, no message.
+                    Err(e) if e.is_miss() => result.push_failed(e.item_failure()),
                     Err(e) => {
                         result.note_error(keyed_error(key, &e));
-                        result.ok.push(false);
+                        result.push_failed(e.item_failure());
                     }
                 }
             }
@@ -551,13 +550,26 @@ impl Store {
     /// Start recording page-group events (embedded mode) into a ring of `capacity` events.
     /// Returns False in server mode (the events happen in the server's engine).
     fn enable_events(&self, capacity: usize) -> bool {
+        self.client.enable_events(capacity)
+    }
+
+    /// `enable_events`, and with the SSD tier on also its `ssd_stored` / `ssd_removed` events
+    /// (issue 30: the vLLM tier reports each block's medium). False in server mode.
+    fn enable_media_events(&self, capacity: usize) -> bool {
+        self.client.enable_media_events(capacity)
+    }
+
+    /// Where `key` is in this process's engine: `(dram bytes, ssd bytes)`, each None where
+    /// absent; None in server mode. No stats or recency side effects.
+    fn placement(&self, key: &str) -> Option<(Option<u64>, Option<u64>)> {
         self.client
-            .with_engine(|e| e.enable_events(capacity))
-            .is_some()
+            .placement(key.as_bytes())
+            .map(|p| (p.dram_len, p.ssd_len))
     }
 
     /// Take up to `max` of the oldest events: `([(seq, kind, group, depth)], dropped_total,
-    /// pending)`, `kind` one of `stored`, `evicted`, `removed`, `cleared`, `group` the page
+    /// pending)`, `kind` one of `stored`, `evicted`, `removed`, `cleared` (and `ssd_stored`,
+    /// `ssd_removed` after `enable_media_events`), `group` the page
     /// group (`[tag/]page_hash@`; bytes that are not UTF-8 are replaced). Empty in server
     /// mode.
     #[allow(clippy::type_complexity)] // the tuple is the Python-facing shape
@@ -567,7 +579,7 @@ impl Store {
         max: usize,
     ) -> (Vec<(u64, &'static str, String, Option<u32>)>, u64, usize) {
         let client = &self.client;
-        let drained = py.detach(|| client.with_engine(|e| e.drain_events(max)));
+        let drained = py.detach(|| client.drain_events(max));
         let Some(d) = drained else {
             return (Vec::new(), 0, 0);
         };
@@ -589,18 +601,14 @@ impl Store {
     /// `(groups evicted whole, groups tracked)` of the DRAM tier (embedded mode; `None` in
     /// server mode).
     fn group_stats(&self) -> Option<(u64, u64)> {
-        self.client.with_engine(|e| e.group_stats())
+        self.client.group_stats()
     }
 
     /// Refresh the recency of each key's page group (an eviction hint); returns how many keys
     /// were in DRAM (0 in server mode).
     fn touch_keys(&self, py: Python<'_>, keys: Vec<String>) -> usize {
         let client = &self.client;
-        py.detach(|| {
-            client
-                .with_engine(|e| keys.iter().filter(|k| e.touch(k.as_bytes())).count())
-                .unwrap_or(0)
-        })
+        py.detach(|| client.touch_keys(&keys))
     }
 
     /// Refresh the recency of each page group (`[tag/]page_hash@`) in DRAM, an eviction hint
@@ -608,16 +616,7 @@ impl Store {
     /// were in DRAM (0 in server mode).
     fn touch_groups(&self, py: Python<'_>, groups: Vec<String>) -> usize {
         let client = &self.client;
-        py.detach(|| {
-            client
-                .with_engine(|e| {
-                    groups
-                        .iter()
-                        .filter(|g| e.touch_group(g.as_bytes()))
-                        .count()
-                })
-                .unwrap_or(0)
-        })
+        py.detach(|| client.touch_groups(&groups))
     }
 
     /// Counters as a dict of int.

@@ -806,7 +806,7 @@ fn check_host_events(
         };
         if let Some(text) = value {
             crate::events::parse_endpoint(key, text)
-                .map_err(|reason| ConfigError::new(key, &origin_of(key), reason))?;
+                .map_err(|e| ConfigError::new(key, &origin_of(key), e.to_string()))?;
         }
     }
     if settings.host_events_replay_endpoint.is_some() && settings.host_events_endpoint.is_none() {

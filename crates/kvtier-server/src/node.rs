@@ -42,6 +42,7 @@ use kvtier_rpc::{
     ReportDroppedRequest,
 };
 use kvtier_store::metrics::ReadyGate;
+use kvtier_store::store::Store;
 use kvtier_transport::master::MasterLink;
 
 use crate::peer::HeldKeys;
@@ -261,10 +262,10 @@ pub(crate) fn cluster_keys_under(
     limit: usize,
 ) -> HashSet<Vec<u8>> {
     store
-        .with_engine(|engine| {
-            engine
-                .inspect_prefix(prefix, limit)
-                .0
+        .inner()
+        .inspect(&[], Some(prefix), limit)
+        .map(|(_, under, _)| {
+            under
                 .into_iter()
                 .map(|p| p.key)
                 .filter(|k| kvtier_proto::namespace::is_cluster_key(k))

@@ -68,6 +68,7 @@ use kvtier_proto::{
 };
 use kvtier_rpc::{key_hash, KeyHash};
 use kvtier_store::metrics::names;
+use kvtier_store::store::Store;
 use kvtier_transport::tcp::write_all_vectored;
 use parking_lot::Mutex;
 
@@ -999,6 +1000,25 @@ fn frame_buffered(reader: &BufReader<TcpStream>) -> bool {
             .is_ok_and(|h| buffered.len() - HEADER_LEN >= h.body_len as usize)
 }
 
+/// `PeerRemove` / `PeerDemote` of whole keys: per key, whether it was held (and is now
+/// removed or marked superseded).
+fn remove_or_demote(shared: &PortShared, op: Opcode, keys: &[Vec<u8>]) -> Vec<bool> {
+    keys.iter()
+        .map(|k| {
+            if op == Opcode::PeerRemove {
+                shared.held.remove(k);
+                return shared.store.remove_keys(&[k]) == 1;
+            }
+            let page = kvtier_store::PageBatch {
+                prefix: &[],
+                page_keys: &[k],
+                suffixes: &[[0u8; 0]],
+            };
+            shared.store.demote_pages(&page) == 1
+        })
+        .collect()
+}
+
 #[allow(clippy::too_many_arguments)]
 fn serve_requests(
     shared: &PortShared,
@@ -1120,24 +1140,7 @@ fn serve_requests(
             },
             Ok(op @ (Opcode::PeerRemove | Opcode::PeerDemote)) => match KeyBatch::decode(body) {
                 Ok(batch) => {
-                    let ok: Vec<bool> = if op == Opcode::PeerRemove {
-                        batch
-                            .keys
-                            .iter()
-                            .map(|k| {
-                                shared.held.remove(k);
-                                shared.store.remove_keys(&[k]) == 1
-                            })
-                            .collect()
-                    } else {
-                        // A node's store is embedded; the hint marks its engine's objects.
-                        shared
-                            .store
-                            .with_engine(|engine| {
-                                batch.keys.iter().map(|k| engine.demote(k)).collect()
-                            })
-                            .unwrap_or_else(|| vec![false; batch.keys.len()])
-                    };
+                    let ok = remove_or_demote(shared, op, &batch.keys);
                     let reply = WireResult::flags(ok);
                     let mut frame = Vec::new();
                     encode_frame(&mut frame, op, id, FLAG_RESPONSE, &reply)

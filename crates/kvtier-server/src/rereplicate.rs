@@ -40,6 +40,7 @@ use crate::server::TenantStore;
 use kvtier_rpc::{key_hash, KeyHash};
 use kvtier_rpc::{CommitPutsRequest, CopyFailure, CopyFailureReason, CopyTask, NodeList};
 use kvtier_store::metrics::names;
+use kvtier_store::store::Store;
 use kvtier_transport::master::MasterLink;
 use kvtier_transport::tcp::{TcpTransport, TcpTransportConfig};
 use kvtier_transport::{PutItem, Transport};

@@ -58,6 +58,7 @@ use kvtier_proto::peer_ucx::{
     UcxLeaseReply, UcxLeaseRequest, UcxOffer, UcxRelease, UcxReserveReply, UcxReserveRequest,
     MAX_LEASE_EXTENTS,
 };
+use kvtier_store::store::Store;
 use kvtier_transport::ucx::{host_id, Context, Registration, Worker};
 
 use crate::landing::{Extents, LandingMemory};
@@ -290,7 +291,8 @@ impl UcxNode {
         data_ip: IpAddr,
     ) -> Result<UcxNode, String> {
         let (base, len) = store
-            .with_engine(|e| e.dram_memory())
+            .inner()
+            .dram_memory()
             .ok_or("the node's store is not an embedded engine")?;
         let context = Context::bound_to(data_ip).map_err(|e| e.to_string())?;
         let worker = context.worker().map_err(|e| e.to_string())?;

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use kvtier_server::peer::DataPort;
 use kvtier_server::server::TenantStore;
+use kvtier_store::store::Store;
 use kvtier_store::KvtierConfig;
 use kvtier_transport::tcp::{TcpTransport, TcpTransportConfig};
 use kvtier_transport::{GetItem, PutItem, Transport, TransportError};

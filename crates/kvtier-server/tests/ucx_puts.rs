@@ -19,6 +19,7 @@ use kvtier_proto::Opcode;
 use kvtier_server::peer::DataPort;
 use kvtier_server::server::TenantStore;
 use kvtier_server::ucx_node::UcxNode;
+use kvtier_store::store::Store;
 use kvtier_store::KvtierConfig;
 use kvtier_transport::tcp::{TcpTransport, TcpTransportConfig};
 use kvtier_transport::ucx::{Context, RemoteExtent};

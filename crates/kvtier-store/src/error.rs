@@ -1,6 +1,13 @@
 //! The client's error type. Python maps it once, at the module boundary.
+//!
+//! Issue 28: every error says, typed, what it means for the one item it failed
+//! ([`ClientError::item_failure`], a [`ItemFailure`]): the one mapping from a store's errors
+//! to a batch item's outcome, used by every store when it fills a [`crate::BatchResult`],
+//! and by the front ends (a miss is `False`, never an exception). Nothing decides on an
+//! error's text.
 
 use kvtier_engine::EngineError;
+pub use kvtier_proto::ItemFailure;
 
 use crate::config::ConfigError;
 
@@ -46,6 +53,14 @@ pub enum ClientError {
     Metrics(#[from] crate::metrics::MetricsError),
     #[error("kvtier server refused the request (code {code}): {message}")]
     ServerRefused { code: u16, message: String },
+    /// Issue 28: one item failed in a store of another process (a `kvtier serve` reply's
+    /// status byte said why); `detail` is that store's message, for the log.
+    #[error("{key}: {failure}{}", if detail.is_empty() { String::new() } else { format!(" ({detail})") })]
+    Item {
+        key: String,
+        failure: ItemFailure,
+        detail: String,
+    },
 }
 
 impl ClientError {
@@ -61,6 +76,35 @@ impl ClientError {
         }
     }
 
+    /// What this error means for the one item it failed (see the module doc).
+    pub fn item_failure(&self) -> ItemFailure {
+        match self {
+            ClientError::Engine(e) => match e {
+                EngineError::NotFound => ItemFailure::Miss,
+                EngineError::SizeMismatch { .. } => ItemFailure::WrongLength,
+                EngineError::NoSpace { .. } | EngineError::ObjectTooLarge { .. } => {
+                    ItemFailure::NoRoom
+                }
+                EngineError::SourceRevoked => ItemFailure::BadBuffer,
+                _ => ItemFailure::Failed,
+            },
+            ClientError::OutsideRegisteredMemory { .. }
+            | ClientError::MemoryRevoked { .. }
+            | ClientError::InvalidRegion { .. } => ItemFailure::BadBuffer,
+            ClientError::Object { error, .. } => error.item_failure(),
+            ClientError::Cluster(e) if e.is_infrastructure() => ItemFailure::Unavailable,
+            // The server could not be reached or its connection broke mid-call.
+            ClientError::Server { .. } => ItemFailure::Unavailable,
+            ClientError::Item { failure, .. } => *failure,
+            _ => ItemFailure::Failed,
+        }
+    }
+
+    /// The store answered that it does not hold the object (an answer, not a fault).
+    pub fn is_miss(&self) -> bool {
+        self.item_failure() == ItemFailure::Miss
+    }
+
     /// A fault of the infrastructure (cluster unavailable, no leader, a node down, no room,
     /// a timeout), not of the caller's request: the same call may succeed later.
     pub fn is_infrastructure(&self) -> bool {
@@ -68,6 +112,9 @@ impl ClientError {
             ClientError::Object { error, .. } => error.is_infrastructure(),
             ClientError::Cluster(e) => e.is_infrastructure(),
             ClientError::Server { .. } => true,
+            ClientError::Item { failure, .. } => {
+                matches!(failure, ItemFailure::Unavailable | ItemFailure::NoRoom)
+            }
             _ => false,
         }
     }

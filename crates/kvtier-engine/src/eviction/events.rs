@@ -1,7 +1,9 @@
 //! The engine's event log: which page groups appeared in and left the DRAM tier, and why.
 //!
 //! Owns: [`EventLog`], a bounded ring of [`StoreEvent`]s that consumers drain (the Python
-//! module turns them into SGLang `KVEventBatch`es), and its drop counter.
+//! module turns them into SGLang `KVEventBatch`es), and its drop counter; and [`TierGroups`],
+//! the per-group object counts of the SSD tier that turn its index changes into the same
+//! kind of events (`SsdStored` / `SsdRemoved`, issue 30: the host stream names the medium).
 //!
 //! Events are per page group (see [`super::group_of`]), recorded by the engine under the
 //! shard lock of the object whose insert or removal changed the group, so per group they are
@@ -9,14 +11,19 @@
 //! - `Stored` when a group's first object is published (its first component; the other
 //!   components of the page normally follow in the same batch);
 //! - `Evicted` / `Removed` when its last object leaves (capacity eviction / explicit remove);
-//! - `Cleared` once for `clear()` (no per-group events then).
+//! - `Cleared` once for `clear()` (no per-group events then, on either tier);
+//! - only once [`TierGroups::enable`] ran (the host stream of `kvtier serve`; the Python
+//!   consumers never turn it on): `SsdStored` when a group's first object is published in the
+//!   SSD index, `SsdRemoved` when its last leaves it (remove, segment reclaim, a record that
+//!   failed its checksum). A demotion (write-back eviction) is thus `SsdStored` before
+//!   `Evicted`, since the copy is published before DRAM drops the object.
 //!
 //! Invariants: sequence numbers are strictly increasing and gap-free as recorded; when the
 //! ring is full the *oldest* event is dropped and counted, so a consumer that sees a gap in
 //! `seq` knows exactly how many it missed. Recording is off (one relaxed load per call) until
 //! [`EventLog::enable`] is called.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -34,6 +41,10 @@ pub enum EventKind {
     Removed,
     /// Every object was removed (`clear`); `group` is empty.
     Cleared,
+    /// The group's first object was published in the SSD index.
+    SsdStored,
+    /// The group's last object left the SSD index.
+    SsdRemoved,
 }
 
 impl EventKind {
@@ -43,6 +54,8 @@ impl EventKind {
             EventKind::Evicted => "evicted",
             EventKind::Removed => "removed",
             EventKind::Cleared => "cleared",
+            EventKind::SsdStored => "ssd_stored",
+            EventKind::SsdRemoved => "ssd_removed",
         }
     }
 }
@@ -135,6 +148,84 @@ impl EventLog {
     }
 }
 
+/// Objects per page group of the SSD tier, so that its per-key index changes become per-group
+/// events in the engine's [`EventLog`]. Off (no map, one relaxed load per change) until
+/// [`TierGroups::enable`]; the SSD tier calls [`TierGroups::added`] / [`TierGroups::removed`]
+/// under the key's SSD index shard lock, so per group the counts follow the index.
+#[derive(Debug)]
+pub struct TierGroups {
+    log: Arc<EventLog>,
+    on: AtomicBool,
+    counts: Mutex<HashMap<Arc<[u8]>, u32>>,
+}
+
+impl TierGroups {
+    pub fn new(log: Arc<EventLog>) -> TierGroups {
+        TierGroups {
+            log,
+            on: AtomicBool::new(false),
+            counts: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Start counting, seeded with the keys present now (the caller holds off every
+    /// mutation while it runs); each group present is recorded as `SsdStored`.
+    pub fn enable<'a>(&self, present: impl IntoIterator<Item = &'a [u8]>) {
+        let mut counts = self.counts.lock();
+        counts.clear();
+        for key in present {
+            let group = super::group_of(key);
+            match counts.get_mut(group) {
+                Some(n) => *n += 1,
+                None => {
+                    counts.insert(Arc::from(group), 1);
+                    self.log.record(EventKind::SsdStored, group, None);
+                }
+            }
+        }
+        self.on.store(true, Ordering::Release);
+    }
+
+    /// `key` was published in the SSD index.
+    pub fn added(&self, key: &[u8], depth: Option<u32>) {
+        if !self.on.load(Ordering::Relaxed) {
+            return;
+        }
+        let group = super::group_of(key);
+        let mut counts = self.counts.lock();
+        match counts.get_mut(group) {
+            Some(n) => *n += 1,
+            None => {
+                counts.insert(Arc::from(group), 1);
+                self.log.record(EventKind::SsdStored, group, depth);
+            }
+        }
+    }
+
+    /// `key` left the SSD index (a key never counted, e.g. removed while counting started,
+    /// changes nothing).
+    pub fn removed(&self, key: &[u8]) {
+        if !self.on.load(Ordering::Relaxed) {
+            return;
+        }
+        let group = super::group_of(key);
+        let mut counts = self.counts.lock();
+        let Some(n) = counts.get_mut(group) else {
+            return;
+        };
+        *n -= 1;
+        if *n == 0 {
+            counts.remove(group);
+            self.log.record(EventKind::SsdRemoved, group, None);
+        }
+    }
+
+    /// Every key left (`clear`, whose one `Cleared` event covers both tiers).
+    pub fn reset(&self) {
+        self.counts.lock().clear();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -168,5 +259,35 @@ mod tests {
         let d = log.drain(10);
         assert_eq!(d.events.iter().map(|e| e.seq).collect::<Vec<_>>(), [7]);
         assert_eq!(d.dropped_total, 4);
+    }
+
+    #[test]
+    fn tier_groups_record_first_and_last_object_of_a_group() {
+        let log = Arc::new(EventLog::default());
+        log.enable(16);
+        let t = TierGroups::new(Arc::clone(&log));
+        t.added(b"p@x.k", None); // off: nothing
+        t.enable([&b"p@x.k"[..], b"p@x.v"]);
+        t.added(b"q@x.k", Some(2));
+        t.added(b"q@x.v", None);
+        t.removed(b"p@x.k");
+        t.removed(b"p@x.v");
+        t.removed(b"never@x.k");
+        t.reset();
+        t.removed(b"q@x.k");
+        let got: Vec<(EventKind, Vec<u8>)> = log
+            .drain(16)
+            .events
+            .into_iter()
+            .map(|e| (e.kind, e.group.to_vec()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (EventKind::SsdStored, b"p@".to_vec()),
+                (EventKind::SsdStored, b"q@".to_vec()),
+                (EventKind::SsdRemoved, b"p@".to_vec()),
+            ]
+        );
     }
 }

@@ -91,12 +91,22 @@ pub fn put_batch_header() -> impl Strategy<Value = PutBatchHeader> {
         })
 }
 
+/// Issue 28: items succeed or fail with any typed failure (status bytes 0..=8).
 pub fn batch_result() -> impl Strategy<Value = BatchResult> {
-    (vec(any::<bool>(), 0..64), vec(text(), 0..6), 0usize..3).prop_map(
-        |(ok, errors, suppressed_errors)| BatchResult {
-            ok,
-            errors,
-            suppressed_errors,
+    (vec(0u8..=8, 0..64), vec(text(), 0..6), 0usize..3).prop_map(
+        |(statuses, errors, suppressed_errors)| {
+            let mut result = BatchResult {
+                errors,
+                suppressed_errors,
+                ..Default::default()
+            };
+            for status in statuses {
+                match kvtier_proto::ItemFailure::from_code(status) {
+                    Some(failure) => result.push_failed(failure),
+                    None => result.push_ok(),
+                }
+            }
+            result
         },
     )
 }
@@ -189,6 +199,7 @@ impl HeapFootprint for PutBatchHeader {
 impl HeapFootprint for BatchResult {
     fn heap_bytes(&self) -> usize {
         vec_bytes(&self.ok)
+            + vec_bytes(&self.failures)
             + vec_bytes(&self.errors)
             + self.errors.iter().map(String::heap_bytes).sum::<usize>()
     }

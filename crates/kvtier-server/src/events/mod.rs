@@ -28,6 +28,14 @@
 //! gap in the sequence and replays), writes that block 5 s close the subscriber, and the
 //! replay ring keeps `host_events_buffer_batches` batches.
 //!
+//! **Media**: a group in a store's DRAM tier is published with `medium` `CPU`, one in its SSD
+//! tier with `STORAGE` (the engine's `SsdStored` / `SsdRemoved` events, turned on here with
+//! `enable_media_events`); each (medium, group) is one residency. A write-back demotion is
+//! `BlockStored` `STORAGE` then `BlockRemoved` `CPU` (the engine publishes the SSD copy before
+//! DRAM drops the object), a write-through put `BlockStored` `CPU` then, once copied,
+//! `BlockStored` `STORAGE`; a promotion on read adds `BlockStored` `CPU`. This is how vLLM's
+//! tracker counts its tiers' residencies: a block is held while any of them is.
+//!
 //! Sequence numbers start at 0 with each process and increase by one per batch; a restarted
 //! server starts again at 0 (its stores are new too: a router that sees a sequence go back
 //! drops what it credited to this stream). Events the engine ring dropped before the producer
@@ -35,7 +43,7 @@
 //! not happen at the drain interval; the counter says when it did.
 
 pub use kvtier_events::{encode, zmtp};
-pub use kvtier_events::{parse_endpoint, EventsError, END_SEQ, SNAPSHOT};
+pub use kvtier_events::{parse_endpoint, EndpointError, EventsError, END_SEQ, SNAPSHOT};
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -45,10 +53,11 @@ use std::time::Duration;
 
 use kvtier_engine::eviction::events::EventKind;
 use kvtier_events::{HeldSet, Stream, StreamConfig, TICK};
+use kvtier_store::store::Store;
 use serde_json::{json, Value};
 
 use crate::server::TenantStore;
-use encode::Event;
+use encode::{Event, Holder, Medium};
 
 /// Engine events taken per drain call.
 const DRAIN_BATCH: usize = 4096;
@@ -65,20 +74,26 @@ pub struct EventsConfig {
     pub ownership: String,
 }
 
-/// What the stream has published as held: each stored group (with its store namespace, so
-/// one page held by two tenants is two entries, as on the live stream) -> its name on the
-/// stream.
+/// A held group: its store (index among the server's stores), the group as stored (with its
+/// store namespace, so one page held by two tenants is two entries) and its medium.
+type HeldKey = (usize, Box<[u8]>, Medium);
+
+/// What the stream has published as held -> each group's name on the stream. Events are
+/// derived from changes of this set, so the stream never says a block is stored twice on one
+/// medium or removed when it never said it was stored (an engine event the ring lost).
 struct HostHeld {
-    groups: std::collections::HashMap<Box<[u8]>, encode::Mapped>,
+    groups: std::collections::HashMap<HeldKey, encode::Mapped>,
     ownership: Arc<str>,
 }
 
 impl HeldSet for HostHeld {
-    fn snapshot(&self, prefix: &[u8]) -> Vec<(Arc<str>, encode::Mapped)> {
+    fn snapshot(&self, prefix: &[u8]) -> Vec<(Holder, encode::Mapped)> {
         self.groups
             .iter()
-            .filter(|(k, _)| encode::engine_key(k).starts_with(prefix))
-            .map(|(_, m)| (Arc::clone(&self.ownership), *m))
+            .filter(|((_, k, _), _)| encode::engine_key(k).starts_with(prefix))
+            .map(|((_, _, medium), m)| {
+                (Holder::new(Arc::clone(&self.ownership), Some(*medium)), *m)
+            })
             .collect()
     }
 }
@@ -113,7 +128,7 @@ impl HostEvents {
             },
         )?);
         for store in &stores {
-            store.with_engine(|e| e.enable_events(config.engine_ring));
+            store.enable_media_events(config.engine_ring);
         }
         let engine_dropped = Arc::new(AtomicU64::new(0));
         let p = Producer {
@@ -169,43 +184,62 @@ impl Drop for HostEvents {
 
 // ------------------------------------------------------------------ producer
 
-/// Append `blocks` of one kind to `out`, merging with the last event of the same kind.
-fn push(out: &mut Vec<Event>, stored: bool, m: encode::Mapped) {
+/// Append a block of one kind and medium to `out`, merging with the last event of the same
+/// kind and medium.
+fn push(out: &mut Vec<(Option<Medium>, Event)>, medium: Medium, stored: bool, m: encode::Mapped) {
     match (out.last_mut(), stored) {
-        (Some(Event::Stored(v)), true) | (Some(Event::Removed(v)), false) => v.push(m),
-        _ => out.push(if stored {
-            Event::Stored(vec![m])
-        } else {
-            Event::Removed(vec![m])
-        }),
+        (Some((Some(md), Event::Stored(v))), true)
+        | (Some((Some(md), Event::Removed(v))), false)
+            if *md == medium =>
+        {
+            v.push(m)
+        }
+        _ => out.push((
+            Some(medium),
+            if stored {
+                Event::Stored(vec![m])
+            } else {
+                Event::Removed(vec![m])
+            },
+        )),
     }
 }
 
-/// Drain one store's engine ring into `events` and `changes` (bounded: at most the ring's
+/// The medium an engine event is about and whether it stored (`None` for a clear).
+fn medium_of(kind: EventKind) -> Option<(Medium, bool)> {
+    match kind {
+        EventKind::Stored => Some((Medium::Dram, true)),
+        EventKind::Evicted | EventKind::Removed => Some((Medium::Dram, false)),
+        EventKind::SsdStored => Some((Medium::Ssd, true)),
+        EventKind::SsdRemoved => Some((Medium::Ssd, false)),
+        EventKind::Cleared => None,
+    }
+}
+
+/// Drain store number `index`'s engine ring into `changes` (bounded: at most the ring's
 /// capacity, DRAIN_BATCH per call).
 fn drain_store(
     p: &Producer,
     store: &TenantStore,
+    index: usize,
     seen: &mut u64,
-    events: &mut Vec<Event>,
     changes: &mut Vec<Change>,
 ) {
     for _ in 0..=p.engine_ring / DRAIN_BATCH + 1 {
-        let Some(d) = store.with_engine(|e| e.drain_events(DRAIN_BATCH)) else {
+        let Some(d) = store.drain_events(DRAIN_BATCH) else {
             break;
         };
         for ev in &d.events {
-            match ev.kind {
-                EventKind::Cleared => {
-                    events.push(Event::Cleared);
-                    changes.push(None);
-                }
-                kind => match encode::map_group(&ev.group) {
+            match medium_of(ev.kind) {
+                None => changes.push(Change::Cleared(index)),
+                Some((medium, stored)) => match encode::map_group(&ev.group) {
                     Some(m) => {
-                        let stored = kind == EventKind::Stored;
-                        push(events, stored, m);
-                        let key: Box<[u8]> = ev.group.as_ref().into();
-                        changes.push(Some((key, stored.then_some(m))));
+                        let key = (index, ev.group.as_ref().into(), medium);
+                        changes.push(if stored {
+                            Change::Held(key, m)
+                        } else {
+                            Change::Gone(key)
+                        });
                     }
                     None => p.stream.count_unmapped(1),
                 },
@@ -232,18 +266,16 @@ fn produce(p: &Producer, stores: &[Arc<TenantStore>]) {
     loop {
         // Read the flag before draining, so the last round publishes what came before it.
         let stopping = p.stream.stopping();
-        let mut events = Vec::new();
         // Changes to the held set, in order.
         let mut changes: Vec<Change> = Vec::new();
-        for (store, seen) in stores.iter().zip(dropped_seen.iter_mut()) {
-            drain_store(p, store, seen, &mut events, &mut changes);
+        for (index, (store, seen)) in stores.iter().zip(dropped_seen.iter_mut()).enumerate() {
+            drain_store(p, store, index, seen, &mut changes);
         }
-        if !events.is_empty() {
+        if !changes.is_empty() {
             p.stream.update(|held| {
-                apply(held, changes);
-                let owned = events
+                let owned = apply(held, changes)
                     .into_iter()
-                    .map(|e| (Arc::clone(&p.ownership), e))
+                    .map(|(medium, e)| (Holder::new(Arc::clone(&p.ownership), medium), e))
                     .collect();
                 (owned, ())
             });
@@ -263,30 +295,67 @@ fn produce(p: &Producer, stores: &[Arc<TenantStore>]) {
     }
 }
 
-/// One change of the held set: a group (as stored) with its name or removed (`None`
-/// name); `None` is a clear.
-type Change = Option<(Box<[u8]>, Option<encode::Mapped>)>;
+/// One change of the held set, in the engine's order.
+enum Change {
+    /// The group is held (on the key's medium) under this name.
+    Held(HeldKey, encode::Mapped),
+    /// The group left the key's medium.
+    Gone(HeldKey),
+    /// Store number `.0` was cleared (every group, every medium).
+    Cleared(usize),
+}
 
-fn apply(held: &mut HostHeld, changes: Vec<Change>) {
+/// Apply `changes` to the held set; the events are what changed. A clear is
+/// `AllBlocksCleared` when the cleared store held everything the stream holds, else a
+/// `BlockRemoved` of each of its groups (the other stores' blocks are still held).
+fn apply(held: &mut HostHeld, changes: Vec<Change>) -> Vec<(Option<Medium>, Event)> {
+    let mut out = Vec::new();
     for change in changes {
         match change {
-            None => held.groups.clear(),
-            Some((key, Some(m))) => {
-                held.groups.insert(key, m);
+            Change::Held(key, m) => {
+                let medium = key.2;
+                if held.groups.insert(key, m).is_none() {
+                    push(&mut out, medium, true, m);
+                }
             }
-            Some((key, None)) => {
-                held.groups.remove(&key);
+            Change::Gone(key) => {
+                let medium = key.2;
+                if let Some(m) = held.groups.remove(&key) {
+                    push(&mut out, medium, false, m);
+                }
+            }
+            Change::Cleared(store) => {
+                if held.groups.keys().all(|k| k.0 == store) {
+                    held.groups.clear();
+                    out.push((None, Event::Cleared));
+                    continue;
+                }
+                let mut gone: Vec<HeldKey> = held
+                    .groups
+                    .keys()
+                    .filter(|k| k.0 == store)
+                    .cloned()
+                    .collect();
+                gone.sort_by_key(|k| k.2);
+                for key in gone {
+                    let medium = key.2;
+                    if let Some(m) = held.groups.remove(&key) {
+                        push(&mut out, medium, false, m);
+                    }
+                }
             }
         }
     }
+    out
 }
 
 impl EventsConfig {
     /// The stream's settings from `kvtier serve`'s configuration, `None` when it is off.
-    /// The endpoints were checked when the configuration loaded.
+    /// The endpoints were checked when the configuration loaded; the error names the key
+    /// and value all the same.
     pub fn from_server(
         config: &crate::config::ServerConfig,
-    ) -> Result<Option<EventsConfig>, String> {
+    ) -> Result<Option<EventsConfig>, EndpointError> {
         let s = &config.settings;
         let Some(endpoint) = &s.host_events_endpoint else {
             return Ok(None);
@@ -319,11 +388,62 @@ impl EventsConfig {
                 buffer_batches: size(s.host_events_buffer_batches),
                 max_subscribers: size(s.host_events_max_subscribers),
                 subscriber_queue: size(s.host_events_subscriber_queue),
-                medium: "CPU".into(),
             },
             interval: Duration::from_millis(s.host_events_interval_ms),
             engine_ring: size(s.host_events_engine_ring),
             ownership: format!("kvtier:{node}"),
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use encode::{BlockHash, Mapped};
+
+    fn m(v: i64) -> Mapped {
+        Mapped {
+            hash: BlockHash::Signed(v),
+            group_idx: None,
+        }
+    }
+
+    fn key(store: usize, group: &str, medium: Medium) -> HeldKey {
+        (store, group.as_bytes().into(), medium)
+    }
+
+    #[test]
+    fn events_follow_the_held_set_and_a_store_clear_spares_the_others() {
+        let mut held = HostHeld {
+            groups: std::collections::HashMap::new(),
+            ownership: "kvtier:n".into(),
+        };
+        let out = apply(
+            &mut held,
+            vec![
+                Change::Held(key(0, "a@", Medium::Dram), m(1)),
+                Change::Held(key(0, "a@", Medium::Ssd), m(1)),
+                Change::Held(key(0, "a@", Medium::Dram), m(1)), // a lost removal: no repeat
+                Change::Gone(key(0, "never@", Medium::Dram)),   // never held: nothing
+                Change::Held(key(1, "b@", Medium::Dram), m(2)),
+                Change::Gone(key(0, "a@", Medium::Dram)),
+            ],
+        );
+        assert_eq!(
+            out,
+            vec![
+                (Some(Medium::Dram), Event::Stored(vec![m(1)])),
+                (Some(Medium::Ssd), Event::Stored(vec![m(1)])),
+                (Some(Medium::Dram), Event::Stored(vec![m(2)])),
+                (Some(Medium::Dram), Event::Removed(vec![m(1)])),
+            ]
+        );
+        // Store 0 cleared while store 1 holds a block: removals of store 0's, no reset.
+        let out = apply(&mut held, vec![Change::Cleared(0)]);
+        assert_eq!(out, vec![(Some(Medium::Ssd), Event::Removed(vec![m(1)]))]);
+        // Store 1 holds everything left: its clear is the reset.
+        let out = apply(&mut held, vec![Change::Cleared(1)]);
+        assert_eq!(out, vec![(None, Event::Cleared)]);
+        assert!(held.groups.is_empty());
     }
 }

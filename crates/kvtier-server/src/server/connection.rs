@@ -37,6 +37,7 @@ use kvtier_proto::{
     encode_frame, BatchResult as WireResult, Decode, Encode, ErrorReply, ExistsV2Query, Handshake,
     KeyBatch, Opcode, ProtoError,
 };
+use kvtier_store::store::Store;
 use kvtier_store::PageBatch;
 
 use super::documents::{inspect_document, stats_document};
@@ -286,7 +287,7 @@ impl<'a> Connection<'a> {
 
     pub(super) fn close(&mut self) {
         if let Some(session) = self.session.take() {
-            session.release(self.shared);
+            session.release(self.shared.session_env());
         }
     }
 
@@ -542,7 +543,7 @@ impl<'a> Connection<'a> {
             Opcode::UnregisterRegion => {
                 let grant = RegionGrant::decode(body)?;
                 let session = self.session()?;
-                session.unmap_region(self.shared, grant.region)?;
+                session.unmap_region(self.shared.session_env(), grant.region)?;
                 Ok(Vec::new())
             }
             Opcode::PutPages | Opcode::GetPages => {
@@ -603,7 +604,7 @@ impl<'a> Connection<'a> {
             Opcode::Clear => {
                 empty(body, "clear")?;
                 let session = self.session()?;
-                session.clear_namespace(self.shared);
+                session.clear_namespace();
                 Ok(Vec::new())
             }
             Opcode::PeerHello
@@ -664,7 +665,7 @@ impl<'a> Connection<'a> {
         }
         let session = match open.join {
             Some(ticket) => {
-                let sessions = self.shared.sessions.lock();
+                let sessions = self.shared.sessions.table();
                 let session = sessions
                     .get(&ticket.session_id)
                     .filter(|s| {
@@ -682,37 +683,7 @@ impl<'a> Connection<'a> {
                 session.connections.fetch_add(1, Ordering::SeqCst);
                 session
             }
-            None => {
-                if !self
-                    .shared
-                    .config
-                    .may_open_tenant(&open.tenant, self.peer_uid, self.peer_gid)
-                {
-                    return Err(Refusal::new(
-                        error_code::NO_SESSION,
-                        format!(
-                            "tenant {:?} is bound to other credentials (tenant_access); \
-                             uid {} gid {} may not open it",
-                            open.tenant, self.peer_uid, self.peer_gid
-                        ),
-                    ));
-                }
-                // No NUL (the cluster namespace's marker) and no 0x1f (the separator).
-                if !kvtier_proto::namespace::is_valid_name(&open.tenant) {
-                    return Err(Refusal::new(
-                        error_code::MALFORMED,
-                        "tenant names may not contain NUL or 0x1f or exceed 128 bytes",
-                    ));
-                }
-                let store = Arc::clone(self.shared.tenants.for_tenant(&open.tenant));
-                let opener = Opener {
-                    tenant: open.tenant,
-                    client_name: open.client_name,
-                    pid: self.peer_pid,
-                    uid: self.peer_uid,
-                };
-                Session::open(self.shared, opener, store)?
-            }
+            None => self.new_session(open)?,
         };
         let ticket = SessionTicket {
             session_id: session.id,
@@ -733,6 +704,43 @@ impl<'a> Connection<'a> {
         encode(&ticket)
     }
 
+    /// A new session of `open.tenant` for this peer, when its credentials may open it.
+    fn new_session(&self, open: OpenSession) -> Result<Arc<Session>, Refusal> {
+        if !self
+            .shared
+            .config
+            .may_open_tenant(&open.tenant, self.peer_uid, self.peer_gid)
+        {
+            return Err(Refusal::new(
+                error_code::NO_SESSION,
+                format!(
+                    "tenant {:?} is bound to other credentials (tenant_access); \
+                     uid {} gid {} may not open it",
+                    open.tenant, self.peer_uid, self.peer_gid
+                ),
+            ));
+        }
+        // No NUL (the cluster namespace's marker) and no 0x1f (the separator).
+        if !kvtier_proto::namespace::is_valid_name(&open.tenant) {
+            return Err(Refusal::new(
+                error_code::MALFORMED,
+                "tenant names may not contain NUL or 0x1f or exceed 128 bytes",
+            ));
+        }
+        let store = Arc::clone(self.shared.tenants.for_tenant(&open.tenant));
+        let own_partition = self.shared.tenants.is_partition_of(&open.tenant, &store);
+        let opener = Opener {
+            tenant: open.tenant,
+            client_name: open.client_name,
+            pid: self.peer_pid,
+            uid: self.peer_uid,
+            operator: self.shared.config.is_operator(self.peer_uid),
+            store,
+            own_partition,
+        };
+        Session::open(&self.shared.sessions, opener)
+    }
+
     fn register_region(&mut self, request: RegisterRegion) -> Result<Vec<u8>, Refusal> {
         let fd = self.reader.fds.pop_front();
         if fd.is_some() && self.session.is_none() {
@@ -747,7 +755,7 @@ impl<'a> Connection<'a> {
             };
             return Err(Refusal::new(error_code::REGISTRATION, why));
         };
-        let region = session.map_region(self.shared, fd, &request);
+        let region = session.map_region(self.shared.session_env(), fd, &request);
         // The descriptor is closed by now (mapped or refused): its share goes back.
         self.reader.consumed();
         encode(&RegionGrant { region: region? })

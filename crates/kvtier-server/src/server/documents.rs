@@ -16,6 +16,7 @@ use std::sync::atomic::Ordering;
 use kvtier_proto::server::InspectQuery;
 use kvtier_store::metrics::{names, Collector, Samples};
 use kvtier_store::stats::ClientStats;
+use kvtier_store::store::Store;
 use serde_json::{json, Value};
 
 use super::session::Session;
@@ -55,7 +56,7 @@ impl DataPlane {
 impl Collector for Shared {
     fn collect(&self, out: &mut Samples) {
         let (sessions, mapped) = {
-            let sessions = self.sessions.lock();
+            let sessions = self.sessions.table();
             let mapped: u64 = sessions
                 .values()
                 .map(|s| s.mapped_bytes.load(Ordering::Relaxed))
@@ -103,19 +104,13 @@ pub(super) fn inspect_document(shared: &Shared, query: &InspectQuery) -> Value {
     };
     let mut stores = Vec::new();
     for store in shared.tenants.all() {
-        let doc = store.with_engine(|e| {
-            let keys: Vec<Value> = query
-                .keys
-                .iter()
-                .map(|k| placement(&e.placement(k)))
-                .collect();
-            let (under, truncated) = match &query.prefix {
-                Some(prefix) => e.inspect_prefix(prefix, limit),
-                None => (Vec::new(), false),
-            };
+        let found = store
+            .inner()
+            .inspect(&query.keys, query.prefix.as_deref(), limit);
+        let doc = found.map(|(keys, under, truncated)| {
             json!({
                 "store": store.name(),
-                "keys": keys,
+                "keys": keys.iter().map(placement).collect::<Vec<_>>(),
                 "prefix": under.iter().map(placement).collect::<Vec<_>>(),
                 "truncated": truncated,
             })
@@ -145,7 +140,7 @@ fn add_ledger_and_events(server: &mut Value, shared: &Shared) {
 }
 
 pub(super) fn stats_document(shared: &Shared, you: Option<&Session>) -> Value {
-    let sessions = shared.sessions.lock();
+    let sessions = shared.sessions.table();
     let mut mapped_regions = 0usize;
     let mut mapped_bytes = 0u64;
     // Per store: the regions its sessions have mapped, and their bytes.
@@ -211,16 +206,16 @@ pub(super) fn stats_document(shared: &Shared, you: Option<&Session>) -> Value {
             "connections": shared.open_conns.load(Ordering::Relaxed),
             "connections_total": c.connections_total.load(Ordering::Relaxed),
             "connections_refused": c.connections_refused.load(Ordering::Relaxed),
-            "sessions_total": c.sessions_total.load(Ordering::Relaxed),
+            "sessions_total": shared.sessions.opened_total.load(Ordering::Relaxed),
             "requests": c.requests.load(Ordering::Relaxed),
             "malformed_frames": c.malformed_frames.load(Ordering::Relaxed),
             "refused_requests": c.refused_requests.load(Ordering::Relaxed),
             "mapped_regions": mapped_regions,
             "mapped_bytes": mapped_bytes,
-            "live_mappings": shared.live_mappings.load(Ordering::SeqCst),
+            "live_mappings": shared.sessions.live_mappings.load(Ordering::SeqCst),
             "recovered_faults": crate::fault_guard::recovered_faults(),
-            "regions_mapped_total": c.regions_mapped_total.load(Ordering::Relaxed),
-            "regions_unmapped_total": c.regions_unmapped_total.load(Ordering::Relaxed),
+            "regions_mapped_total": shared.sessions.regions_mapped_total.load(Ordering::Relaxed),
+            "regions_unmapped_total": shared.sessions.regions_unmapped_total.load(Ordering::Relaxed),
             "shutting_down": shared.shutting_down.load(Ordering::Relaxed),
         },
         "stores": stores,

@@ -10,13 +10,19 @@
 //!   and per uid), the server-wide state every connection shares ([`Shared`]), bind and
 //!   graceful shutdown;
 //! - [`connection`]: one connection's socket, descriptors, handshake and dispatch;
-//! - [`session`]: what one client process owns (regions, limits, counters, its end);
+//! - [`session`]: what one client process owns (regions, limits, counters, its end), and
+//!   the table of every session ([`session::Sessions`]);
 //! - [`tenant`]: the stores the server hosts (`main`, `tenant:<name>`), embedded engines
 //!   reached directly, and their metrics;
 //! - [`page_io`]: a page batch from a session's mappings into its tenant's store;
 //! - [`documents`]: the `Stats` / `Inspect` documents and the server's Prometheus samples;
 //! - [`refusal`]: a request refused as a whole, which sessions and connections both return
 //!   (its own module, so `connection` and `session` do not import each other).
+//!
+//! Import direction (issue 28): this file owns [`Shared`] and imports the modules below it;
+//! `session`, `tenant`, `ledger`, `refusal` and `page_io` never name [`Shared`] (a session's
+//! calls get what they need as a [`session::Env`]). `connection` and `documents` read the
+//! shared state and so import it; nothing here imports `connection` but this file.
 //!
 //! Invariants kept across them: nothing a client sends can stop the server (see
 //! [`connection`]); a session's mappings are dropped when its last connection closes (a
@@ -47,13 +53,14 @@ use std::time::{Duration, Instant};
 use kvtier_proto::server::error_code;
 use kvtier_proto::Opcode;
 use kvtier_store::metrics::{self as kvmetrics, Endpoint};
+use kvtier_store::store::Store;
 use parking_lot::Mutex;
 use serde_json::{json, Value};
 
 use crate::config::ServerConfig;
 use connection::{send_error, Connection};
 use documents::stats_document;
-use session::Session;
+use session::Sessions;
 use tenant::Tenants;
 
 pub use documents::DataPlane;
@@ -88,8 +95,8 @@ pub enum ServerError {
     /// Issue 30: the host KV-event stream could not start (its endpoint named).
     #[error(transparent)]
     Events(#[from] crate::events::EventsError),
-    #[error("{0}")]
-    EventsConfig(String),
+    #[error(transparent)]
+    EventsConfig(crate::events::EndpointError),
 }
 
 /// Counter of local connections refused at accept, labelled `reason` (the cap's name).
@@ -100,12 +107,9 @@ pub const LOCAL_REFUSED: &str = "kvtier_server_connections_refused_total";
 struct ServerCounters {
     connections_total: AtomicU64,
     connections_refused: AtomicU64,
-    sessions_total: AtomicU64,
     malformed_frames: AtomicU64,
     refused_requests: AtomicU64,
     requests: AtomicU64,
-    regions_mapped_total: AtomicU64,
-    regions_unmapped_total: AtomicU64,
 }
 
 /// The server-wide state every connection thread shares.
@@ -113,17 +117,14 @@ struct Shared {
     config: ServerConfig,
     /// The stores sessions (and a cluster node's data port) use; fixed at bind.
     tenants: Tenants,
-    sessions: Mutex<HashMap<u64, Arc<Session>>>,
-    next_session: AtomicU64,
+    /// Every session, and what they map together.
+    sessions: Sessions,
     conns: Mutex<HashMap<u64, UnixStream>>,
     next_conn: AtomicU64,
     open_conns: AtomicUsize,
     shutting_down: AtomicBool,
     counters: ServerCounters,
     started: Instant,
-    live_mappings: Arc<AtomicU64>,
-    /// Bytes reserved by every session's mappings (`max_mapped_bytes_total`).
-    mapped_total: AtomicU64,
     metrics: Option<Arc<Endpoint>>,
     /// Issue 17: the cluster node's data plane, set once the node starts (`stats` "data_plane").
     data_plane: Mutex<Option<DataPlane>>,
@@ -138,6 +139,17 @@ struct Shared {
     ready: Arc<kvmetrics::ReadyGate>,
     /// Issue 30: the host KV-event stream, when `host_events_endpoint` is set.
     events: Mutex<Option<crate::events::HostEvents>>,
+}
+
+impl Shared {
+    /// What a session's calls need of the server (see [`session::Env`]).
+    fn session_env(&self) -> session::Env<'_> {
+        session::Env {
+            sessions: &self.sessions,
+            ledger: &self.ledger,
+            settings: &self.config.settings,
+        }
+    }
 }
 
 /// Issue 26: every cap on what one uid may hold, sized from the descriptor limit (raised to
@@ -267,16 +279,13 @@ impl Server {
             shared: Arc::new(Shared {
                 config,
                 tenants,
-                sessions: Mutex::new(HashMap::new()),
-                next_session: AtomicU64::new(1),
+                sessions: Sessions::default(),
                 conns: Mutex::new(HashMap::new()),
                 next_conn: AtomicU64::new(1),
                 open_conns: AtomicUsize::new(0),
                 shutting_down: AtomicBool::new(false),
                 counters: ServerCounters::default(),
                 started: Instant::now(),
-                live_mappings: Arc::new(AtomicU64::new(0)),
-                mapped_total: AtomicU64::new(0),
                 metrics,
                 data_plane: Mutex::new(None),
                 socket_inode,

@@ -7,8 +7,9 @@
 //!
 //! Invariants:
 //! - A page with a bad buffer (unknown region, out of bounds, no memory behind it: issue 26)
-//!   fails alone, named in the
-//!   result; the rest of the batch still runs.
+//!   fails alone as [`ItemFailure::BadBuffer`], named in the result; the rest of the batch
+//!   still runs. Every page's failure the store typed (a miss, a wrong length) goes back
+//!   typed (issue 28).
 //! - Every mapping a request uses is held (an `Arc` in the [`CheckedBuffers`]) until the
 //!   store's call returns, so a concurrent unregister or session end cannot unmap it mid-copy.
 //! - Error messages carry keys without the tenant namespace.
@@ -18,7 +19,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use kvtier_proto::server::{PageIo, ShmRef};
-use kvtier_proto::BatchResult as WireResult;
+use kvtier_proto::{BatchResult as WireResult, ItemFailure};
 use kvtier_store::store::CheckedBuffers;
 use kvtier_store::{BatchResult, PageBatch};
 
@@ -56,6 +57,7 @@ pub(super) fn page_io(session: &Session, io: &PageIo, is_put: bool) -> BatchResu
                     .counters
                     .rejected_buffers
                     .fetch_add(1, Ordering::Relaxed);
+                result.set_failed(i, ItemFailure::BadBuffer);
                 result.note_error(format!(
                     "{}: {e}",
                     String::from_utf8_lossy(&io.keys.page_keys[i])
@@ -96,26 +98,35 @@ pub(super) fn page_io(session: &Session, io: &PageIo, is_put: bool) -> BatchResu
             .depths
             .as_ref()
             .map(|d| valid_pages.iter().map(|&i| d[i]).collect());
-        store.put_pages(&batch, &bufs, depths.as_deref())
+        store.put_checked_pages(&batch, &bufs, depths.as_deref())
     } else {
-        store.get_pages(&batch, &bufs)
+        store.get_checked_pages(&batch, &bufs)
     };
     // The mappings this request used may be unmapped from here on.
     drop(bufs);
     count(session, is_put, &inner, bytes, &page_bytes);
-    for (slot, ok) in valid_pages.iter().zip(inner.ok) {
-        result.ok[*slot] = ok;
+    merge(&mut result, &valid_pages, inner, &session.namespace);
+    result
+}
+
+/// Put the store's outcome for the pages it ran (`valid_pages[at]` is page `at` of `inner`)
+/// into the batch's result: each page's failure as the store typed it, and its messages
+/// with the tenant namespace stripped from the keys they name.
+fn merge(result: &mut BatchResult, valid_pages: &[usize], inner: BatchResult, namespace: &[u8]) {
+    for (at, &slot) in valid_pages.iter().enumerate() {
+        match inner.failure(at) {
+            None => result.ok[slot] = inner.ok.get(at).copied().unwrap_or(false),
+            Some(failure) => result.set_failed(slot, failure),
+        }
     }
     for e in inner.errors {
-        // Strip the tenant namespace from keys in messages.
-        let e = match std::str::from_utf8(&session.namespace) {
+        let e = match std::str::from_utf8(namespace) {
             Ok(ns) if !ns.is_empty() => e.replacen(ns, "", 1),
             _ => e,
         };
         result.note_error(e);
     }
     result.suppressed_errors += inner.suppressed_errors;
-    result
 }
 
 /// Prove one page's buffers inside the session's mappings, appending them to `bufs`; the

@@ -11,6 +11,9 @@
 //! - A session ends when its last connection closes (a client killed with SIGKILL included):
 //!   its mappings leave the table then, and each is unmapped once the last request still
 //!   holding it (in a [`kvtier_store::store::CheckedBuffers`]) finishes.
+//! - Import direction (issue 28): this module never names the server-wide state
+//!   (`super::Shared`); the server's `mod.rs` owns a [`Sessions`] and lends what a session's
+//!   calls need as an [`Env`]. The arrow points one way: `mod.rs` → `session`.
 //! - Keys of a session live under its tenant's namespace (`tenant 0x1f`,
 //!   [`kvtier_proto::namespace::tenant_prefix`]) inside its store: never in the cluster
 //!   namespace a node's data port serves (those keys start with NUL, which no tenant name
@@ -25,13 +28,46 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvtier_proto::server::{error_code, RegisterRegion};
-use parking_lot::RwLock;
+use kvtier_store::store::Store;
+use parking_lot::{Mutex, MutexGuard, RwLock};
 
-use super::ledger::Kind;
+use super::ledger::{Kind, Ledger};
 use super::refusal::Refusal;
 use super::tenant::{TenantMetrics, TenantStore};
-use super::Shared;
+use crate::config::ServerSettings;
 use crate::shm::Mapping;
+
+/// Every session of the server and what they map together (the table, the ids, the bytes
+/// mapped server-wide and the region counters of the stats document).
+#[derive(Default)]
+pub(super) struct Sessions {
+    table: Mutex<HashMap<u64, Arc<Session>>>,
+    next_id: AtomicU64,
+    /// Sessions opened since start.
+    pub(super) opened_total: AtomicU64,
+    /// Bytes reserved by every session's mappings (`max_mapped_bytes_total`).
+    pub(super) mapped_total: AtomicU64,
+    /// Mappings alive (a mapping outlives its session while a request holds it).
+    pub(super) live_mappings: Arc<AtomicU64>,
+    pub(super) regions_mapped_total: AtomicU64,
+    pub(super) regions_unmapped_total: AtomicU64,
+}
+
+impl Sessions {
+    /// The table of open sessions, by id.
+    pub(super) fn table(&self) -> MutexGuard<'_, HashMap<u64, Arc<Session>>> {
+        self.table.lock()
+    }
+}
+
+/// What a session's calls need of the server, lent by the owner of the server-wide state:
+/// the session table and the caps on what one uid and the whole server may map.
+#[derive(Clone, Copy)]
+pub(super) struct Env<'a> {
+    pub(super) sessions: &'a Sessions,
+    pub(super) ledger: &'a Ledger,
+    pub(super) settings: &'a ServerSettings,
+}
 
 #[derive(Default)]
 pub(super) struct SessionCounters {
@@ -53,7 +89,12 @@ pub(super) struct Session {
     pub(super) pid: i32,
     /// The uid that opened it; only that uid (or an operator) may join it.
     pub(super) uid: u32,
+    /// Whether `uid` is an operator's (fixed for the server's life: it depends on the
+    /// configuration only).
+    operator: bool,
     pub(super) store: Arc<TenantStore>,
+    /// Whether `store` is this tenant's own partition (then it holds nothing of anyone else).
+    own_partition: bool,
     /// Key namespace of the tenant inside its store (`tenant 0x1f`).
     pub(super) namespace: Vec<u8>,
     pub(super) regions: RwLock<HashMap<u64, Arc<Mapping>>>,
@@ -71,16 +112,16 @@ pub(super) struct Opener {
     pub(super) client_name: String,
     pub(super) pid: i32,
     pub(super) uid: u32,
+    pub(super) operator: bool,
+    /// The tenant's store, and whether it is the tenant's own partition.
+    pub(super) store: Arc<TenantStore>,
+    pub(super) own_partition: bool,
 }
 
 impl Session {
     /// A new session of `opener.tenant` over `store`, with one connection, entered in the
     /// server's table.
-    pub(super) fn open(
-        shared: &Shared,
-        opener: Opener,
-        store: Arc<TenantStore>,
-    ) -> Result<Arc<Session>, Refusal> {
+    pub(super) fn open(sessions: &Sessions, opener: Opener) -> Result<Arc<Session>, Refusal> {
         let namespace = kvtier_proto::namespace::tenant_prefix(&opener.tenant);
         let token = random_token().map_err(|e| {
             Refusal::new(
@@ -88,7 +129,7 @@ impl Session {
                 format!("no random session token (getrandom: {e})"),
             )
         })?;
-        let id = shared.next_session.fetch_add(1, Ordering::Relaxed);
+        let id = sessions.next_id.fetch_add(1, Ordering::Relaxed) + 1;
         let session = Arc::new(Session {
             id,
             metrics: TenantMetrics::new(&opener.tenant),
@@ -97,7 +138,9 @@ impl Session {
             client_name: opener.client_name,
             pid: opener.pid,
             uid: opener.uid,
-            store,
+            operator: opener.operator,
+            store: opener.store,
+            own_partition: opener.own_partition,
             namespace,
             regions: RwLock::new(HashMap::new()),
             next_region: AtomicU64::new(1),
@@ -106,11 +149,8 @@ impl Session {
             counters: SessionCounters::default(),
             started: Instant::now(),
         });
-        shared.sessions.lock().insert(id, Arc::clone(&session));
-        shared
-            .counters
-            .sessions_total
-            .fetch_add(1, Ordering::Relaxed);
+        sessions.table().insert(id, Arc::clone(&session));
+        sessions.opened_total.fetch_add(1, Ordering::Relaxed);
         Ok(session)
     }
 
@@ -126,11 +166,12 @@ impl Session {
     /// limits; the new region's id.
     pub(super) fn map_region(
         &self,
-        shared: &Shared,
+        env: Env<'_>,
         fd: OwnedFd,
         request: &RegisterRegion,
     ) -> Result<u64, Refusal> {
-        let settings = &shared.config.settings;
+        let settings = env.settings;
+        let mapped_total = &env.sessions.mapped_total;
         if self.regions.read().len() as u64 >= settings.max_regions_per_client {
             return Err(Refusal::new(
                 error_code::REGISTRATION,
@@ -155,11 +196,7 @@ impl Session {
                 ),
             ));
         }
-        if !reserve(
-            &shared.mapped_total,
-            request.len,
-            settings.max_mapped_bytes_total,
-        ) {
+        if !reserve(mapped_total, request.len, settings.max_mapped_bytes_total) {
             self.mapped_bytes.fetch_sub(request.len, Ordering::AcqRel);
             return Err(Refusal::new(
                 error_code::REGISTRATION,
@@ -171,13 +208,13 @@ impl Session {
         }
         // Issue 26: all sessions of one uid together, and every other uid's leave the
         // operators a reserve.
-        let operator = shared.config.is_operator(self.uid);
-        if let Err(refused) = shared
+        let operator = self.operator;
+        if let Err(refused) = env
             .ledger
             .take(self.uid, operator, Kind::Mapped, request.len)
         {
             self.mapped_bytes.fetch_sub(request.len, Ordering::AcqRel);
-            shared.mapped_total.fetch_sub(request.len, Ordering::AcqRel);
+            mapped_total.fetch_sub(request.len, Ordering::AcqRel);
             return Err(Refusal::new(
                 error_code::REGISTRATION,
                 format!(
@@ -194,34 +231,31 @@ impl Session {
             settings.prefault_regions,
             &request.label,
             region,
-            Arc::clone(&shared.live_mappings),
+            Arc::clone(&env.sessions.live_mappings),
         )
         .map_err(|e| {
             self.mapped_bytes.fetch_sub(request.len, Ordering::AcqRel);
-            shared.mapped_total.fetch_sub(request.len, Ordering::AcqRel);
-            shared
-                .ledger
+            mapped_total.fetch_sub(request.len, Ordering::AcqRel);
+            env.ledger
                 .give(self.uid, operator, Kind::Mapped, request.len);
             Refusal::new(error_code::REGISTRATION, e.to_string())
         })?;
         self.regions.write().insert(region, Arc::new(mapping));
-        shared
-            .counters
+        env.sessions
             .regions_mapped_total
             .fetch_add(1, Ordering::Relaxed);
         Ok(region)
     }
 
     /// Unregister `region`; its memory is unmapped once no request holds it.
-    pub(super) fn unmap_region(&self, shared: &Shared, region: u64) -> Result<(), Refusal> {
+    pub(super) fn unmap_region(&self, env: Env<'_>, region: u64) -> Result<(), Refusal> {
         let removed = self.regions.write().remove(&region);
         match removed {
             Some(mapping) => {
                 let len = mapping.len() as u64;
                 self.mapped_bytes.fetch_sub(len, Ordering::AcqRel);
-                shared.mapped_total.fetch_sub(len, Ordering::AcqRel);
-                let operator = shared.config.is_operator(self.uid);
-                shared.ledger.give(self.uid, operator, Kind::Mapped, len);
+                env.sessions.mapped_total.fetch_sub(len, Ordering::AcqRel);
+                env.ledger.give(self.uid, self.operator, Kind::Mapped, len);
                 Ok(())
             }
             None => Err(Refusal::new(
@@ -232,22 +266,21 @@ impl Session {
     }
 
     /// One connection of this session closed; the last one ends it.
-    pub(super) fn release(self: &Arc<Self>, shared: &Shared) {
+    pub(super) fn release(self: &Arc<Self>, env: Env<'_>) {
         if self.connections.fetch_sub(1, Ordering::SeqCst) == 1 {
-            let mut sessions = shared.sessions.lock();
+            let mut sessions = env.sessions.table();
             // Re-check under the lock: a join may have raced in.
             if self.connections.load(Ordering::SeqCst) == 0 {
                 sessions.remove(&self.id);
                 let regions: Vec<_> = self.regions.write().drain().collect();
-                shared
-                    .counters
+                env.sessions
                     .regions_unmapped_total
                     .fetch_add(regions.len() as u64, Ordering::Relaxed);
                 let bytes: u64 = regions.iter().map(|(_, m)| m.len() as u64).sum();
                 self.mapped_bytes.fetch_sub(bytes, Ordering::AcqRel);
-                shared.mapped_total.fetch_sub(bytes, Ordering::AcqRel);
-                let operator = shared.config.is_operator(self.uid);
-                shared.ledger.give(self.uid, operator, Kind::Mapped, bytes);
+                env.sessions.mapped_total.fetch_sub(bytes, Ordering::AcqRel);
+                env.ledger
+                    .give(self.uid, self.operator, Kind::Mapped, bytes);
             }
         }
     }
@@ -256,12 +289,11 @@ impl Session {
     /// partition owns that whole store (cleared at once, segment headers included); in the
     /// shared main store, which also holds other tenants' objects and, on a cluster node,
     /// objects stored for other hosts, only the keys under `tenant 0x1f` are removed.
-    pub(super) fn clear_namespace(&self, shared: &Shared) {
-        if shared.tenants.is_partition_of(&self.tenant, &self.store) {
+    pub(super) fn clear_namespace(&self) {
+        if self.own_partition {
             self.store.clear();
         } else {
-            self.store
-                .with_engine(|engine| engine.remove_prefix(&self.namespace));
+            self.store.inner().remove_prefix(&self.namespace);
         }
     }
 }

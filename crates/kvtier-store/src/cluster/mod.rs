@@ -71,6 +71,14 @@ pub enum ObjectError {
     /// The caller's input for this object (its buffer) was refused before any I/O.
     #[error("{0}")]
     Caller(String),
+    /// Issue 28: the object is stored with another length than the caller's buffer (the
+    /// caller's to fix).
+    #[error("{0}")]
+    WrongLength(String),
+    /// Issue 28: every copy read failed its end-to-end checksum (forged, torn or another
+    /// key's bytes): never a hit.
+    #[error("integrity: {0}")]
+    Integrity(String),
     /// The master refused the request itself (a bad key or size): the caller's to fix.
     #[error("refused by the master: {0}")]
     Refused(String),
@@ -87,7 +95,26 @@ impl ObjectError {
                 | ObjectError::Node(_)
                 | ObjectError::NotStored(_)
                 | ObjectError::BadReply(_)
+                | ObjectError::Integrity(_)
         )
+    }
+
+    /// What this failure means for its item (issue 28; see [`crate::error::ItemFailure`]).
+    pub fn item_failure(&self) -> kvtier_proto::ItemFailure {
+        use kvtier_proto::ItemFailure;
+        match self {
+            ObjectError::NotFound => ItemFailure::Miss,
+            ObjectError::Busy => ItemFailure::Busy,
+            ObjectError::NoRoom => ItemFailure::NoRoom,
+            ObjectError::Master(_)
+            | ObjectError::Node(_)
+            | ObjectError::NotStored(_)
+            | ObjectError::BadReply(_) => ItemFailure::Unavailable,
+            ObjectError::Caller(_) => ItemFailure::BadBuffer,
+            ObjectError::WrongLength(_) => ItemFailure::WrongLength,
+            ObjectError::Integrity(_) => ItemFailure::Integrity,
+            ObjectError::Refused(_) => ItemFailure::Failed,
+        }
     }
 }
 
@@ -106,6 +133,18 @@ fn master_error(e: &ClusterError) -> ObjectError {
 /// A node transfer's failure as an object's.
 fn node_error(e: &TransportError) -> ObjectError {
     ObjectError::Node(e.to_string())
+}
+
+/// A failed read of one copy as the object's failure, typed (issue 28).
+fn fetch_error(e: &TransportError) -> ObjectError {
+    match e {
+        // The node evicted it: a miss unless another copy answers.
+        TransportError::NotFound { .. } => ObjectError::NotFound,
+        // A wrong-sized buffer is the caller's.
+        TransportError::SizeMismatch { .. } => ObjectError::WrongLength(e.to_string()),
+        TransportError::Integrity { .. } => ObjectError::Integrity(e.to_string()),
+        e => node_error(e),
+    }
 }
 
 /// The cluster-mode store of one client.
@@ -588,28 +627,9 @@ impl ClusterStore {
                                 dropped.entry(node).or_default().push(keys[i].clone());
                             }
                             if let TransportError::Integrity { peer, message } = &e {
-                                self.integrity_failures
-                                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                                metrics::counter!(
-                                    names::CLUSTER_INTEGRITY_FAILURES,
-                                    "peer" => peer.clone()
-                                )
-                                .increment(1);
-                                tracing::warn!(
-                                    peer,
-                                    reason = %message,
-                                    "kvtier cluster: an object failed its checksum; a miss"
-                                );
+                                self.note_integrity_failure(peer, message);
                             }
-                            out[i] = Err(match e {
-                                // The node evicted it: a miss unless another copy answers.
-                                TransportError::NotFound { .. } => ObjectError::NotFound,
-                                // A wrong-sized buffer is the caller's.
-                                TransportError::SizeMismatch { .. } => {
-                                    ObjectError::Caller(e.to_string())
-                                }
-                                e => node_error(&e),
-                            });
+                            out[i] = Err(fetch_error(&e));
                         }
                     }
                     slots[i] = Some(d);
@@ -634,6 +654,19 @@ impl ClusterStore {
             }
         }
         out
+    }
+
+    /// Count and log a copy that failed its end-to-end checksum (a miss, never a hit).
+    fn note_integrity_failure(&self, peer: &str, message: &str) {
+        self.integrity_failures
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        metrics::counter!(names::CLUSTER_INTEGRITY_FAILURES, "peer" => peer.to_string())
+            .increment(1);
+        tracing::warn!(
+            peer,
+            reason = %message,
+            "kvtier cluster: an object failed its checksum; a miss"
+        );
     }
 
     /// Copy objects just fetched from other nodes into the local node, as extra replicas.
@@ -689,9 +722,10 @@ impl ClusterStore {
         }));
     }
 
-    /// Page batch over registered memory (the shared entry of puts and gets).
+    /// Page batch over registered memory (the shared entry of the [`crate::store::Store`]
+    /// page puts and gets).
     #[allow(clippy::too_many_arguments)]
-    pub fn page_io<K: AsRef<[u8]>, S: AsRef<[u8]>>(
+    pub(crate) fn page_io<K: AsRef<[u8]>, S: AsRef<[u8]>>(
         &self,
         regions: &RegionRegistry,
         is_put: bool,
@@ -727,31 +761,24 @@ impl ClusterStore {
         };
         let mut result = BatchResult::with_capacity(page_keys.len());
         for (page, chunk) in per_object.chunks(comps.max(1)).enumerate() {
-            let mut ok = true;
-            for r in chunk {
-                if let Err(e) = r {
-                    ok = false;
+            // A page fails as its first failing component (issue 28: typed).
+            match chunk.iter().find_map(|r| r.as_ref().err()) {
+                None => result.push_ok(),
+                Some(e) => {
                     if is_put || *e != ObjectError::NotFound {
                         result.note_error(format!(
                             "{}: {e}",
                             String::from_utf8_lossy(page_keys[page].as_ref())
                         ));
                     }
-                    break;
+                    result.push_failed(e.item_failure());
                 }
             }
-            result.ok.push(ok);
         }
         result
     }
 
-    /// Whether each key is visible in the directory (live nodes only).
-    pub fn exists_keys(&self, keys: &[Vec<u8>]) -> Result<Vec<bool>, ClusterError> {
-        let full: Vec<Vec<u8>> = keys.iter().map(|k| self.full_key(&[], k, &[])).collect();
-        self.exists_full_keys(&full)
-    }
-
-    /// As [`exists_keys`](Self::exists_keys) for keys that are already namespaced.
+    /// Whether each namespaced key is visible in the directory (live nodes only).
     pub fn exists_full_keys(&self, keys: &[Vec<u8>]) -> Result<Vec<bool>, ClusterError> {
         Ok(self
             .lookup(keys.to_vec())?
@@ -761,8 +788,12 @@ impl ClusterStore {
             .collect())
     }
 
-    /// One whole v2 existence query, evaluated by the master.
-    pub fn exists_v2(&self, query: &ExistsV2Query) -> Result<ExistsV2Answer, ClusterError> {
+    /// One whole v2 existence query, evaluated by the master (the [`crate::store::Store`]
+    /// call answers a miss when it fails).
+    pub(crate) fn exists_v2_at_master(
+        &self,
+        query: &ExistsV2Query,
+    ) -> Result<ExistsV2Answer, ClusterError> {
         let mut query = query.clone();
         let mut prefix = self.namespace.clone();
         prefix.extend_from_slice(&query.key_prefix);
@@ -779,13 +810,8 @@ impl ClusterStore {
         ExistsV2Answer::decode(&reply.answer).map_err(|e| ClusterError::BadReply(e.to_string()))
     }
 
-    /// Remove keys from the directory and from the nodes holding them; how many were held.
-    pub fn remove_keys(&self, keys: &[Vec<u8>]) -> Result<usize, ClusterError> {
-        let full: Vec<Vec<u8>> = keys.iter().map(|k| self.full_key(&[], k, &[])).collect();
-        self.remove_full_keys(full)
-    }
-
-    /// As [`remove_keys`](Self::remove_keys) for keys that are already namespaced.
+    /// Remove namespaced keys from the directory and from the nodes holding them; how many
+    /// were held.
     pub fn remove_full_keys(&self, full: Vec<Vec<u8>>) -> Result<usize, ClusterError> {
         let request = ForgetRequest { keys: full.clone() };
         let reply = self.runtime.block_on(self.master.call(|mut c| {
@@ -849,8 +875,8 @@ impl ClusterStore {
     /// before the next request, so when this returns no node holds and no exists sees them.
     /// Objects on nodes that are down are forgotten with the lease (they are misses already).
     /// Returns how many objects were removed; the first node that failed is the error (the
-    /// others are still cleared).
-    pub fn clear(&self) -> Result<usize, ClusterError> {
+    /// others are still cleared). The [`crate::store::Store`] call logs that error.
+    pub(crate) fn clear_every_node(&self) -> Result<usize, ClusterError> {
         let info = self.cluster_info()?;
         if !info.is_leader {
             return Err(ClusterError::NoLeader {

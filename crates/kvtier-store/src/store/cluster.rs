@@ -5,7 +5,7 @@
 use kvtier_engine::{EngineError, PutOutcome};
 use kvtier_proto::{ExistsV2Answer, ExistsV2Query};
 
-use super::{owned_keys, Store};
+use super::Store;
 use crate::batch::{BatchResult, MemRef, PageBatch};
 use crate::cluster::{ClusterStore, ObjectError};
 use crate::error::ClientError;
@@ -78,6 +78,7 @@ impl Store for ClusterStore {
         let keys = [self.namespaced(key)];
         match self.get_objects(&keys, vec![Ok(dst)]).remove(0) {
             Ok(()) => Ok(()),
+            // The miss every store answers (issue 28: typed, `is_miss`).
             Err(ObjectError::NotFound) => Err(ClientError::Engine(EngineError::NotFound)),
             Err(error) => Err(ClientError::object(key, error)),
         }
@@ -89,7 +90,8 @@ impl Store for ClusterStore {
     }
 
     fn exists_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> Vec<bool> {
-        ClusterStore::exists_keys(self, &owned_keys(keys)).unwrap_or_else(|e| {
+        let full: Vec<Vec<u8>> = keys.iter().map(|k| self.namespaced(k.as_ref())).collect();
+        self.exists_full_keys(&full).unwrap_or_else(|e| {
             tracing::warn!(error = %e, "kvtier cluster: exists failed");
             vec![false; keys.len()]
         })
@@ -118,18 +120,19 @@ impl Store for ClusterStore {
     }
 
     fn exists_v2(&self, query: &ExistsV2Query) -> ExistsV2Answer {
-        ClusterStore::exists_v2(self, query).unwrap_or_else(|e| {
+        self.exists_v2_at_master(query).unwrap_or_else(|e| {
             tracing::warn!(error = %e, "kvtier cluster: exists_v2 failed");
             ExistsV2Answer::default()
         })
     }
 
     fn remove_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> usize {
-        ClusterStore::remove_keys(self, &owned_keys(keys)).unwrap_or(0)
+        let full: Vec<Vec<u8>> = keys.iter().map(|k| self.namespaced(k.as_ref())).collect();
+        self.remove_full_keys(full).unwrap_or(0)
     }
 
     fn clear(&self) {
-        if let Err(e) = ClusterStore::clear(self) {
+        if let Err(e) = self.clear_every_node() {
             tracing::warn!(error = %e, "kvtier cluster: clear did not reach every node");
         }
     }

@@ -28,7 +28,7 @@ use std::sync::Arc;
 use parking_lot::RwLock;
 
 use kvtier_engine::{
-    Engine, EngineConfig, EngineError, EngineStats, PinnedObject, PutMeta, PutOutcome,
+    Engine, EngineConfig, EngineStats, PinnedObject, Placement, PutMeta, PutOutcome,
 };
 use kvtier_proto::query::compose_key;
 use kvtier_proto::{ExistsV2Answer, ExistsV2Query};
@@ -241,9 +241,38 @@ impl EmbeddedStore {
         &self.engine
     }
 
-    /// Run `f` on the engine (`None` once closed).
-    pub fn with_engine<R>(&self, f: impl FnOnce(&Engine) -> R) -> Option<R> {
+    /// Run `f` on the engine (`None` once closed). Private (issue 28): what callers need of
+    /// the engine is a capability of the store ([`Store`]) or a call below.
+    fn with_engine<R>(&self, f: impl FnOnce(&Engine) -> R) -> Option<R> {
         self.engine.read().as_ref().map(f)
+    }
+
+    /// Remove every object whose key starts with `prefix`; how many (0 once closed).
+    pub fn remove_prefix(&self, prefix: &[u8]) -> u64 {
+        self.with_engine(|e| e.remove_prefix(prefix)).unwrap_or(0)
+    }
+
+    /// Where each of `keys` is, and up to `limit` objects under `prefix` with whether more
+    /// were left out (`None` once closed): the `Inspect` document's part of one store.
+    pub fn inspect(
+        &self,
+        keys: &[Vec<u8>],
+        prefix: Option<&[u8]>,
+        limit: usize,
+    ) -> Option<(Vec<Placement>, Vec<Placement>, bool)> {
+        self.with_engine(|e| {
+            let placed = keys.iter().map(|k| e.placement(k)).collect();
+            let (under, truncated) = match prefix {
+                Some(prefix) => e.inspect_prefix(prefix, limit),
+                None => (Vec::new(), false),
+            };
+            (placed, under, truncated)
+        })
+    }
+
+    /// The DRAM arena's base and length (a node's UCX registration of it); `None` once closed.
+    pub fn dram_memory(&self) -> Option<(*mut u8, usize)> {
+        self.with_engine(Engine::dram_memory)
     }
 
     fn note(&self, result: &mut BatchResult, key: &[u8], err: &ClientError) {
@@ -285,7 +314,7 @@ impl EmbeddedStore {
                 depth: depths.map(|d| d[i]),
             };
             stored_now.clear();
-            let mut page_ok = true;
+            let mut failed = None;
             for (j, suffix) in batch.suffixes.iter().enumerate() {
                 compose_key(batch.prefix, page_key, suffix.as_ref(), &mut key);
                 match buffers.put(engine, &key, i * comps + j, meta) {
@@ -293,17 +322,20 @@ impl EmbeddedStore {
                     Ok(PutOutcome::AlreadyPresent) => {}
                     Err(err) => {
                         self.note(&mut result, &key, &err);
-                        page_ok = false;
+                        failed = Some(err.item_failure());
                         break;
                     }
                 }
             }
-            if !page_ok {
-                for k in &stored_now {
-                    engine.remove(k);
+            match failed {
+                None => result.push_ok(),
+                Some(failure) => {
+                    for k in &stored_now {
+                        engine.remove(k);
+                    }
+                    result.push_failed(failure);
                 }
             }
-            result.ok.push(page_ok);
         }
         result
     }
@@ -320,19 +352,21 @@ impl EmbeddedStore {
         let mut key = Vec::new();
         for i in range {
             let page_key = batch.page_keys[i].as_ref();
-            let mut page_ok = true;
-            for (j, suffix) in batch.suffixes.iter().enumerate() {
+            let failed = batch.suffixes.iter().enumerate().find_map(|(j, suffix)| {
                 compose_key(batch.prefix, page_key, suffix.as_ref(), &mut key);
-                if let Err(err) = buffers.get(engine, &key, i * comps + j) {
-                    // A miss is the normal answer for a cold page; only real problems are noted.
-                    if !matches!(err, ClientError::Engine(EngineError::NotFound)) {
+                buffers.get(engine, &key, i * comps + j).err()
+            });
+            match failed {
+                None => result.push_ok(),
+                Some(err) => {
+                    // A miss is the normal answer for a cold page; only real problems are
+                    // noted (issue 28: the page's failure says which, typed).
+                    if !err.is_miss() {
                         self.note(&mut result, &key, &err);
                     }
-                    page_ok = false;
-                    break;
+                    result.push_failed(err.item_failure());
                 }
             }
-            result.ok.push(page_ok);
         }
         result
     }
@@ -523,5 +557,36 @@ impl Store for EmbeddedStore {
 
     fn pin(&self, key: &[u8]) -> Option<PinnedObject> {
         self.engine.read().as_ref().and_then(|e| e.pin(key))
+    }
+
+    fn touch_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> usize {
+        self.with_engine(|e| keys.iter().filter(|k| e.touch(k.as_ref())).count())
+            .unwrap_or(0)
+    }
+
+    fn touch_groups<K: AsRef<[u8]>>(&self, groups: &[K]) -> usize {
+        self.with_engine(|e| groups.iter().filter(|g| e.touch_group(g.as_ref())).count())
+            .unwrap_or(0)
+    }
+
+    fn enable_events(&self, capacity: usize) -> bool {
+        self.with_engine(|e| e.enable_events(capacity)).is_some()
+    }
+
+    fn enable_media_events(&self, capacity: usize) -> bool {
+        self.with_engine(|e| e.enable_media_events(capacity))
+            .is_some()
+    }
+
+    fn drain_events(&self, max: usize) -> Option<kvtier_engine::eviction::events::Drained> {
+        self.with_engine(|e| e.drain_events(max))
+    }
+
+    fn placement(&self, key: &[u8]) -> Option<kvtier_engine::Placement> {
+        self.with_engine(|e| e.placement(key))
+    }
+
+    fn group_stats(&self) -> Option<(u64, u64)> {
+        self.with_engine(Engine::group_stats)
     }
 }

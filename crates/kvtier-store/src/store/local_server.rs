@@ -41,7 +41,7 @@ use parking_lot::{Mutex, RwLock};
 
 use crate::batch::{BatchResult, MemRef};
 use crate::config::KvtierConfig;
-use crate::error::ClientError;
+use crate::error::{ClientError, ItemFailure};
 use crate::memory::{RegionId, RegionRegistry, StagingMap};
 
 /// Most objects one wire request carries; bigger batches are split.
@@ -88,9 +88,6 @@ struct Conn {
     out: Vec<u8>,
     body: Vec<u8>,
 }
-
-/// The old name of [`LocalServerStore`], kept for callers of `kvtier_client::remote`.
-pub type RemoteStore = LocalServerStore;
 
 /// The server-mode store of a [`crate::Client`].
 #[derive(Debug)]
@@ -677,8 +674,11 @@ impl LocalServerStore {
 
     /// Put or get `pages x comps` objects. `bufs[i*C+j]` is validated against `regions` when
     /// it must be staged (the server validates the zero-copy ones against its mappings).
+    /// Every failed page says why, typed (issue 28): as the server's reply said, a refused
+    /// buffer as [`ItemFailure::BadBuffer`], a broken connection as
+    /// [`ItemFailure::Unavailable`].
     #[allow(clippy::too_many_arguments)]
-    pub fn page_io<K: AsRef<[u8]>, S: AsRef<[u8]>>(
+    fn page_io<K: AsRef<[u8]>, S: AsRef<[u8]>>(
         &self,
         regions: &RegionRegistry,
         is_put: bool,
@@ -713,13 +713,7 @@ impl LocalServerStore {
                     .map(|(b, _)| b.len)
                     .sum();
                 if staged > self.staging_bytes {
-                    result.note_error(format!(
-                        "{}: page of {staged} bytes in unregistered memory exceeds the {} byte \
-                         staging ring (register the pool from a memfd, or raise \
-                         server_staging_bytes)",
-                        String::from_utf8_lossy(page_key.as_ref()),
-                        self.staging_bytes
-                    ));
+                    self.refuse_oversized(&mut result, i, page_key.as_ref(), staged);
                     continue;
                 }
                 if chunk.pages.len() >= pages_per_request
@@ -750,6 +744,7 @@ impl LocalServerStore {
                                 match copied {
                                     Ok(Ok(())) => {}
                                     Ok(Err(e)) | Err(e) => {
+                                        result.set_failed(i, e.item_failure());
                                         result.note_error(format!(
                                             "{}: {e}",
                                             String::from_utf8_lossy(page_key.as_ref())
@@ -761,6 +756,7 @@ impl LocalServerStore {
                             } else {
                                 self.staging(conn)?;
                                 if !regions.contains(buf.ptr, buf.len) {
+                                    result.set_failed(i, ItemFailure::BadBuffer);
                                     result.note_error(format!(
                                         "{}: {}",
                                         String::from_utf8_lossy(page_key.as_ref()),
@@ -809,7 +805,9 @@ impl LocalServerStore {
             Ok(())
         });
         if let Err(e) = outcome {
-            result.ok.iter_mut().for_each(|ok| *ok = false);
+            // The connection broke (or the server refused the request): every page fails so.
+            let failure = e.item_failure();
+            (0..pages).for_each(|i| result.set_failed(i, failure));
             result.note_error(e.to_string());
         }
         result
@@ -854,213 +852,67 @@ impl LocalServerStore {
             ));
         }
         result.suppressed_errors += reply.suppressed_errors;
-        for error in reply.errors {
-            result.note_error(error);
+        for error in &reply.errors {
+            result.note_error(error.clone());
         }
         let total: u64 = io.buffers.iter().map(|b| b.len).sum();
         let staged = chunk.staged as u64;
         self.staged_bytes.fetch_add(staged, Ordering::Relaxed);
         self.zero_copy_bytes
             .fetch_add(total.saturating_sub(staged), Ordering::Relaxed);
-        let mut ok = reply.ok;
-        if !is_put && !chunk.staged_copies.is_empty() {
-            let map = conn.staging.as_ref().map(|s| &s.0);
-            for &(page, buf, offset) in &chunk.staged_copies {
-                if !ok[page] {
-                    continue;
-                }
-                let copied = match map {
-                    Some(map) => regions
-                        .with_destination(buf.ptr, buf.len, |dst| map.read(offset, dst))
-                        .and_then(|r| r),
-                    None => Err(remote_err(&self.socket, "no staging ring")),
-                };
-                if let Err(e) = copied {
-                    result.note_error(e.to_string());
-                    ok[page] = false;
-                }
-            }
+        // The server's typed outcome per page (issue 28), then the copies out of the ring.
+        let mut outcome: Vec<Option<ItemFailure>> =
+            (0..chunk.pages.len()).map(|k| reply.failure(k)).collect();
+        if !is_put {
+            self.copy_out_staged(conn, regions, chunk, &mut outcome, result);
         }
-        for (slot, page_ok) in chunk.pages.iter().zip(ok) {
-            result.ok[*slot] = page_ok;
+        for (slot, failure) in chunk.pages.iter().zip(outcome) {
+            match failure {
+                None => result.ok[*slot] = true,
+                Some(failure) => result.set_failed(*slot, failure),
+            }
         }
         *chunk = Chunk::default();
         Ok(())
     }
 
-    /// Put bytes the caller holds as a slice (legacy tensor path), via the staging ring.
-    pub fn put_slice(
+    /// Fail page `i` whose unregistered components do not fit the staging ring.
+    fn refuse_oversized(&self, result: &mut BatchResult, i: usize, page_key: &[u8], staged: usize) {
+        result.set_failed(i, ItemFailure::BadBuffer);
+        result.note_error(format!(
+            "{}: page of {staged} bytes in unregistered memory exceeds the {} byte staging ring \
+             (register the pool from a memfd, or raise server_staging_bytes)",
+            String::from_utf8_lossy(page_key),
+            self.staging_bytes
+        ));
+    }
+
+    /// Copy a get's staged components out of the ring into caller memory (pages the server
+    /// answered); a copy that fails fails its page, typed.
+    fn copy_out_staged(
         &self,
-        key: &[u8],
-        value: &[u8],
-        depth: Option<u32>,
-    ) -> Result<(), ClientError> {
-        if value.len() > self.staging_bytes {
-            return Err(remote_err(
-                &self.socket,
-                format!(
-                    "object of {} bytes exceeds the {} byte staging ring (raise server_staging_bytes)",
-                    value.len(),
-                    self.staging_bytes
-                ),
-            ));
-        }
-        let reply = self.with_conn(|conn| {
-            let (map, region) = self.staging(conn)?;
-            map.write(0, value)?;
-            let io = PageIo {
-                keys: PageKeys {
-                    prefix: Vec::new(),
-                    page_keys: vec![key.to_vec()],
-                    suffixes: vec![Vec::new()],
-                },
-                buffers: vec![ShmRef {
-                    region: *region,
-                    offset: 0,
-                    len: value.len() as u64,
-                }],
-                depths: depth.map(|d| vec![d]),
-            };
-            let body = conn.call(&self.socket, self.request_id(), Opcode::PutPages, &io, None)?;
-            decode::<WireResult>(&self.socket, body)
-        })?;
-        self.staged_bytes
-            .fetch_add(value.len() as u64, Ordering::Relaxed);
-        match reply.ok.first() {
-            Some(true) => Ok(()),
-            _ => Err(remote_err(
-                &self.socket,
-                reply
-                    .errors
-                    .join("; ")
-                    .chars()
-                    .take(512)
-                    .collect::<String>(),
-            )),
-        }
-    }
-
-    /// Get an object into a slice (legacy tensor path), via the staging ring. `Ok(false)`: miss.
-    pub fn get_into_slice(&self, key: &[u8], dst: &mut [u8]) -> Result<bool, ClientError> {
-        if dst.len() > self.staging_bytes {
-            return Err(remote_err(
-                &self.socket,
-                format!(
-                    "object of {} bytes exceeds the {} byte staging ring",
-                    dst.len(),
-                    self.staging_bytes
-                ),
-            ));
-        }
-        let hit = self.with_conn(|conn| {
-            let region = self.staging(conn)?.1;
-            let io = PageIo {
-                keys: PageKeys {
-                    prefix: Vec::new(),
-                    page_keys: vec![key.to_vec()],
-                    suffixes: vec![Vec::new()],
-                },
-                buffers: vec![ShmRef {
-                    region,
-                    offset: 0,
-                    len: dst.len() as u64,
-                }],
-                depths: None,
-            };
-            let body = conn.call(&self.socket, self.request_id(), Opcode::GetPages, &io, None)?;
-            let reply: WireResult = decode(&self.socket, body)?;
-            if reply.ok.first() == Some(&true) {
-                if let Some((map, _)) = conn.staging.as_ref() {
-                    map.read(0, dst)?;
-                    return Ok(Ok(true));
-                }
+        conn: &Conn,
+        regions: &RegionRegistry,
+        chunk: &Chunk,
+        outcome: &mut [Option<ItemFailure>],
+        result: &mut BatchResult,
+    ) {
+        let map = conn.staging.as_ref().map(|s| &s.0);
+        for &(page, buf, offset) in &chunk.staged_copies {
+            if outcome[page].is_some() {
+                continue;
             }
-            Ok(match reply.errors.first() {
-                Some(e) => Err(remote_err(&self.socket, e)),
-                None => Ok(false),
-            })
-        })??;
-        if hit {
-            self.staged_bytes
-                .fetch_add(dst.len() as u64, Ordering::Relaxed);
+            let copied = match map {
+                Some(map) => regions
+                    .with_destination(buf.ptr, buf.len, |dst| map.read(offset, dst))
+                    .and_then(|r| r),
+                None => Err(remote_err(&self.socket, "no staging ring")),
+            };
+            if let Err(e) = copied {
+                result.note_error(e.to_string());
+                outcome[page] = Some(e.item_failure());
+            }
         }
-        Ok(hit)
-    }
-
-    // ----------------------------------------------------------------------------- queries
-
-    pub fn exists_keys(&self, keys: &[Vec<u8>]) -> Result<Vec<bool>, ClientError> {
-        let reply: WireResult = self.simple(
-            Opcode::BatchExists,
-            &KeyBatch {
-                keys: keys.to_vec(),
-            },
-        )?;
-        if reply.ok.len() != keys.len() {
-            return Err(remote_err(&self.socket, "exists reply of the wrong length"));
-        }
-        Ok(reply.ok)
-    }
-
-    pub fn exists_pages_prefix(&self, keys: PageKeys) -> Result<usize, ClientError> {
-        let pages = keys.page_keys.len();
-        let reply: Count = self.simple(Opcode::ExistsPagesPrefix, &keys)?;
-        usize::try_from(reply.value)
-            .ok()
-            .filter(|&v| v <= pages)
-            .ok_or_else(|| remote_err(&self.socket, "prefix count out of range"))
-    }
-
-    pub fn demote_pages(&self, keys: PageKeys) -> Result<usize, ClientError> {
-        let most = keys.page_keys.len() * keys.suffixes.len();
-        let reply: Count = self.simple(Opcode::DemotePages, &keys)?;
-        usize::try_from(reply.value)
-            .ok()
-            .filter(|&v| v <= most)
-            .ok_or_else(|| remote_err(&self.socket, "demoted count out of range"))
-    }
-
-    pub fn exists_v2(&self, query: &ExistsV2Query) -> Result<ExistsV2Answer, ClientError> {
-        let answer: ExistsV2Answer = self.simple(Opcode::ExistsV2, query)?;
-        if answer.kv_hit_pages as usize > query.page_keys.len() {
-            return Err(remote_err(&self.socket, "kv hit beyond the query"));
-        }
-        Ok(answer)
-    }
-
-    pub fn object_len(&self, key: &[u8]) -> Result<Option<u64>, ClientError> {
-        let reply: ObjectLens = self.simple(
-            Opcode::ObjectLen,
-            &KeyBatch {
-                keys: vec![key.to_vec()],
-            },
-        )?;
-        Ok(reply.lens.first().copied().flatten())
-    }
-
-    pub fn remove_keys(&self, keys: &[Vec<u8>]) -> Result<usize, ClientError> {
-        let reply: WireResult = self.simple(
-            Opcode::BatchDelete,
-            &KeyBatch {
-                keys: keys.to_vec(),
-            },
-        )?;
-        Ok(reply.ok.iter().filter(|&&b| b).count())
-    }
-
-    pub fn clear(&self) -> Result<(), ClientError> {
-        self.simple::<_, EmptyBody>(Opcode::Clear, &EmptyBody)
-            .map(drop)
-    }
-
-    pub fn flush(&self) -> Result<(), ClientError> {
-        self.simple::<_, EmptyBody>(Opcode::Flush, &EmptyBody)
-            .map(drop)
-    }
-
-    pub fn ping(&self) -> Result<(), ClientError> {
-        self.simple::<_, EmptyBody>(Opcode::Ping, &EmptyBody)
-            .map(drop)
     }
 
     /// The server's stats document (JSON).
@@ -1091,15 +943,6 @@ impl LocalServerStore {
             self.staged_bytes.load(Ordering::Relaxed).into(),
         );
         map
-    }
-
-    /// Close every connection (the server then drops the session and its mappings).
-    pub fn close(&self) {
-        self.idle.lock().clear();
-        let mut state = self.state.lock();
-        state.keeper = None;
-        state.ticket = None;
-        state.memfds.clear();
     }
 }
 
@@ -1134,6 +977,65 @@ impl Decode for EmptyBody {
 }
 
 // ----------------------------------------------------------------------------- the seam
+
+impl LocalServerStore {
+    /// One single-object page request through the staging ring (the slice calls): `key`'s
+    /// outcome as the server typed it, its message kept for the log.
+    fn slice_request(
+        &self,
+        conn: &mut Conn,
+        opcode: Opcode,
+        key: &[u8],
+        len: usize,
+        depth: Option<u32>,
+    ) -> Result<Result<(), ClientError>, ClientError> {
+        let region = self.staging(conn)?.1;
+        let io = PageIo {
+            keys: PageKeys {
+                prefix: Vec::new(),
+                page_keys: vec![key.to_vec()],
+                suffixes: vec![Vec::new()],
+            },
+            buffers: vec![ShmRef {
+                region,
+                offset: 0,
+                len: len as u64,
+            }],
+            depths: depth.map(|d| vec![d]),
+        };
+        let body = conn.call(&self.socket, self.request_id(), opcode, &io, None)?;
+        let reply: WireResult = decode(&self.socket, body)?;
+        if reply.ok.len() != 1 {
+            return Err(remote_err(
+                &self.socket,
+                "a slice reply of the wrong length",
+            ));
+        }
+        Ok(match reply.failure(0) {
+            None => Ok(()),
+            Some(failure) => Err(ClientError::Item {
+                key: String::from_utf8_lossy(key).into_owned(),
+                failure,
+                detail: reply.errors.first().cloned().unwrap_or_default(),
+            }),
+        })
+    }
+
+    /// A slice larger than the staging ring is refused before any request.
+    fn check_slice(&self, len: usize) -> Result<(), ClientError> {
+        if len > self.staging_bytes {
+            return Err(remote_err(
+                &self.socket,
+                format!(
+                    "object of {len} bytes exceeds the {} byte staging ring (raise \
+                     server_staging_bytes)",
+                    self.staging_bytes
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
 
 impl super::Store for LocalServerStore {
     fn mode(&self) -> &'static str {
@@ -1181,61 +1083,118 @@ impl super::Store for LocalServerStore {
         value: &[u8],
         depth: Option<u32>,
     ) -> Result<kvtier_engine::PutOutcome, ClientError> {
+        self.check_slice(value.len())?;
+        self.with_conn(|conn| {
+            let (map, _) = self.staging(conn)?;
+            map.write(0, value)?;
+            self.slice_request(conn, Opcode::PutPages, key, value.len(), depth)
+        })??;
+        self.staged_bytes
+            .fetch_add(value.len() as u64, Ordering::Relaxed);
         // The server does not say whether the key was new; both count as stored.
-        LocalServerStore::put_slice(self, key, value, depth)
-            .map(|()| kvtier_engine::PutOutcome::Stored)
+        Ok(kvtier_engine::PutOutcome::Stored)
     }
 
+    /// A miss is [`ItemFailure::Miss`] as the server typed it (issue 28).
     fn get_into_slice(&self, key: &[u8], dst: &mut [u8]) -> Result<(), ClientError> {
-        match LocalServerStore::get_into_slice(self, key, dst)? {
-            true => Ok(()),
-            false => Err(ClientError::Engine(kvtier_engine::EngineError::NotFound)),
-        }
+        self.check_slice(dst.len())?;
+        self.with_conn(|conn| {
+            let outcome = self.slice_request(conn, Opcode::GetPages, key, dst.len(), None)?;
+            if outcome.is_ok() {
+                if let Some((map, _)) = conn.staging.as_ref() {
+                    map.read(0, dst)?;
+                }
+            }
+            Ok(outcome)
+        })??;
+        self.staged_bytes
+            .fetch_add(dst.len() as u64, Ordering::Relaxed);
+        Ok(())
     }
 
     fn object_len(&self, key: &[u8]) -> Option<u64> {
-        LocalServerStore::object_len(self, key).ok().flatten()
+        let keys = KeyBatch {
+            keys: vec![key.to_vec()],
+        };
+        let reply: Result<ObjectLens, _> = self.simple(Opcode::ObjectLen, &keys);
+        reply.ok()?.lens.first().copied().flatten()
     }
 
     fn exists_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> Vec<bool> {
-        LocalServerStore::exists_keys(self, &super::owned_keys(keys))
-            .unwrap_or_else(|_| vec![false; keys.len()])
+        let request = KeyBatch {
+            keys: super::owned_keys(keys),
+        };
+        match self.simple::<_, WireResult>(Opcode::BatchExists, &request) {
+            Ok(reply) if reply.ok.len() == keys.len() => reply.ok,
+            _ => vec![false; keys.len()],
+        }
     }
 
     fn exists_pages_prefix<K: AsRef<[u8]>, S: AsRef<[u8]>>(
         &self,
         batch: &crate::batch::PageBatch<'_, K, S>,
     ) -> usize {
-        LocalServerStore::exists_pages_prefix(self, super::page_keys_message(batch)).unwrap_or(0)
+        let pages = batch.pages();
+        let reply: Result<Count, _> =
+            self.simple(Opcode::ExistsPagesPrefix, &super::page_keys_message(batch));
+        // A count beyond the batch is a broken reply: no page is known to exist.
+        reply
+            .ok()
+            .and_then(|c| usize::try_from(c.value).ok())
+            .filter(|&v| v <= pages)
+            .unwrap_or(0)
     }
 
     fn demote_pages<K: AsRef<[u8]>, S: AsRef<[u8]>>(
         &self,
         batch: &crate::batch::PageBatch<'_, K, S>,
     ) -> usize {
-        LocalServerStore::demote_pages(self, super::page_keys_message(batch)).unwrap_or_else(|e| {
-            tracing::warn!(error = %e, "kvtier: demote hint not delivered");
-            0
-        })
+        let most = batch.pages() * batch.components();
+        let reply: Result<Count, _> =
+            self.simple(Opcode::DemotePages, &super::page_keys_message(batch));
+        match reply {
+            Ok(c) => usize::try_from(c.value)
+                .ok()
+                .filter(|&v| v <= most)
+                .unwrap_or(0),
+            Err(e) => {
+                tracing::warn!(error = %e, "kvtier: demote hint not delivered");
+                0
+            }
+        }
     }
 
     fn exists_v2(&self, query: &ExistsV2Query) -> ExistsV2Answer {
-        LocalServerStore::exists_v2(self, query).unwrap_or_default()
+        match self.simple::<_, ExistsV2Answer>(Opcode::ExistsV2, query) {
+            // A hit beyond the query is a broken reply: a miss.
+            Ok(answer) if answer.kv_hit_pages as usize <= query.page_keys.len() => answer,
+            _ => ExistsV2Answer::default(),
+        }
     }
 
     fn remove_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> usize {
-        LocalServerStore::remove_keys(self, &super::owned_keys(keys)).unwrap_or(0)
+        let request = KeyBatch {
+            keys: super::owned_keys(keys),
+        };
+        self.simple::<_, WireResult>(Opcode::BatchDelete, &request)
+            .map_or(0, |reply| reply.succeeded())
     }
 
     fn clear(&self) {
-        let _ = LocalServerStore::clear(self);
+        let _ = self.simple::<_, EmptyBody>(Opcode::Clear, &EmptyBody);
     }
 
     fn flush(&self) -> Result<(), ClientError> {
-        LocalServerStore::flush(self)
+        self.simple::<_, EmptyBody>(Opcode::Flush, &EmptyBody)
+            .map(drop)
     }
 
+    /// Close every connection (the server then drops the session and its mappings).
     fn close(&self) {
-        LocalServerStore::close(self)
+        self.idle.lock().clear();
+        let mut state = self.state.lock();
+        state.keeper = None;
+        state.ticket = None;
+        state.memfds.clear();
     }
 }

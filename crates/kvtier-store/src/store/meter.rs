@@ -2,9 +2,11 @@
 //! misses per pool, and (for an embedded store) the engine's stats at scrape time under the
 //! store's `store` label.
 //!
-//! Owns: the hot-path handles ([`ClientMetrics`]) and the engine collector of one store. A
-//! [`crate::Client`] owns one, and so does each store `kvtier serve` hosts (which reach the
-//! [`super::EmbeddedStore`] without a `Client`), so both record exactly the same series.
+//! Owns: the hot-path handles ([`ClientMetrics`]) and the engine collector of one store, and
+//! [`Metered`], the one wrapper that records a store's calls (issue 28: there were two ways
+//! of counting). A [`crate::Client`] holds a `Metered<Stores>`, and each store `kvtier serve`
+//! hosts a `Metered<EmbeddedStore>` (reached without a `Client`; its page batches come as
+//! [`CheckedBuffers`]), so both record exactly the same series through the same code.
 //!
 //! Invariant: when the process publishes no metrics ([`metrics::enabled`] is false at
 //! creation) the meter is off: every method is a no-op and `timed` only runs the call.
@@ -14,8 +16,14 @@ use std::time::Instant;
 
 use kvtier_proto::{ExistsV2Answer, ExistsV2Query};
 
-use super::embedded::EngineSlot;
-use crate::batch::PageBatch;
+use kvtier_engine::{EngineStats, PinnedObject, PutOutcome};
+
+use super::checked::CheckedBuffers;
+use super::embedded::{EmbeddedStore, EngineSlot};
+use super::Store;
+use crate::batch::{BatchResult, MemRef, PageBatch};
+use crate::error::ClientError;
+use crate::memory::RegionRegistry;
 use crate::metrics::{self, ClientMetrics, Collector, Lookup, Op, Samples};
 
 /// Publishes an embedded engine's stats at scrape time under its `store` label.
@@ -146,5 +154,202 @@ impl StoreMeter {
             let label = metrics::pool_label(&pool.name);
             self.count_pool(label, Lookup::Exists, hit_of(&pool.name), pages);
         }
+    }
+}
+
+/// A store whose every call is recorded by its [`StoreMeter`] (see the module doc): latency
+/// per operation, and page or key lookups per pool for gets and existence checks.
+#[derive(Debug)]
+pub struct Metered<S> {
+    store: S,
+    meter: StoreMeter,
+}
+
+impl<S: Store> Metered<S> {
+    pub fn new(store: S, meter: StoreMeter) -> Metered<S> {
+        Metered { store, meter }
+    }
+
+    /// The store itself (its own capabilities: a server session's memfds, an embedded
+    /// engine's inspection), unmetered.
+    pub fn inner(&self) -> &S {
+        &self.store
+    }
+
+    pub fn meter(&self) -> &StoreMeter {
+        &self.meter
+    }
+}
+
+impl Metered<EmbeddedStore> {
+    /// [`EmbeddedStore::put_checked_pages`], timed as a put.
+    pub fn put_checked_pages<K: AsRef<[u8]> + Sync, S: AsRef<[u8]> + Sync>(
+        &self,
+        batch: &PageBatch<'_, K, S>,
+        buffers: &CheckedBuffers,
+        depths: Option<&[u32]>,
+    ) -> BatchResult {
+        self.meter.timed(Op::Put, || {
+            self.store.put_checked_pages(batch, buffers, depths)
+        })
+    }
+
+    /// [`EmbeddedStore::get_checked_pages`], timed as a get, its pages counted.
+    pub fn get_checked_pages<K: AsRef<[u8]> + Sync, S: AsRef<[u8]> + Sync>(
+        &self,
+        batch: &PageBatch<'_, K, S>,
+        buffers: &CheckedBuffers,
+    ) -> BatchResult {
+        let result = self
+            .meter
+            .timed(Op::Get, || self.store.get_checked_pages(batch, buffers));
+        self.meter
+            .count_pages(batch, Lookup::Get, result.succeeded());
+        result
+    }
+}
+
+impl<T: Store> Store for Metered<T> {
+    fn mode(&self) -> &'static str {
+        self.store.mode()
+    }
+
+    fn put_pages<K: AsRef<[u8]> + Sync, S: AsRef<[u8]> + Sync>(
+        &self,
+        regions: &RegionRegistry,
+        batch: &PageBatch<'_, K, S>,
+        buffers: &[MemRef],
+        depths: Option<&[u32]>,
+    ) -> BatchResult {
+        self.meter.timed(Op::Put, || {
+            self.store.put_pages(regions, batch, buffers, depths)
+        })
+    }
+
+    fn get_pages<K: AsRef<[u8]> + Sync, S: AsRef<[u8]> + Sync>(
+        &self,
+        regions: &RegionRegistry,
+        batch: &PageBatch<'_, K, S>,
+        buffers: &[MemRef],
+    ) -> BatchResult {
+        let result = self
+            .meter
+            .timed(Op::Get, || self.store.get_pages(regions, batch, buffers));
+        self.meter
+            .count_pages(batch, Lookup::Get, result.succeeded());
+        result
+    }
+
+    fn put_slice(
+        &self,
+        key: &[u8],
+        value: &[u8],
+        depth: Option<u32>,
+    ) -> Result<PutOutcome, ClientError> {
+        self.meter
+            .timed(Op::Put, || self.store.put_slice(key, value, depth))
+    }
+
+    fn get_into_slice(&self, key: &[u8], dst: &mut [u8]) -> Result<(), ClientError> {
+        let result = self
+            .meter
+            .timed(Op::Get, || self.store.get_into_slice(key, dst));
+        self.meter.count_get(key, result.is_ok());
+        result
+    }
+
+    fn object_len(&self, key: &[u8]) -> Option<u64> {
+        self.store.object_len(key)
+    }
+
+    fn exists_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> Vec<bool> {
+        let found = self
+            .meter
+            .timed(Op::Exists, || self.store.exists_keys(keys));
+        self.meter.count_exists_keys(keys, &found);
+        found
+    }
+
+    fn exists_pages_prefix<K: AsRef<[u8]>, S: AsRef<[u8]>>(
+        &self,
+        batch: &PageBatch<'_, K, S>,
+    ) -> usize {
+        let hit = self
+            .meter
+            .timed(Op::Exists, || self.store.exists_pages_prefix(batch));
+        self.meter.count_pages(batch, Lookup::Exists, hit);
+        hit
+    }
+
+    fn demote_pages<K: AsRef<[u8]>, S: AsRef<[u8]>>(&self, batch: &PageBatch<'_, K, S>) -> usize {
+        self.store.demote_pages(batch)
+    }
+
+    fn exists_v2(&self, query: &ExistsV2Query) -> ExistsV2Answer {
+        let answer = self
+            .meter
+            .timed(Op::ExistsV2, || self.store.exists_v2(query));
+        self.meter.count_exists_v2(query, &answer);
+        answer
+    }
+
+    fn remove_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> usize {
+        self.meter
+            .timed(Op::Remove, || self.store.remove_keys(keys))
+    }
+
+    fn clear(&self) {
+        self.meter.timed(Op::Clear, || self.store.clear());
+    }
+
+    fn flush(&self) -> Result<(), ClientError> {
+        self.meter.timed(Op::Flush, || self.store.flush())
+    }
+
+    fn close(&self) {
+        self.store.close();
+    }
+
+    fn engine_stats(&self) -> EngineStats {
+        self.store.engine_stats()
+    }
+
+    fn rejected_buffers(&self) -> u64 {
+        self.store.rejected_buffers()
+    }
+
+    /// Counted as a get (latency, pool lookup).
+    fn pin(&self, key: &[u8]) -> Option<PinnedObject> {
+        let pinned = self.meter.timed(Op::Get, || self.store.pin(key));
+        self.meter.count_get(key, pinned.is_some());
+        pinned
+    }
+
+    fn touch_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> usize {
+        self.store.touch_keys(keys)
+    }
+
+    fn touch_groups<K: AsRef<[u8]>>(&self, groups: &[K]) -> usize {
+        self.store.touch_groups(groups)
+    }
+
+    fn enable_events(&self, capacity: usize) -> bool {
+        self.store.enable_events(capacity)
+    }
+
+    fn enable_media_events(&self, capacity: usize) -> bool {
+        self.store.enable_media_events(capacity)
+    }
+
+    fn drain_events(&self, max: usize) -> Option<kvtier_engine::eviction::events::Drained> {
+        self.store.drain_events(max)
+    }
+
+    fn placement(&self, key: &[u8]) -> Option<kvtier_engine::Placement> {
+        self.store.placement(key)
+    }
+
+    fn group_stats(&self) -> Option<(u64, u64)> {
+        self.store.group_stats()
     }
 }

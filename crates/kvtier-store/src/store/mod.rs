@@ -10,8 +10,14 @@
 //!   internals stay in `cluster/`.
 //!
 //! Beside them: [`checked`] (buffers proved by their owner, and the [`checked::SharedRegion`]
-//! contract of server-mapped memory) and [`meter`] (what a store's calls record in the
-//! metrics, shared by the `Client` and `kvtier serve`'s stores).
+//! contract of server-mapped memory) and [`meter`] ([`Metered`]: the one wrapper that records
+//! a store's calls in the metrics, for the `Client` and `kvtier serve`'s stores).
+//!
+//! Issue 28: the trait is each store's one API (the server and cluster stores have no
+//! same-named calls of their own beside it), and what callers used to reach an embedded
+//! engine for (recency hints, the page-group event log, group stats) are capabilities every
+//! store answers ([`Store::touch_keys`], [`Store::enable_events`], ...; a store whose engine
+//! is in another process answers that it has none).
 //!
 //! Contract every implementation keeps (the `Client` relies on it and adds nothing):
 //! - Calls never panic on caller input; a bad buffer, a size mismatch or a full store is a
@@ -50,7 +56,7 @@ use crate::memory::RegionRegistry;
 pub use checked::{CheckedBuffers, OutsideRegion, SharedRegion};
 pub use embedded::EmbeddedStore;
 pub use local_server::LocalServerStore;
-pub use meter::StoreMeter;
+pub use meter::{Metered, StoreMeter};
 
 /// Check a page batch's buffer count and depths against its shape (`pages x components`
 /// buffers, one depth per page, at least one component when there are pages).
@@ -152,6 +158,45 @@ pub trait Store: Send + Sync {
     fn pin(&self, _key: &[u8]) -> Option<PinnedObject> {
         None
     }
+
+    /// Refresh the recency of each key's page group in DRAM (an eviction hint); how many
+    /// keys were in DRAM (0 where the engine is not in this process).
+    fn touch_keys<K: AsRef<[u8]>>(&self, _keys: &[K]) -> usize {
+        0
+    }
+
+    /// Refresh the recency of each page group (`[tag/]page_hash@`) in DRAM; how many were
+    /// there (0 where the engine is not in this process).
+    fn touch_groups<K: AsRef<[u8]>>(&self, _groups: &[K]) -> usize {
+        0
+    }
+
+    /// Start recording page-group events into a ring of `capacity`; false where the engine
+    /// is not in this process (its events happen elsewhere).
+    fn enable_events(&self, _capacity: usize) -> bool {
+        false
+    }
+
+    /// [`Store::enable_events`], and with the SSD tier on also its `SsdStored` /
+    /// `SsdRemoved` events (issue 30: the KV-event streams name each block's medium).
+    fn enable_media_events(&self, _capacity: usize) -> bool {
+        false
+    }
+
+    /// Take up to `max` of the oldest page-group events (`None`: no engine here, or closed).
+    fn drain_events(&self, _max: usize) -> Option<kvtier_engine::eviction::events::Drained> {
+        None
+    }
+
+    /// Where `key` is in this process's engine, DRAM and SSD (`None`: no engine here).
+    fn placement(&self, _key: &[u8]) -> Option<kvtier_engine::Placement> {
+        None
+    }
+
+    /// `(groups evicted whole, groups tracked)` of the DRAM tier (`None`: no engine here).
+    fn group_stats(&self) -> Option<(u64, u64)> {
+        None
+    }
 }
 
 /// The one store a [`crate::Client`] owns.
@@ -162,9 +207,7 @@ pub enum Stores {
     Cluster(Box<ClusterStore>),
 }
 
-/// Forward one call to the variant's [`Store`] implementation. Called as `Store::f(..)`
-/// explicitly: the server and cluster stores have inherent methods of the same names (their
-/// wire-level calls), which method syntax would pick first.
+/// Forward one call to the variant's [`Store`] implementation.
 macro_rules! forward {
     ($self:ident, $method:ident($($arg:expr),*)) => {
         match $self {
@@ -261,6 +304,34 @@ impl Store for Stores {
 
     fn pin(&self, key: &[u8]) -> Option<PinnedObject> {
         forward!(self, pin(key))
+    }
+
+    fn touch_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> usize {
+        forward!(self, touch_keys(keys))
+    }
+
+    fn touch_groups<K: AsRef<[u8]>>(&self, groups: &[K]) -> usize {
+        forward!(self, touch_groups(groups))
+    }
+
+    fn enable_events(&self, capacity: usize) -> bool {
+        forward!(self, enable_events(capacity))
+    }
+
+    fn enable_media_events(&self, capacity: usize) -> bool {
+        forward!(self, enable_media_events(capacity))
+    }
+
+    fn drain_events(&self, max: usize) -> Option<kvtier_engine::eviction::events::Drained> {
+        forward!(self, drain_events(max))
+    }
+
+    fn placement(&self, key: &[u8]) -> Option<kvtier_engine::Placement> {
+        forward!(self, placement(key))
+    }
+
+    fn group_stats(&self) -> Option<(u64, u64)> {
+        forward!(self, group_stats())
     }
 }
 

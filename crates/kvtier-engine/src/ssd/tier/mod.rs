@@ -41,6 +41,7 @@ use super::uring;
 use super::{RecoveryProgress, RecoveryReport};
 use crate::config::{EngineConfig, EvictionPolicyKind, SsdDurabilityMode, SsdIoBackend};
 use crate::error::EngineError;
+use crate::eviction::events::TierGroups;
 use crate::index::Index;
 use crate::object::Object;
 use crate::stats::EngineStats;
@@ -114,6 +115,9 @@ struct Shared {
     stop: StopSignal,
     index: SsdIndex,
     dram_index: Arc<Index>,
+    /// Per-group counts of the index, for the engine's `SsdStored` / `SsdRemoved` events
+    /// (off unless [`SsdTier::enable_group_events`] ran).
+    groups: TierGroups,
     /// Sequence numbers: record and segment generations (monotonic across restarts).
     seq: AtomicU64,
     /// The access clock segments' `last_access` is read from.
@@ -206,6 +210,18 @@ impl Shared {
                 }
             }
         }
+    }
+
+    /// Publish `key`'s record in its (locked) index shard and count it in its group.
+    fn insert_indexed(
+        &self,
+        shard: &mut Shard,
+        key: &Arc<[u8]>,
+        entry: SsdEntry,
+        depth: Option<u32>,
+    ) {
+        shard.insert(Arc::clone(key), entry);
+        self.groups.added(key, depth);
     }
 
     /// Delete the checkpoint before the first mutation that would make it stale.
@@ -308,7 +324,14 @@ impl SsdTier {
     pub(crate) fn remove(&self, key: &[u8]) -> bool {
         let sh = &self.sh;
         let _m = sh.mutation.read_recursive();
-        let Some(e) = sh.index.shard(key).write().remove(key) else {
+        let Some(e) = ({
+            let mut shard = sh.index.shard(key).write();
+            let e = shard.remove(key);
+            if e.is_some() {
+                sh.groups.removed(key);
+            }
+            e
+        }) else {
             return false;
         };
         sh.unaccount(&e);
@@ -316,6 +339,16 @@ impl SsdTier {
         sh.invalidate_checkpoint();
         sh.write_dead(e.seg, e.generation, e.loc.offset, e.loc.rec_len);
         true
+    }
+
+    /// Start the per-group events (see [`TierGroups`]), seeded with what the index holds:
+    /// every mutation waits meanwhile, so no change is counted twice or missed.
+    pub(crate) fn enable_group_events(&self) {
+        let sh = &self.sh;
+        let _m = sh.mutation.write();
+        let guards: Vec<_> = sh.index.shards.iter().map(|s| s.read()).collect();
+        sh.groups
+            .enable(guards.iter().flat_map(|g| g.keys().map(|k| &**k)));
     }
 
     /// Remove everything: every segment in use is marked free on disk (new generation).
@@ -329,6 +362,7 @@ impl SsdTier {
             n += s.len() as u64;
             s.clear();
         }
+        sh.groups.reset();
         let mut t = sh.segments.table.lock();
         let mut touched = Vec::new();
         for (i, m) in t.slots.iter_mut().enumerate() {

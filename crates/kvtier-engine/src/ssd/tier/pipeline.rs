@@ -411,7 +411,7 @@ impl Shared {
                     .is_some_and(|o| Arc::ptr_eq(o, &job.object));
                 let mut shard = self.index.shard(&job.key).write();
                 if current && !shard.contains_key(&*job.key) {
-                    shard.insert(Arc::clone(&job.key), entry);
+                    self.insert_indexed(&mut shard, &job.key, entry, job.object.depth);
                     let mut t = self.segments.table.lock();
                     self.account(&mut t, &job.key, &entry);
                     t.slots[seg as usize].last_access = self.tick.fetch_add(1, Relaxed);

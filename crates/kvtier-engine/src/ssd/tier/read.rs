@@ -132,6 +132,7 @@ impl SsdTier {
                 }
                 // Drop the entry so the damage costs one miss, not one per read.
                 shard.remove(key);
+                sh.groups.removed(key);
                 drop(shard);
                 sh.unaccount(&e);
                 SsdRead::Failed

@@ -69,6 +69,7 @@ impl Shared {
                 if e.seg == victim && e.generation == generation {
                     let e = *e;
                     shard.remove(&**key);
+                    self.groups.removed(key);
                     self.unaccount(&e);
                     n += 1;
                 }

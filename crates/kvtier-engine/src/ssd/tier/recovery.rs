@@ -250,6 +250,7 @@ impl SsdTier {
     pub(crate) fn open(
         config: &EngineConfig,
         dram_index: Arc<Index>,
+        groups: TierGroups,
         progress: &mut dyn FnMut(&RecoveryProgress),
     ) -> Result<SsdTier, EngineError> {
         let dir = config.ssd_dir();
@@ -264,15 +265,12 @@ impl SsdTier {
         let nseg = config.ssd_segments() as u32;
         let faults = Arc::new(Faults::default());
         let files = open_segment_files(&dir, nseg, direct, &faults, io_backend)?;
-        let mut slots: Vec<SegMeta> = (0..nseg)
-            .map(|i| {
-                SegMeta::new(if files[i as usize].get().is_some() {
-                    SegState::Free
-                } else {
-                    SegState::Missing
-                })
-            })
-            .collect();
+        let state = |i: u32| {
+            files[i as usize]
+                .get()
+                .map_or(SegState::Missing, |_| SegState::Free)
+        };
+        let mut slots: Vec<SegMeta> = (0..nseg).map(|i| SegMeta::new(state(i))).collect();
 
         // Issue 27: a long scan shows in the log, besides the caller's own progress.
         let mut logged: Option<crate::progress::Progress> = None;
@@ -353,6 +351,7 @@ impl SsdTier {
             },
             index,
             dram_index,
+            groups,
             seq: AtomicU64::new(rec.next_seq),
             tick,
             mutation: RwLock::new(()),
