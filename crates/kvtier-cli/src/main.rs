@@ -14,6 +14,11 @@
 //! - `kvtier bench cluster [--sizes S,..] [--batch N] [--rounds N] [--mooncake] [--json]` —
 //!   remote set/get through a cluster node over loopback TCP against the same run's raw TCP
 //!   throughput and, with --mooncake, Mooncake Store's TCP protocol (`bench_cluster.rs`).
+//! - `kvtier bench server`: batches through an in-process `kvtier serve` from a `Client`
+//!   (`bench_server.rs`).
+//!
+//! Floor plan (issue 28 §3; README "Architecture"): the top crate, and the only one that
+//! depends on `kvtier-master`; it also links `kvtier-server` and the `kvtier-client` facade.
 
 mod bench;
 mod bench_cluster;

@@ -856,7 +856,7 @@ fn non_config_variables_are_declared_once() {
                 || kvtier_client::config::is_non_config_env(name)
                 || DELIBERATELY_UNKNOWN.contains(&name.as_str()),
             "{name} (in {}) is neither a configuration key's variable nor declared in \
-             NON_CONFIG_ENV (crates/kvtier-client/src/config.rs)",
+             NON_CONFIG_ENV (crates/kvtier-store/src/config.rs)",
             path.display()
         );
     }

@@ -10,6 +10,10 @@
 //! `kvtier-transport`'s (TCP frames, UCX, the master link), re-exported here under the module
 //! names front ends already use. This crate (and so the Python module) does not link
 //! `kvtier-master` or `etcd-client`.
+//!
+//! Floor plan (issue 28 §3; README "Architecture"): `kvtier-py -> kvtier-client ->
+//! kvtier-store -> kvtier-transport -> kvtier-rpc -> kvtier-proto`; `kvtier-server` builds on
+//! `kvtier-store` and `kvtier-transport` directly, not on this crate.
 
 pub mod client;
 // Issue 18: ranged gets for SGLang's direct linker.

@@ -18,6 +18,9 @@
 //!
 //! Guarantees: put-if-absent, nothing visible before it is fully written, a read either gets
 //! the exact stored bytes or fails cleanly, and eviction never frees memory under a reader.
+//!
+//! Floor plan (issue 28 §3; README "Architecture"): builds on `kvtier-proto` only; `kvtier-store` wraps it
+//! (`EmbeddedStore`), and through it `kvtier-client`, `kvtier serve` and the Python module.
 
 // Every `unsafe` block lives in `dram/arena.rs`, `ssd/aligned.rs` and `ssd/uring.rs`, the three
 // modules allowed to opt out (the workspace lints deny it too).

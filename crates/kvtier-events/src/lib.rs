@@ -7,6 +7,9 @@
 //! producers live with what they watch: the host stream of `kvtier serve` in
 //! `kvtier-server` (its stores' engine event rings), the cluster stream of `kvtier master`
 //! in `kvtier-master` (its directory, leader only).
+//!
+//! Floor plan (issue 28 §3; README "Architecture"): builds on `kvtier-proto` only, so `kvtier-server` and
+//! `kvtier-master` share it without depending on each other.
 
 pub mod encode;
 pub mod stream;

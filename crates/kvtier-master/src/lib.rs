@@ -55,6 +55,12 @@
 //! publisher is the `kvtier-events` crate), [`admission`] (connection caps and deadlines of the RPC port), [`limits`] (every bound, cross-checked at compile time) and
 //! [`MasterConfig::validate`]. The generated stubs are the `kvtier-rpc` crate, re-exported as
 //! [`rpc`]: clients depend on that crate, not on this one.
+//!
+//! Crates (issue 28 §3): this crate builds on `kvtier-rpc`, `kvtier-events` and `kvtier-proto`;
+//! only the `kvtier` command (`kvtier-cli`) depends on it. The bounds and the key hash a node
+//! shares with the master (`MAX_KEYS_PER_CALL`, `MAX_RPC_MESSAGE_BYTES`, [`directory::key_hash`],
+//! [`directory::KeyHash`]) are declared in `kvtier-rpc` and re-exported here under their
+//! old paths.
 
 pub mod admission;
 pub mod auth;

@@ -22,6 +22,9 @@
 //! - [`refusals`]: rate-limited, aggregated logs of refused connections (issue 26).
 //!
 //! Nothing here panics on peer input or uses `unsafe`.
+//!
+//! Floor plan (issue 28 §3; README "Architecture"): the bottom crate (no kvtier dependency); every other
+//! kvtier crate builds on it.
 
 #![forbid(unsafe_code)]
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]

@@ -8,6 +8,10 @@
 //!
 //! The wheel holds `python/kvtier` (the engine adapters and `kv_events`) and this module; the
 //! test harness, benchmarks and demo live in `tools/python/kvtier_dev`, outside it.
+//!
+//! Floor plan (issue 28 §3; README "Architecture"): builds on the `kvtier-client` facade (with
+//! `kvtier-engine` and `kvtier-proto` for their types); it links neither `kvtier-server` nor
+//! `kvtier-master` (`cargo tree -p kvtier-py -e normal`).
 // A named unsafe module (issue 16 lints): raw buffer addresses and fds from Python.
 #![allow(unsafe_code)]
 

@@ -6,7 +6,8 @@
 //! - [`shm`]: client memfds mapped into the server, and [`fault_guard`]: the SIGBUS guard of
 //!   unsealed ones — the crate's only `unsafe` (each opens with `#![allow(unsafe_code)]`
 //!   under the workspace lints).
-//! - [`cli`]: `serve`, `stat` and `bench server`, called by the `kvtier` binary.
+//! - [`cli`]: `serve`, `stat` and `inspect`, called by the `kvtier` binary (`kvtier bench
+//!   server`, a `Client` driving this server, lives in `kvtier-cli`).
 //! - [`node`], [`peer`], [`rereplicate`]: a cluster node's agent, data port, and the copy
 //!   tasks of re-replication.
 //!
@@ -15,6 +16,12 @@
 //! through a `Client`, so server mode has exactly the put/get/rollback/fold semantics of
 //! embedded mode. A page buffer is bounds-checked once, against the session's mapping, and
 //! handed to the store as [`kvtier_store::store::CheckedBuffers`]: no region registry.
+//!
+//! Floor plan (issue 28 §3; README "Architecture"): this crate builds on `kvtier-store` (the
+//! stores, config, metrics), `kvtier-transport` (TCP frames and UCX for the data port and copy
+//! tasks, the master link of the node agent), `kvtier-rpc` (the master's messages, the bounds
+//! and key hash both ends share), `kvtier-events` and `kvtier-engine`. It depends on neither
+//! `kvtier-client` (the callers' facade) nor `kvtier-master`.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]

@@ -19,6 +19,11 @@
 //!
 //! Cluster mode ([`cluster`]) reaches the master and the nodes through `kvtier-transport`
 //! (re-exported as [`transport`]): this crate does not link `kvtier-master` or `etcd-client`.
+//!
+//! Floor plan (issue 28 §3; README "Architecture"): this crate builds on `kvtier-engine`,
+//! `kvtier-transport`, `kvtier-rpc` and `kvtier-proto`. `kvtier-client` (the `Client` facade
+//! of the Python module) and `kvtier-server` (`kvtier serve` and the cluster node, which host
+//! [`store::EmbeddedStore`]s without a `Client`) build on it.
 
 pub mod batch;
 pub mod cluster;

@@ -13,8 +13,8 @@
 //!   and tier gauges are refreshed from the engines at scrape time, so a scrape is exact;
 //! - the scrape-time [`Collector`]s (embedded clients, `kvtier serve`), whose samples are summed
 //!   per label set, and [`engine_samples`], the one mapping of [`EngineStats`] to metrics;
-//! - [`ClientMetrics`], the hot-path handles a [`crate::Client`] records into (request latency
-//!   per operation, page hits and misses per pool).
+//! - [`ClientMetrics`], the hot-path handles a `Client` (`kvtier-client`) records into
+//!   (request latency per operation, page hits and misses per pool).
 //!
 //! Naming: `kvtier_<subsystem>_<what>_<unit>`, counters end in `_total`, sizes in `_bytes`,
 //! durations in `_seconds`. Labels: `store` (an engine: `default` or the `extra_backend_tag` in

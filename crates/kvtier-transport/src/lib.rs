@@ -1,9 +1,21 @@
-//! Peer data transport: how page bytes move between a cluster client and a node's data port.
+//! kvtier's transports: how page bytes move between a cluster client (or a node's copy task)
+//! and a node's data port, and how callers reach the leading master.
 //!
-//! [`Transport`] is the seam for other fabrics (RDMA later); [`tcp::TcpTransport`] is the one
-//! implemented and tested. A transport moves whole objects and reports a result per object;
-//! it never decides placement (the master does) and never sees unregistered memory: callers
-//! hand it slices that the region registry has already bounds-checked.
+//! - [`Transport`] is the seam: [`tcp::TcpTransport`] (kvtier's TCP frames, authenticated
+//!   connections, the keyed integrity trailer checked on every read) and [`ucx::UcxTransport`]
+//!   (issue 17: per peer UCX one-sided reads from a node's registered arena, TCP frames for
+//!   the control path; `ucx/ffi.rs`, `ucx/netif.rs` and `ucx/plane.rs` are this crate's only
+//!   `unsafe` modules). A transport moves whole objects and reports a result per object; it
+//!   never decides placement (the master does) and never sees unregistered memory: callers
+//!   hand it slices that the region registry has already bounds-checked.
+//! - [`master`]: [`master::MasterLink`], the authenticated, failing-over connection to the
+//!   leading master, and [`master::ClusterError`], the errors of that control path.
+//! - [`names`]: the metric names recorded here (listed with every other in `kvtier-store`).
+//!
+//! Floor plan (issue 28 §3; README "Architecture"): this crate builds on `kvtier-proto` (frames,
+//! peer protocol, credentials) and `kvtier-rpc` (the master's stubs) only. `kvtier-store` (the
+//! cluster store, the config's transport choice) and `kvtier-server` (the data port, UCX
+//! leases, copy tasks, the node agent) build on it; it knows nothing of stores or engines.
 
 /// The connection to the cluster's leading master (failover, per-call credentials).
 pub mod master;
