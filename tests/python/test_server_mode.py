@@ -21,9 +21,11 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import _server_worker
+import kvtier
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(os.environ.get("KVTIER_SERVER_BIN", ROOT / "target" / "release" / "kvtier"))
@@ -321,6 +323,27 @@ def test_pointer_outside_registered_memory_fails_that_key_clearly(served, ranks)
     keys = keys_for(2, "alive")
     assert r0("v1_write", keys=keys, seed=1)[0] == [True, True]
     assert served.stat()["server"]["sessions"] == 1
+
+
+def test_get_outcomes_are_told_apart_by_type_not_text(served):
+    """Issue 28: a server-mode get's item outcomes cross the socket typed and kvtier-py maps
+    them once: a miss is a bare False (no message), a wrong length is False with the
+    server's reason, a hit is True with the bytes; a server gone fails every item."""
+    store = kvtier.Store(json.dumps({"server_socket": served.socket}))
+    value = np.arange(4096, dtype=np.uint8) % 251
+    assert store.put_buffers(["present"], [value]) == ([True], [])
+    whole = np.zeros(4096, dtype=np.uint8)
+    short = np.zeros(100, dtype=np.uint8)
+    missing = np.zeros(4096, dtype=np.uint8)
+    ok, errors = store.get_buffers(["absent", "present", "present"], [missing, short, whole])
+    assert ok == [False, False, True], errors
+    assert (whole == value).all()
+    # Only the wrong length says something; the miss is an answer, not an error.
+    assert len(errors) == 1 and "present" in errors[0] and "absent" not in errors[0], errors
+    served.stop()
+    ok, errors = store.get_buffers(["present"], [whole])
+    assert ok == [False] and len(errors) == 1, errors
+    store.close()
 
 
 def test_stat_cli_and_sigterm_graceful_shutdown(served, ranks):

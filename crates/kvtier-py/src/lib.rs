@@ -4,7 +4,8 @@
 //! (`Python::detach`) for the whole store operation, so SGLang's scheduler and I/O threads run
 //! while pages move. Errors are mapped once here: configuration errors become `ValueError`
 //! naming the key; per-item failures come back as `(ok_list, error_messages)` so that the
-//! adapter can fail closed and log the reason.
+//! adapter can fail closed and log the reason. A miss is told from a failure by its type
+//! (`ClientError::is_miss`, issue 28), in every mode: a bare `False` with no message.
 //!
 //! The wheel holds `python/kvtier` (the engine adapters and `kv_events`) and this module; the
 //! test harness, benchmarks and demo live in `tools/python/kvtier_dev`, outside it.

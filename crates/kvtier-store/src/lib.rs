@@ -12,9 +12,9 @@
 //!   the name of every metric.
 //! - [`store`] is the seam (issue 16): the [`store::Store`] trait for page batches and its three
 //!   implementations: embedded (the engine in this process, also what `kvtier serve` hosts,
-//!   with [`store::CheckedBuffers`] and [`store::StoreMeter`]), local server
-//!   ([`store::local_server`], a local `kvtier serve` selected by `server_socket`) and cluster
-//!   (over [`cluster::ClusterStore`]).
+//!   with [`store::CheckedBuffers`]; every store's calls are recorded by [`store::Metered`]),
+//!   local server ([`store::local_server`], a local `kvtier serve` selected by
+//!   `server_socket`) and cluster (over [`cluster::ClusterStore`]).
 //! - [`stats`]: the stats document every front end reports.
 //!
 //! Cluster mode ([`cluster`]) reaches the master and the nodes through `kvtier-transport`

@@ -15,8 +15,10 @@
 //! - `server_auto_start` (issue 27): the started `kvtier serve` gets this client's engine
 //!   settings as `--engine KEY=VALUE` flags (no secret is among them) and appends its output
 //!   to `server_log_file` (default `<socket>.log`, 0600).
-//! - Failures: a broken connection fails its call cleanly (every item `false` with the reason)
-//!   and is dropped; if the session itself is gone (server restarted), the next call opens a new
+//! - Failures: a broken connection fails its call cleanly (every item `false`, typed
+//!   [`ItemFailure::Unavailable`], with the reason) and is dropped; an item the server failed
+//!   arrives with the server's typed failure (issue 28: its status byte, mapped back once
+//!   here, never read from the message); if the session itself is gone (server restarted), the next call opens a new
 //!   one and registers every memfd again.
 
 use std::io::{IoSlice, Write};

@@ -4,9 +4,10 @@
 //!
 //! Owns: the hot-path handles ([`ClientMetrics`]) and the engine collector of one store, and
 //! [`Metered`], the one wrapper that records a store's calls (issue 28: there were two ways
-//! of counting). A [`crate::Client`] holds a `Metered<Stores>`, and each store `kvtier serve`
-//! hosts a `Metered<EmbeddedStore>` (reached without a `Client`; its page batches come as
-//! [`CheckedBuffers`]), so both record exactly the same series through the same code.
+//! of counting). A `kvtier_client::Client` holds a `Metered<Stores>`, and each store
+//! `kvtier serve` hosts a `Metered<EmbeddedStore>` (reached without a `Client`; its page
+//! batches come as [`CheckedBuffers`]), so both record exactly the same series through the
+//! same code.
 //!
 //! Invariant: when the process publishes no metrics ([`metrics::enabled`] is false at
 //! creation) the meter is off: every method is a no-op and `timed` only runs the call.

@@ -21,7 +21,8 @@
 //!
 //! Contract every implementation keeps (the `Client` relies on it and adds nothing):
 //! - Calls never panic on caller input; a bad buffer, a size mismatch or a full store is a
-//!   `false` for that item plus a reason in the [`BatchResult`].
+//!   `false` for that item, its typed failure ([`BatchResult::failure`], issue 28) and a
+//!   reason in the [`BatchResult`]; a miss is typed too and carries no message.
 //! - `put_pages`: `ok[i]` is true when every component of page `i` is visible (stored now or
 //!   already). A page that fails leaves none of the components this call stored behind
 //!   (per-page rollback). The cluster store's rollback is best effort across processes: see
