@@ -24,8 +24,9 @@
 //!                   count varint(delta)*               restorable prefixes, delta-coded
 //! KeyBatch       := count(n) bytes(key)*n
 //! PutBatchHeader := count(n) bytes(key)*n varint(size)*n (0x00 | 0x01 varint(depth)*n)
-//! BatchResult    := count status* count str*         a last `... and N more distinct errors`
-//!                                                      carries suppressed_errors = N > 0
+//! BatchResult    := count status* count str* varint(suppressed_errors)
+//!                   (protocol 2: the count of distinct diagnostics left out is a number, not
+//!                   a message to parse back)
 //! status         := 0x01 ok | 0x00 failed | 0x02 miss | 0x03 wrong length | 0x04 integrity
 //!                 | 0x05 unavailable | 0x06 bad buffer | 0x07 no room | 0x08 busy
 //!                   (issue 28: an item's failure typed; the older bool form is its 0x00/0x01)
@@ -791,40 +792,18 @@ impl Decode for PutBatchHeader {
     }
 }
 
-/// The last error message of a [`BatchResult`] that carries its `suppressed_errors` count.
-const SUPPRESSED_PREFIX: &str = "... and ";
-const SUPPRESSED_SUFFIX: &str = " more distinct errors";
-
-/// The count a `... and N more distinct errors` message carries, if `message` is exactly that
-/// form with `N` > 0 in canonical decimal (so decoding then encoding gives back the bytes).
-fn suppressed_count(message: &str) -> Option<usize> {
-    let digits = message
-        .strip_prefix(SUPPRESSED_PREFIX)?
-        .strip_suffix(SUPPRESSED_SUFFIX)?;
-    let n: usize = digits.parse().ok()?;
-    (n > 0 && n.to_string() == digits).then_some(n)
-}
-
 impl Encode for BatchResult {
     fn encode_fields(&self, out: &mut Vec<u8>) -> Result<(), ProtoError> {
         put_len(out, "result count", self.ok.len(), MAX_KEYS_PER_BATCH)?;
         for i in 0..self.ok.len() {
             out.push(self.failure(i).map_or(1, crate::ItemFailure::code));
         }
-        let marker = (self.suppressed_errors > 0).then(|| {
-            format!(
-                "{SUPPRESSED_PREFIX}{}{SUPPRESSED_SUFFIX}",
-                self.suppressed_errors
-            )
-        });
-        let count = self.errors.len() + usize::from(marker.is_some());
-        put_len(out, "error count", count, MAX_KEYS_PER_BATCH)?;
-        self.errors
-            .iter()
-            .chain(marker.as_ref())
-            .try_for_each(|error| {
-                put_bytes(out, "error message", error.as_bytes(), MAX_MESSAGE_LEN)
-            })
+        put_len(out, "error count", self.errors.len(), MAX_KEYS_PER_BATCH)?;
+        self.errors.iter().try_for_each(|error| {
+            put_bytes(out, "error message", error.as_bytes(), MAX_MESSAGE_LEN)
+        })?;
+        put_varint(out, self.suppressed_errors.min(u32::MAX as usize) as u64);
+        Ok(())
     }
 }
 
@@ -858,13 +837,8 @@ impl Decode for BatchResult {
         for _ in 0..error_count {
             errors.push(reader.read_string("error message", MAX_MESSAGE_LEN)?);
         }
-        let suppressed_errors = match errors.last().and_then(|e| suppressed_count(e)) {
-            Some(n) => {
-                errors.pop();
-                n
-            }
-            None => 0,
-        };
+        // Only a count for the log: bounded by its type, it reserves nothing.
+        let suppressed_errors = reader.read_u32("suppressed error count")? as usize;
         Ok(BatchResult {
             ok,
             errors,
@@ -1561,8 +1535,8 @@ mod tests {
         );
     }
 
-    /// Issue 28: every item failure crosses the wire typed, as its status byte, and the older
-    /// bool form (`0x00` / `0x01`) still decodes (as an untyped failure / a success).
+    /// Issue 28: every item failure crosses the wire typed, as its status byte; `0x00` / `0x01`
+    /// are an untyped failure / a success.
     #[test]
     fn batch_result_carries_typed_failures() {
         use crate::messages::ItemFailure;
@@ -1580,22 +1554,23 @@ mod tests {
             assert_eq!(ItemFailure::from_code(failure.code()), Some(failure));
         }
         assert_eq!(ItemFailure::from_code(1), None, "1 is success");
-        // The bool form: no typed failure, and decoding then encoding gives the same bytes.
+        // Untyped outcomes only: no typed failure, and decoding then encoding gives the same
+        // bytes.
         let plain = BatchResult::flags(vec![true, false]);
         let bytes = plain.encode_to_vec().unwrap();
-        assert_eq!(bytes, [2, 1, 0, 0]);
+        assert_eq!(bytes, [2, 1, 0, 0, 0]);
         let back = BatchResult::decode(&bytes).unwrap();
         assert!(back.failures.is_empty());
         assert_eq!(back.failure(1), Some(ItemFailure::Failed));
         // A status no version defines is refused.
         assert!(matches!(
-            BatchResult::decode(&[1, 9, 0]),
+            BatchResult::decode(&[1, 9, 0, 0]),
             Err(ProtoError::InvalidTag { tag: 9, .. })
         ));
     }
 
-    /// Issue 16: one `BatchResult`; its suppressed-error count survives the wire as the
-    /// trailing message servers always sent, and only the canonical form is folded back.
+    /// Issue 16: one `BatchResult`; its suppressed-error count survives the wire (as a number
+    /// since protocol 2, issue 28), and no message text is read as a count.
     #[test]
     fn batch_result_carries_suppressed_errors() {
         use crate::messages::MAX_ERRORS_PER_BATCH;
@@ -1607,43 +1582,21 @@ mod tests {
         };
         let bytes = result.encode_to_vec().unwrap();
         assert_eq!(BatchResult::decode(&bytes).unwrap(), result);
-        // The wire form is the one the previous two-type code produced.
-        let legacy = BatchResult {
-            ok: vec![false, true],
-            errors: vec!["disk full".into(), "... and 7 more distinct errors".into()],
-            suppressed_errors: 0,
+        // The count is a number on the wire: a message that reads like the old marker stays
+        // a message, and the count travels beside it.
+        let lookalike = BatchResult {
+            ok: vec![false],
+            errors: vec!["... and 7 more distinct errors".into()],
+            suppressed_errors: 3,
             ..Default::default()
         };
-        let mut legacy_bytes = Vec::new();
-        put_len(&mut legacy_bytes, "result count", 2, MAX_KEYS_PER_BATCH).unwrap();
-        put_bool(&mut legacy_bytes, false);
-        put_bool(&mut legacy_bytes, true);
-        put_len(&mut legacy_bytes, "error count", 2, MAX_KEYS_PER_BATCH).unwrap();
-        for e in &legacy.errors {
-            put_bytes(
-                &mut legacy_bytes,
-                "error message",
-                e.as_bytes(),
-                MAX_MESSAGE_LEN,
-            )
-            .unwrap();
-        }
-        assert_eq!(bytes, legacy_bytes);
-        // Non-canonical counts stay plain messages.
-        for odd in [
-            "... and 0 more distinct errors",
-            "... and 07 more distinct errors",
-            "... and +7 more distinct errors",
-            "... and 99999999999999999999999 more distinct errors",
-        ] {
-            let r = BatchResult {
-                ok: vec![],
-                errors: vec![odd.into()],
-                suppressed_errors: 0,
-                ..Default::default()
-            };
-            assert_eq!(BatchResult::decode(&r.encode_to_vec().unwrap()).unwrap(), r);
-        }
+        let decoded = BatchResult::decode(&lookalike.encode_to_vec().unwrap()).unwrap();
+        assert_eq!(decoded, lookalike);
+        assert_eq!((decoded.errors.len(), decoded.suppressed_errors), (1, 3));
+        // A reply without the count (protocol 1) is truncated, not read as something else.
+        let mut short = result.encode_to_vec().unwrap();
+        short.pop();
+        assert!(BatchResult::decode(&short).is_err());
         // note_error keeps MAX_ERRORS_PER_BATCH distinct messages and counts every later
         // message it did not keep (a repeat of a dropped one counts again: it is not stored).
         let mut r = BatchResult::with_capacity(0);

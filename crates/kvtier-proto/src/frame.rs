@@ -31,10 +31,12 @@ use crate::opcode::Opcode;
 
 /// The first four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"KVT1";
-/// The protocol version this build sends.
-pub const PROTOCOL_VERSION: u16 = 1;
-/// The oldest protocol version this build accepts.
-pub const MIN_PROTOCOL_VERSION: u16 = 1;
+/// The protocol version this build sends. 2: a batch result's items carry a typed failure
+/// status and the count of left-out diagnostics is a number (issue 28).
+pub const PROTOCOL_VERSION: u16 = 2;
+/// The oldest protocol version this build accepts: version 1 peers cannot read a typed
+/// status, so a mixed pair fails at the first frame with the version named.
+pub const MIN_PROTOCOL_VERSION: u16 = 2;
 /// Size of the fixed frame header in bytes.
 pub const HEADER_LEN: usize = 24;
 
@@ -295,7 +297,7 @@ mod tests {
     fn header_layout_is_little_endian() {
         let bytes = header_bytes(0x0a0b_0c0d);
         assert_eq!(&bytes[0..4], b"KVT1");
-        assert_eq!(&bytes[4..6], &[1, 0]);
+        assert_eq!(&bytes[4..6], &[2, 0]);
         assert_eq!(&bytes[6..8], &[3, 0]);
         assert_eq!(&bytes[8..16], &[8, 7, 6, 5, 4, 3, 2, 1]);
         assert_eq!(&bytes[16..20], &[1, 0, 0, 0]);
@@ -325,7 +327,12 @@ mod tests {
 
     #[test]
     fn header_unsupported_version() {
-        for version in [0u16, PROTOCOL_VERSION + 1, u16::MAX] {
+        for version in [
+            0u16,
+            MIN_PROTOCOL_VERSION - 1,
+            PROTOCOL_VERSION + 1,
+            u16::MAX,
+        ] {
             let mut bytes = header_bytes(0);
             bytes[4..6].copy_from_slice(&version.to_le_bytes());
             let err = FrameHeader::decode(&bytes).unwrap_err();

@@ -119,9 +119,8 @@ impl ItemFailure {
 /// is taken on its text. [`Self::note_error`] keeps at most [`MAX_ERRORS_PER_BATCH`] of them
 /// and counts the other distinct ones in `suppressed_errors`.
 ///
-/// On the wire a non-zero `suppressed_errors` travels as one last error message
-/// `... and N more distinct errors` (the form servers of this version always sent), which the
-/// decoder folds back into the count; see [`crate::codec`].
+/// On the wire `suppressed_errors` is a number after the messages (protocol 2; see
+/// [`crate::codec`]): nothing is parsed back out of a message's text.
 #[derive(Clone, Debug, Default)]
 pub struct BatchResult {
     pub ok: Vec<bool>,
