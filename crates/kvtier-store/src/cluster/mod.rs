@@ -840,7 +840,7 @@ impl ClusterStore {
     }
 
     /// Mark namespaced keys superseded window state on every live node holding them (the
-    /// eviction hint of [`Client::demote_pages`](crate::Client::demote_pages)): one directory
+    /// eviction hint of `Client::demote_pages` (kvtier-client)): one directory
     /// lookup, then one request per holder. Returns how many copies were marked; a node that
     /// cannot be reached is logged and skipped (a hint, nothing is lost).
     pub fn demote_keys(&self, keys: &[Vec<u8>]) -> Result<usize, ClusterError> {

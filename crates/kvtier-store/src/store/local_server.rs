@@ -91,7 +91,7 @@ struct Conn {
     body: Vec<u8>,
 }
 
-/// The server-mode store of a [`crate::Client`].
+/// The server-mode store of a `Client` (kvtier-client).
 #[derive(Debug)]
 pub struct LocalServerStore {
     socket: PathBuf,

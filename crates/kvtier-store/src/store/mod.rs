@@ -1,5 +1,5 @@
 //! The store seam: one [`Store`] trait for page batches and whole-key calls, three
-//! implementations, and the [`Stores`] enum a [`crate::Client`] owns.
+//! implementations, and the [`Stores`] enum a `Client` (kvtier-client) owns.
 //!
 //! - [`embedded::EmbeddedStore`]: an engine in this process, key composition, per-page
 //!   rollback and the copy threads. `kvtier serve` hosts its tenants' stores and a cluster
@@ -200,7 +200,7 @@ pub trait Store: Send + Sync {
     }
 }
 
-/// The one store a [`crate::Client`] owns.
+/// The one store a `Client` (kvtier-client) owns.
 #[derive(Debug)]
 pub enum Stores {
     Embedded(EmbeddedStore),
