@@ -198,7 +198,10 @@ const HASH_NONCE: [u8; aead::NONCE_LEN] = *b"kvtier-uhf-2";
 ///   one already sealed: the same key and length with `GHASH_H(value') = GHASH_H(value)` for
 ///   `value' != value`, which happens with probability at most `(l + 1) / 2^128` per pair
 ///   under the unknown `H`. Over `q` sealed objects of at most `l` blocks, about
-///   `q * (l + 1) / 2^128` per forgery attempt (2 MiB objects, `q = 2^40`: about 2^-71).
+///   `q * (l + 1) / 2^128` per forgery attempt (2 MiB objects, `q = 2^40`: about 2^-71). This
+///   holds for values the attacker chose and saw sealed (an on-path observer of a member's
+///   puts of pages it influenced): what it sees of `H` is only whether two PRF inputs were
+///   equal, i.e. a GHASH collision it has to find first.
 /// - Every part of the PRF input has a fixed length or a length prefix, so no two different
 ///   `(key, h, len)` inputs are the same bytes.
 ///
