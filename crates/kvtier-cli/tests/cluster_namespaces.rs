@@ -533,7 +533,7 @@ fn forged_trailers(key: &[u8], value: &[u8]) -> Vec<(&'static str, [u8; CHECKSUM
         ("unkeyed BLAKE3", blake),
         ("XXH3-128", xxh.digest128().to_le_bytes()),
         (
-            "BLAKE3 keyed with another token",
+            "the keyed trailer with another token",
             ObjectIntegrity::from_token(b"not-the-token").trailer(key, value),
         ),
     ]

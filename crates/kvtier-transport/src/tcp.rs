@@ -53,9 +53,6 @@ use parking_lot::Mutex;
 use super::{GetItem, PutItem, Transport, TransportError};
 use crate::names;
 
-/// A get's bytes are read and hashed in pieces of this size (hashed while in cache).
-const HASH_PIECE: usize = 256 << 10;
-
 /// Requests in flight on one connection.
 pub const PIPELINE_WINDOW: usize = 32;
 /// A batch is spread over several connections only when each gets at least this many bytes.
@@ -885,26 +882,12 @@ impl<'a, 'b> Exchange<&'a mut GetItem<'b>> for GetExchange<'_> {
                 .read_exact(into)
                 .map_err(|e| ItemFailure::Connection(TcpTransport::io_error(peer, e)))
         };
-        // Straight into the destination; with the trailer, each piece is hashed as it
-        // arrives, while it is still in cache.
-        let sealer = match self.checksums {
-            None => {
-                read(stream, dst)?;
-                None
-            }
-            Some(seal) => {
-                let mut sealer = seal.sealer(item.key);
-                for piece in dst.chunks_mut(HASH_PIECE) {
-                    read(stream, piece)?;
-                    sealer.update(piece);
-                }
-                Some(sealer)
-            }
-        };
-        if let Some(sealer) = sealer {
+        // Straight into the destination, then the trailer, checked over the whole value.
+        read(stream, dst)?;
+        if let Some(seal) = self.checksums {
             let mut stored = [0u8; CHECKSUM_LEN];
             read(stream, &mut stored)?;
-            if !sealer.verify(&stored) {
+            if !seal.verify(item.key, dst, &stored) {
                 // The destination holds bytes that are not the object's (or were not sealed by
                 // a holder of the cluster token): the caller treats the item as a miss and
                 // never uses them.
