@@ -39,10 +39,10 @@ pub mod messages;
 pub mod namespace;
 pub mod opcode;
 pub mod peer;
-/// Issue 17: control bodies of the UCX data plane.
+// Issue 17: control bodies of the UCX data plane.
 pub mod peer_ucx;
 pub mod query;
-/// Issue 26: rate-limited, aggregated refusal logs.
+// Issue 26: rate-limited, aggregated refusal logs.
 pub mod refusals;
 pub mod server;
 
