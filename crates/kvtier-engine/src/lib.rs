@@ -36,7 +36,7 @@ mod index;
 pub mod limits;
 mod object;
 pub mod private_dir;
-/// Issue 27: progress lines of long start-up steps.
+// Issue 27: progress lines of long start-up steps.
 pub mod progress;
 mod ssd;
 pub mod stats;

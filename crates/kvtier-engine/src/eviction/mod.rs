@@ -170,7 +170,7 @@ impl GroupInfo {
 /// Invariant: `by_tick` and `groups` hold the same groups, `groups[g].tick` is the key of `g`
 /// in `by_tick`, and `objects` is the total number of members. Every group with a
 /// superseded member is in `superseded` (which may also hold stale entries, skipped when
-/// read and dropped by [`GroupList::compact_superseded`]).
+/// read and dropped by `GroupList::compact_superseded`).
 #[derive(Debug, Default)]
 pub struct GroupList {
     groups: HashMap<Arc<[u8]>, GroupInfo, foldhash::fast::RandomState>,
