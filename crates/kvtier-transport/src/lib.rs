@@ -17,12 +17,12 @@
 //! cluster store, the config's transport choice) and `kvtier-server` (the data port, UCX
 //! leases, copy tasks, the node agent) build on it; it knows nothing of stores or engines.
 
-/// The connection to the cluster's leading master (failover, per-call credentials).
+// The connection to the cluster's leading master (failover, per-call credentials).
 pub mod master;
 /// The metric names this crate records (listed with every other in `kvtier_store::metrics::names`).
 pub mod names;
 pub mod tcp;
-/// Issue 17: the UCX data plane (one-sided reads from a node's registered arena).
+// Issue 17: the UCX data plane (one-sided reads from a node's registered arena).
 pub mod ucx;
 
 use kvtier_proto::ProtoError;

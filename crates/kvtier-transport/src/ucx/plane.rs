@@ -37,7 +37,7 @@
 //!   A failed endpoint issues nothing more; its outstanding requests complete with an error
 //!   (or are released by the forced close). Every request issued and not yet freed is
 //!   counted per worker ([`Worker::outstanding`]): after a peer dies it returns to 0 unless
-//!   UCX kept a request past [`CLOSE_BOUND`], which the count then shows.
+//!   UCX kept a request past `CLOSE_BOUND`, which the count then shows.
 
 #![allow(unsafe_code)]
 
