@@ -933,7 +933,7 @@ fn check_private_file(path: &Path) -> Result<std::fs::File, String> {
     Ok(file)
 }
 
-/// Issue 26: a secret from a private file ([`check_private_file`]), without its trailing
+/// Issue 26: a secret from a private file (`check_private_file`), without its trailing
 /// newline; at most 1024 bytes of UTF-8, not empty.
 pub fn read_secret_file(path: &Path) -> Result<String, String> {
     use std::io::Read;

@@ -5,7 +5,7 @@
 //! across copy threads. Used by embedded-mode clients and, directly, by `kvtier serve` for its
 //! tenants and the cluster node's data port.
 //!
-//! Two ways in for a page batch, one page loop behind them ([`PageBuffers`]):
+//! Two ways in for a page batch, one page loop behind them (`PageBuffers`):
 //! - [`Store::put_pages`] / [`Store::get_pages`]: buffers as caller pointers, each checked
 //!   against the caller's [`RegionRegistry`] before the engine touches it (embedded clients);
 //! - [`EmbeddedStore::put_checked_pages`] / [`EmbeddedStore::get_checked_pages`]: buffers
