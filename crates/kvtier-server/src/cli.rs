@@ -54,10 +54,10 @@ Engine keys (e.g. ssd_storage_dir, default /var/tmp/kvtier-ssd-<uid>, created 07
 #[command(after_help = SERVER_KEYS_HELP)]
 pub struct ServeArgs {
     /// Unix socket path (default: $XDG_RUNTIME_DIR/kvtier.sock, else
-    /// /tmp/kvtier-<uid>/kvtier.sock in a 0700 directory owned by this user).
+    /// `/tmp/kvtier-<uid>/kvtier.sock` in a 0700 directory owned by this user).
     #[arg(long)]
     pub socket: Option<PathBuf>,
-    /// TOML file: server keys at top level, engine keys in an [engine] table.
+    /// TOML file: server keys at top level, engine keys in an `[engine]` table.
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// Socket file mode, octal (default 0600).

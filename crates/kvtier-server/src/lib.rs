@@ -28,10 +28,10 @@
 
 pub mod cli;
 pub mod config;
-/// Issue 30: the host KV-event stream (vLLM's ZMQ wire protocol).
+// Issue 30: the host KV-event stream (vLLM's ZMQ wire protocol).
 pub mod events;
 pub mod fault_guard;
-/// Issue 17: the UCX put landing area and its extent allocator.
+// Issue 17: the UCX put landing area and its extent allocator.
 pub mod landing;
 pub mod limits; // issue 16: the crate's bounds, cross-checked
 pub mod node;
@@ -39,7 +39,7 @@ pub mod peer;
 pub mod rereplicate;
 pub mod server;
 pub mod shm;
-/// Issue 17: the node's side of the UCX data plane.
+// Issue 17: the node's side of the UCX data plane.
 pub mod ucx_node;
 
 pub use config::{ServerConfig, ServerSources};

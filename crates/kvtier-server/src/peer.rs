@@ -22,9 +22,10 @@
 //!   replies of every request already received as one batch (before it would block on the
 //!   socket), so a pipelined run of gets costs a few syscalls and thread wake-ups, not a few
 //!   per object (up to `REPLIES_IN_FLIGHT` batches queued).
-//! - A get is sent without a copy: the reader pins the object ([`TenantStore::pin`]) and the writer
-//!   sends the header and the pinned DRAM extents with vectored writes straight from the
-//!   store, then drops the pin (so the memory cannot be evicted or reused while it is sent).
+//! - A get is sent without a copy: the reader pins the object (the [`TenantStore`]'s
+//!   [`Store::pin`]) and the writer sends the header and the pinned DRAM extents with vectored
+//!   writes straight from the store, then drops the pin (so the memory cannot be evicted or
+//!   reused while it is sent).
 //! - Keys: the port serves the cluster namespace only ([`kvtier_proto::namespace`]): a get,
 //!   put, remove, demote, clear prefix, UCX lease or reservation naming any key outside it (a
 //!   local tenant's `tenant 0x1f key`, a raw key) is refused whole with
@@ -127,7 +128,7 @@ fn clear_prefix(shared: &PortShared, prefix: &[u8]) -> Vec<Vec<u8>> {
 )]
 pub struct OutsideClusterNamespace {
     pub op: &'static str,
-    /// The key, escaped and cut to [`SHOWN_KEY_BYTES`].
+    /// The key, escaped and cut to `SHOWN_KEY_BYTES`.
     pub key: String,
 }
 

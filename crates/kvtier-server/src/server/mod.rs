@@ -7,25 +7,25 @@
 //!
 //! Split by the state each part owns (issue 16):
 //! - this file: the listener, the accept loop and its admission limits (connections in all
-//!   and per uid), the server-wide state every connection shares ([`Shared`]), bind and
+//!   and per uid), the server-wide state every connection shares (`Shared`), bind and
 //!   graceful shutdown;
-//! - [`connection`]: one connection's socket, descriptors, handshake and dispatch;
-//! - [`session`]: what one client process owns (regions, limits, counters, its end), and
-//!   the table of every session ([`session::Sessions`]);
-//! - [`tenant`]: the stores the server hosts (`main`, `tenant:<name>`), embedded engines
+//! - `connection`: one connection's socket, descriptors, handshake and dispatch;
+//! - `session`: what one client process owns (regions, limits, counters, its end), and
+//!   the table of every session (`session::Sessions`);
+//! - `tenant`: the stores the server hosts (`main`, `tenant:<name>`), embedded engines
 //!   reached directly, and their metrics;
-//! - [`page_io`]: a page batch from a session's mappings into its tenant's store;
-//! - [`documents`]: the `Stats` / `Inspect` documents and the server's Prometheus samples;
-//! - [`refusal`]: a request refused as a whole, which sessions and connections both return
+//! - `page_io`: a page batch from a session's mappings into its tenant's store;
+//! - `documents`: the `Stats` / `Inspect` documents and the server's Prometheus samples;
+//! - `refusal`: a request refused as a whole, which sessions and connections both return
 //!   (its own module, so `connection` and `session` do not import each other).
 //!
-//! Import direction (issue 28): this file owns [`Shared`] and imports the modules below it;
-//! `session`, `tenant`, `ledger`, `refusal` and `page_io` never name [`Shared`] (a session's
-//! calls get what they need as a [`session::Env`]). `connection` and `documents` read the
+//! Import direction (issue 28): this file owns `Shared` and imports the modules below it;
+//! `session`, `tenant`, `ledger`, `refusal` and `page_io` never name `Shared` (a session's
+//! calls get what they need as a `session::Env`). `connection` and `documents` read the
 //! shared state and so import it; nothing here imports `connection` but this file.
 //!
 //! Invariants kept across them: nothing a client sends can stop the server (see
-//! [`connection`]); a session's mappings are dropped when its last connection closes (a
+//! `connection`); a session's mappings are dropped when its last connection closes (a
 //! client killed with SIGKILL included), while a request already running keeps its mapping
 //! alive until it finishes; page puts are put-if-absent with per-page rollback, so nothing
 //! half-written is visible; each page buffer is bounds-checked once, against the session's
