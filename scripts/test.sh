@@ -15,6 +15,8 @@ phase "cargo fmt --check"
 cargo fmt --all -- --check
 phase "cargo clippy -D warnings"
 cargo clippy --workspace --all-targets --quiet -- -D warnings
+phase "cargo doc -D warnings (broken intra-doc links)"
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --workspace -q
 phase "ruff (Python format and lint)"
 "$VENV/bin/ruff" format --check --quiet python tests/python tools/python
 "$VENV/bin/ruff" check --quiet --select E9,F63,F7,F82,F401,F841 python tests/python tools/python
