@@ -12,8 +12,8 @@
 //!   components of the page normally follow in the same batch);
 //! - `Evicted` / `Removed` when its last object leaves (capacity eviction / explicit remove);
 //! - `Cleared` once for `clear()` (no per-group events then, on either tier);
-//! - only once [`TierGroups::enable`] ran (the host stream of `kvtier serve`; the Python
-//!   consumers never turn it on): `SsdStored` when a group's first object is published in the
+//! - only once [`TierGroups::enable`] ran (the host stream of `kvtier serve`, and kvtier's
+//!   vLLM tier when embedded with the SSD tier): `SsdStored` when a group's first object is published in the
 //!   SSD index, `SsdRemoved` when its last leaves it (remove, segment reclaim, a record that
 //!   failed its checksum). A demotion (write-back eviction) is thus `SsdStored` before
 //!   `Evicted`, since the copy is published before DRAM drops the object.
@@ -76,6 +76,9 @@ pub struct StoreEvent {
 struct Ring {
     events: VecDeque<StoreEvent>,
     capacity: usize,
+    /// Room beyond `capacity` for seed events not drained yet ([`EventLog::record_seed`]):
+    /// a seed is never dropped for want of room, and the room goes as it is drained.
+    seed_allowance: usize,
     next_seq: u64,
     dropped: u64,
 }
@@ -123,7 +126,7 @@ impl EventLog {
         let mut ring = self.ring.lock();
         let seq = ring.next_seq;
         ring.next_seq += 1;
-        if ring.events.len() >= ring.capacity {
+        if ring.events.len() >= ring.capacity + ring.seed_allowance {
             ring.events.pop_front();
             ring.dropped += 1;
         }
@@ -135,10 +138,33 @@ impl EventLog {
         });
     }
 
+    /// Record the state a consumer starts from (one event per group already present), as
+    /// [`Self::record`] but never dropped for want of room: the ring grows by the seed until
+    /// it is drained, so a seed larger than the ring (a warm SSD tier with more groups than
+    /// the ring holds) reaches the consumer whole. Bounded by what the tier holds.
+    pub fn record_seed(&self, kind: EventKind, groups: &[Arc<[u8]>]) {
+        if !self.is_enabled() || groups.is_empty() {
+            return;
+        }
+        let mut ring = self.ring.lock();
+        ring.seed_allowance += groups.len();
+        for group in groups {
+            let seq = ring.next_seq;
+            ring.next_seq += 1;
+            ring.events.push_back(StoreEvent {
+                seq,
+                kind,
+                group: Arc::clone(group),
+                depth: None,
+            });
+        }
+    }
+
     /// Take up to `max` of the oldest events.
     pub fn drain(&self, max: usize) -> Drained {
         let mut ring = self.ring.lock();
         let n = max.min(ring.events.len());
+        ring.seed_allowance = ring.seed_allowance.saturating_sub(n);
         let events = ring.events.drain(..n).collect();
         Drained {
             events,
@@ -169,20 +195,24 @@ impl TierGroups {
     }
 
     /// Start counting, seeded with the keys present now (the caller holds off every
-    /// mutation while it runs); each group present is recorded as `SsdStored`.
+    /// mutation while it runs); each group present is recorded as `SsdStored`, as a seed
+    /// ([`EventLog::record_seed`]): however many groups the tier holds, none is dropped.
     pub fn enable<'a>(&self, present: impl IntoIterator<Item = &'a [u8]>) {
         let mut counts = self.counts.lock();
         counts.clear();
+        let mut seed = Vec::new();
         for key in present {
             let group = super::group_of(key);
             match counts.get_mut(group) {
                 Some(n) => *n += 1,
                 None => {
-                    counts.insert(Arc::from(group), 1);
-                    self.log.record(EventKind::SsdStored, group, None);
+                    let group: Arc<[u8]> = Arc::from(group);
+                    seed.push(Arc::clone(&group));
+                    counts.insert(group, 1);
                 }
             }
         }
+        self.log.record_seed(EventKind::SsdStored, &seed);
         self.on.store(true, Ordering::Release);
     }
 
@@ -220,9 +250,13 @@ impl TierGroups {
         }
     }
 
-    /// Every key left (`clear`, whose one `Cleared` event covers both tiers).
-    pub fn reset(&self) {
+    /// Every key left (`clear`): forget the counts and record the one `Cleared` event that
+    /// covers both tiers. The SSD tier calls it with its index emptied and every mutation held
+    /// off, so an `SsdStored` recorded before it was wiped with the index and one recorded
+    /// after it is of a key the index holds (never a group credited forever).
+    pub fn reset_cleared(&self) {
         self.counts.lock().clear();
+        self.log.record(EventKind::Cleared, b"", None);
     }
 }
 
@@ -262,6 +296,32 @@ mod tests {
     }
 
     #[test]
+    fn a_seed_larger_than_the_ring_is_kept_until_drained() {
+        let log = EventLog::default();
+        log.enable(2);
+        let seed: Vec<Arc<[u8]>> = (0..5)
+            .map(|i| Arc::from(format!("s{i}").as_bytes()))
+            .collect();
+        log.record_seed(EventKind::SsdStored, &seed);
+        log.record(EventKind::Stored, b"after", None);
+        let d = log.drain(3);
+        assert_eq!((d.dropped_total, d.pending), (0, 3));
+        assert_eq!(
+            d.events.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            [0, 1, 2]
+        );
+        let d = log.drain(10);
+        assert_eq!(d.events.len(), 3);
+        assert_eq!(&*d.events[2].group, b"after");
+        // Drained: the ring is its own size again and drops the oldest.
+        for i in 0..3u32 {
+            log.record(EventKind::Stored, format!("g{i}").as_bytes(), None);
+        }
+        let d = log.drain(10);
+        assert_eq!((d.events.len(), d.dropped_total), (2, 1));
+    }
+
+    #[test]
     fn tier_groups_record_first_and_last_object_of_a_group() {
         let log = Arc::new(EventLog::default());
         log.enable(16);
@@ -273,7 +333,7 @@ mod tests {
         t.removed(b"p@x.k");
         t.removed(b"p@x.v");
         t.removed(b"never@x.k");
-        t.reset();
+        t.reset_cleared();
         t.removed(b"q@x.k");
         let got: Vec<(EventKind, Vec<u8>)> = log
             .drain(16)
@@ -287,6 +347,7 @@ mod tests {
                 (EventKind::SsdStored, b"p@".to_vec()),
                 (EventKind::SsdStored, b"q@".to_vec()),
                 (EventKind::SsdRemoved, b"p@".to_vec()),
+                (EventKind::Cleared, Vec::new()),
             ]
         );
     }

@@ -351,7 +351,9 @@ impl SsdTier {
             .enable(guards.iter().flat_map(|g| g.keys().map(|k| &**k)));
     }
 
-    /// Remove everything: every segment in use is marked free on disk (new generation).
+    /// Remove everything: every segment in use is marked free on disk (new generation). The
+    /// engine's one `Cleared` event is recorded here, with the index emptied and every
+    /// mutation held off ([`TierGroups::reset_cleared`](crate::eviction::events::TierGroups::reset_cleared)).
     pub(crate) fn clear(&self) {
         let sh = &self.sh;
         let _m = sh.mutation.write();
@@ -362,7 +364,7 @@ impl SsdTier {
             n += s.len() as u64;
             s.clear();
         }
-        sh.groups.reset();
+        sh.groups.reset_cleared();
         let mut t = sh.segments.table.lock();
         let mut touched = Vec::new();
         for (i, m) in t.slots.iter_mut().enumerate() {
