@@ -11,9 +11,10 @@
 //!   found" (it evicted the object) is reported (`ReportDropped`), so the entry heals.
 //! - Exists v2: one `ExistsV2` round trip; the master evaluates the whole query.
 //! - Integrity: every object carries an end-to-end checksum trailer written by its first
-//!   writer and checked by every reader ([`crate::transport::tcp`]); bytes that fail it are a
-//!   miss (the next replica is tried), counted in [`ClusterStore::integrity_failures`] and
-//!   [`names::CLUSTER_INTEGRITY_FAILURES`]`{peer}`, never a hit.
+//!   writer and checked by every reader ([`crate::transport::tcp`]); bytes that fail it are
+//!   never a hit: the next replica is tried, the failure is counted in
+//!   [`ClusterStore::integrity_failures`] and [`names::CLUSTER_INTEGRITY_FAILURES`]`{peer}`,
+//!   and with no replica left the item fails as `ObjectError::Integrity`.
 //! - Failures are per item: a dead node costs at most one request timeout, after which the
 //!   transport fails it fast (marked down) and the master drops it when its lease lapses.
 

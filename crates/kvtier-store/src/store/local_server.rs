@@ -1103,9 +1103,11 @@ impl super::Store for LocalServerStore {
         self.with_conn(|conn| {
             let outcome = self.slice_request(conn, Opcode::GetPages, key, dst.len(), None)?;
             if outcome.is_ok() {
-                if let Some((map, _)) = conn.staging.as_ref() {
-                    map.read(0, dst)?;
-                }
+                // A hit without the staging ring would leave `dst` unfilled: never counted.
+                let (map, _) = conn.staging.as_ref().ok_or_else(|| {
+                    remote_err(&self.socket, "a get was answered without a staging ring")
+                })?;
+                map.read(0, dst)?;
             }
             Ok(outcome)
         })??;

@@ -31,7 +31,7 @@
 //!   once per peer gives the key of the node's landing area (held by a second endpoint to the
 //!   same worker); then per chunk (at most `MAX_RESERVE_OBJECTS` objects and the smaller of
 //!   `MAX_RESERVE_BYTES` and the node's per-connection share) Reserve, UCP put of each
-//!   object's bytes and its 8-byte checksum trailer into its extent, flush, Commit, all on one
+//!   object's bytes and its 16-byte integrity trailer into its extent, flush, Commit, all on one
 //!   held data-port connection (reservations belong to it). The node verifies the trailer on
 //!   its own copy, so a torn or forged write is never stored. "Already present" is success
 //!   (put-if-absent); refused reservations (full, too big), lapsed ones and ones whose bytes
