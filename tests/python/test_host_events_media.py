@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 
 import test_host_events as he
 
@@ -129,6 +130,54 @@ def test_pages_are_published_with_the_tier_that_holds_them(kvtier_bin, tmp_path)
             if s > seq:
                 credit.apply(vdec.decode(router.live[s]))
         assert demoted[0] not in credit.held and credit.vanished == {demoted[0]}
+    finally:
+        if router is not None:
+            router.close()
+        served.stop()
+
+
+def test_a_ring_loss_is_repaired_from_what_the_store_holds(kvtier_bin, tmp_path):
+    """An engine ring far too small for the traffic between two drains (4 events, 1.5 s
+    apart) loses events; the stream then re-reads what the store holds and publishes the
+    difference, so the router still credits exactly the pages kvtier holds and a snapshot
+    says the same. Without the resync the router would credit at most the ring's 4."""
+    from sglang.srt.mem_cache.utils import hash_str_to_int64
+
+    vdec, _ = he.decoders()
+    config = tmp_path / "serve.toml"
+    config.write_text("host_events_engine_ring = 4\nhost_events_interval_ms = 1500\n")
+    config.chmod(0o600)
+    served = he.serve(kvtier_bin, tmp_path, "--config", str(config), dram="8MiB")
+    router = None
+    try:
+        router = he.Router(*he.endpoints(served))
+        store = he.client(served)
+        pages = [he.page_hash(i, "loss") for i in range(40)]
+        for i in range(0, 40, 8):
+            he.put_pages(store, pages[i : i + 8])
+        doc = served.wait_for(
+            "an engine ring loss",
+            lambda d: d["server"]["host_events"]["engine_dropped"] > 0,
+        )
+        assert doc["server"]["host_events"]["engine_dropped"] > 0
+        # The drain after the loss publishes the resync: wait one interval and then some.
+        time.sleep(2.0)
+        router.receive(timeout=2.0)
+        credit = Residencies()
+        for seq in sorted(router.live):
+            credit.apply(vdec.decode(router.live[seq]))
+        where = placements(served)
+        want = {
+            hash_str_to_int64(p): {m for m, on in zip(("CPU", "STORAGE"), where[p]) if on}
+            for p in pages
+            if p in where
+        }
+        assert len(want) == 40, f"kvtier should hold every page: {len(want)}"
+        assert credit.held == want, (len(credit.held), len(want))
+        seq, payload = router.snapshot(b"")
+        snap = Residencies()
+        snap.apply(vdec.decode(payload))
+        assert snap.held == want
     finally:
         if router is not None:
             router.close()

@@ -31,7 +31,7 @@ use kvtier_proto::{ExistsV2Answer, ExistsV2Query, ProtoError};
 use crate::config::{EngineConfig, SsdDurabilityMode, SsdWritePolicy};
 use crate::dram::{DramAllocation, DramOptions, DramTier};
 use crate::error::{EngineError, NoSpaceCause};
-use crate::eviction::events::{Drained, EventKind, EventLog, TierGroups};
+use crate::eviction::events::{Drained, EventKind, EventLog, HeldGroups, TierGroups};
 use crate::eviction::{group_of, new_policy, EvictionPolicy, GroupChange, Victim};
 use crate::index::Index;
 use crate::object::{Location, Object, PinnedObject};
@@ -513,6 +513,26 @@ impl Engine {
         if let Some(ssd) = &self.ssd {
             ssd.enable_group_events();
         }
+    }
+
+    /// The page groups held now, per tier: `(DRAM, SSD)` (SSD only while media events are on).
+    /// A consumer that lost events (the ring dropped them) re-reads its state from this; events
+    /// recorded meanwhile follow in the ring, so applying them after it converges (per group,
+    /// the last event wins). Walks every index shard: a recovery path, not a data path.
+    pub fn held_groups(&self) -> HeldGroups {
+        let mut dram: std::collections::HashSet<&[u8]> = std::collections::HashSet::new();
+        let guards: Vec<_> = self.index.shards().iter().map(|s| s.read()).collect();
+        for guard in &guards {
+            dram.extend(guard.keys().map(|k| group_of(k)));
+        }
+        let dram = dram.into_iter().map(Arc::from).collect();
+        drop(guards);
+        let ssd = self
+            .ssd
+            .as_ref()
+            .map(|s| s.held_groups())
+            .unwrap_or_default();
+        (dram, ssd)
     }
 
     /// Take up to `max` of the oldest recorded events.

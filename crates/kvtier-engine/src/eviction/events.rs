@@ -174,6 +174,9 @@ impl EventLog {
     }
 }
 
+/// The page groups an engine holds, `(DRAM, SSD)` (`Engine::held_groups`).
+pub type HeldGroups = (Vec<Arc<[u8]>>, Vec<Arc<[u8]>>);
+
 /// Objects per page group of the SSD tier, so that its per-key index changes become per-group
 /// events in the engine's [`EventLog`]. Off (no map, one relaxed load per change) until
 /// [`TierGroups::enable`]; the SSD tier calls [`TierGroups::added`] / [`TierGroups::removed`]
@@ -214,6 +217,15 @@ impl TierGroups {
         }
         self.log.record_seed(EventKind::SsdStored, &seed);
         self.on.store(true, Ordering::Release);
+    }
+
+    /// The groups on SSD now (empty while counting is off: then no SSD residency is ever
+    /// published either).
+    pub fn groups(&self) -> Vec<Arc<[u8]>> {
+        if !self.on.load(Ordering::Acquire) {
+            return Vec::new();
+        }
+        self.counts.lock().keys().cloned().collect()
     }
 
     /// `key` was published in the SSD index.

@@ -39,8 +39,10 @@
 //! Sequence numbers start at 0 with each process and increase by one per batch; a restarted
 //! server starts again at 0 (its stores are new too: a router that sees a sequence go back
 //! drops what it credited to this stream). Events the engine ring dropped before the producer
-//! took them (`engine_dropped`) are lost from the stream: the ring is sized so that it does
-//! not happen at the drain interval; the counter says when it did.
+//! took them (`engine_dropped`) never reach the stream themselves: the ring is sized so that it
+//! does not happen at the drain interval; the counter says when it did, and the stream then re-reads
+//! what that store holds (`held_groups`) and publishes the difference, so a lost event never
+//! leaves a block credited that is gone, nor a held block unannounced.
 
 pub use kvtier_events::{encode, zmtp};
 pub use kvtier_events::{parse_endpoint, EndpointError, EventsError, END_SEQ, SNAPSHOT};
@@ -251,9 +253,14 @@ fn drain_store(
             p.engine_dropped.fetch_add(lost, Ordering::Relaxed);
             tracing::warn!(
                 "kvtier serve: store {}: {lost} KV events dropped by the engine ring \
-                 before the stream took them",
+                 before the stream took them; re-reading what it holds",
                 store.name()
             );
+            // What the store holds now replaces what the lost events would have said; the
+            // events still in the ring follow it (per group the last one wins).
+            if let Some(groups) = store.held_groups() {
+                changes.push(Change::Resync(index, groups));
+            }
         }
         if d.pending == 0 {
             break;
@@ -303,6 +310,9 @@ enum Change {
     Gone(HeldKey),
     /// Store number `.0` was cleared (every group, every medium).
     Cleared(usize),
+    /// Store number `.0` holds exactly these groups `(DRAM, SSD)` now: its engine ring lost
+    /// events, so the held set is re-read instead of trusted.
+    Resync(usize, kvtier_store::store::HeldGroups),
 }
 
 /// Apply `changes` to the held set; the events are what changed. A clear is
@@ -324,6 +334,7 @@ fn apply(held: &mut HostHeld, changes: Vec<Change>) -> Vec<(Option<Medium>, Even
                     push(&mut out, medium, false, m);
                 }
             }
+            Change::Resync(store, (dram, ssd)) => resync(held, store, dram, ssd, &mut out),
             Change::Cleared(store) => {
                 if held.groups.keys().all(|k| k.0 == store) {
                     held.groups.clear();
@@ -347,6 +358,52 @@ fn apply(held: &mut HostHeld, changes: Vec<Change>) -> Vec<(Option<Medium>, Even
         }
     }
     out
+}
+
+/// Make store `store`'s part of the held set what it holds now: a `BlockRemoved` for each
+/// residency it lost, a `BlockStored` for each one the stream did not know (removals first,
+/// so a block moved between media while events were lost is shown stored on its medium
+/// last). Groups no key scheme maps are left out, as in live events.
+fn resync(
+    held: &mut HostHeld,
+    store: usize,
+    dram: Vec<Arc<[u8]>>,
+    ssd: Vec<Arc<[u8]>>,
+    out: &mut Vec<(Option<Medium>, Event)>,
+) {
+    let now: std::collections::HashSet<HeldKey> = dram
+        .iter()
+        .map(|g| (store, Box::<[u8]>::from(&g[..]), Medium::Dram))
+        .chain(
+            ssd.iter()
+                .map(|g| (store, Box::<[u8]>::from(&g[..]), Medium::Ssd)),
+        )
+        .collect();
+    let mut gone: Vec<HeldKey> = held
+        .groups
+        .keys()
+        .filter(|k| k.0 == store && !now.contains(*k))
+        .cloned()
+        .collect();
+    gone.sort_by_key(|k| k.2);
+    for key in gone {
+        let medium = key.2;
+        if let Some(m) = held.groups.remove(&key) {
+            push(out, medium, false, m);
+        }
+    }
+    let mut new: Vec<HeldKey> = now
+        .into_iter()
+        .filter(|k| !held.groups.contains_key(k))
+        .collect();
+    new.sort_by_key(|k| k.2);
+    for key in new {
+        let medium = key.2;
+        if let Some(m) = encode::map_group(&key.1) {
+            held.groups.insert(key, m);
+            push(out, medium, true, m);
+        }
+    }
 }
 
 impl EventsConfig {
@@ -410,6 +467,55 @@ mod tests {
 
     fn key(store: usize, group: &str, medium: Medium) -> HeldKey {
         (store, group.as_bytes().into(), medium)
+    }
+
+    /// After a ring loss the store's part of the held set becomes what the store holds:
+    /// residencies it lost are removed, ones the stream never heard of are stored, the other
+    /// stores' are untouched, and events applied after the resync go on from it.
+    #[test]
+    fn a_resync_publishes_the_difference_with_what_the_store_holds() {
+        let g = |i: u8| format!("{:02x}00000000000000aa@", i);
+        let mapped = |i: u8| encode::map_group(g(i).as_bytes()).unwrap();
+        let arc = |i: u8| Arc::<[u8]>::from(g(i).as_bytes());
+        let mut held = HostHeld {
+            groups: std::collections::HashMap::new(),
+            ownership: "kvtier:n".into(),
+        };
+        apply(
+            &mut held,
+            vec![
+                Change::Held(key(0, &g(1), Medium::Dram), mapped(1)), // stale: gone since
+                Change::Held(key(0, &g(2), Medium::Dram), mapped(2)), // still held
+                Change::Held(key(1, &g(1), Medium::Dram), mapped(1)), // another store's
+            ],
+        );
+        let out = apply(
+            &mut held,
+            vec![
+                // The store holds 2 in DRAM, 1 on SSD and 3 in DRAM; its events said otherwise.
+                Change::Resync(0, (vec![arc(2), arc(3)], vec![arc(1)])),
+                Change::Gone(key(0, &g(3), Medium::Dram)),
+            ],
+        );
+        assert_eq!(
+            out,
+            vec![
+                (Some(Medium::Dram), Event::Removed(vec![mapped(1)])),
+                (Some(Medium::Dram), Event::Stored(vec![mapped(3)])),
+                (Some(Medium::Ssd), Event::Stored(vec![mapped(1)])),
+                (Some(Medium::Dram), Event::Removed(vec![mapped(3)])),
+            ]
+        );
+        let mut now: Vec<_> = held.groups.keys().cloned().collect();
+        now.sort();
+        assert_eq!(
+            now,
+            vec![
+                key(0, &g(1), Medium::Ssd),
+                key(0, &g(2), Medium::Dram),
+                key(1, &g(1), Medium::Dram),
+            ]
+        );
     }
 
     #[test]

@@ -586,6 +586,10 @@ impl Store for EmbeddedStore {
         self.with_engine(|e| e.placement(key))
     }
 
+    fn held_groups(&self) -> Option<super::HeldGroups> {
+        self.with_engine(Engine::held_groups)
+    }
+
     fn group_stats(&self) -> Option<(u64, u64)> {
         self.with_engine(Engine::group_stats)
     }

@@ -350,6 +350,10 @@ impl<T: Store> Store for Metered<T> {
         self.store.placement(key)
     }
 
+    fn held_groups(&self) -> Option<super::HeldGroups> {
+        self.store.held_groups()
+    }
+
     fn group_stats(&self) -> Option<(u64, u64)> {
         self.store.group_stats()
     }

@@ -56,6 +56,8 @@ use crate::memory::RegionRegistry;
 
 pub use checked::{CheckedBuffers, OutsideRegion, SharedRegion};
 pub use embedded::EmbeddedStore;
+/// The page groups an engine holds, `(DRAM, SSD)` ([`Store::held_groups`]).
+pub use kvtier_engine::eviction::events::HeldGroups;
 pub use local_server::LocalServerStore;
 pub use meter::{Metered, StoreMeter};
 
@@ -194,6 +196,12 @@ pub trait Store: Send + Sync {
         None
     }
 
+    /// The page groups this process's engine holds now, `(DRAM, SSD)`, for a consumer of its
+    /// events that lost some (`None`: no engine here); see `Engine::held_groups`.
+    fn held_groups(&self) -> Option<HeldGroups> {
+        None
+    }
+
     /// `(groups evicted whole, groups tracked)` of the DRAM tier (`None`: no engine here).
     fn group_stats(&self) -> Option<(u64, u64)> {
         None
@@ -329,6 +337,10 @@ impl Store for Stores {
 
     fn placement(&self, key: &[u8]) -> Option<kvtier_engine::Placement> {
         forward!(self, placement(key))
+    }
+
+    fn held_groups(&self) -> Option<HeldGroups> {
+        forward!(self, held_groups())
     }
 
     fn group_stats(&self) -> Option<(u64, u64)> {

@@ -351,6 +351,12 @@ impl SsdTier {
             .enable(guards.iter().flat_map(|g| g.keys().map(|k| &**k)));
     }
 
+    /// The page groups the SSD index holds now, as the media events count them (empty while
+    /// they are off).
+    pub(crate) fn held_groups(&self) -> Vec<std::sync::Arc<[u8]>> {
+        self.sh.groups.groups()
+    }
+
     /// Remove everything: every segment in use is marked free on disk (new generation). The
     /// engine's one `Cleared` event is recorded here, with the index emptied and every
     /// mutation held off ([`TierGroups::reset_cleared`](crate::eviction::events::TierGroups::reset_cleared)).
