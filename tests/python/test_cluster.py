@@ -77,13 +77,33 @@ CLUSTER_MARK = "\x00C"
 
 
 class Master:
-    def __init__(self, binary, tmp_path, listen_ip="127.0.0.1", reach_ip="127.0.0.1"):
+    """One ``kvtier master`` on a free port; ``extra`` flags are appended (etcd, events, ...)
+    and its output goes to ``<log_name>.log``."""
+
+    def __init__(
+        self,
+        binary,
+        tmp_path,
+        listen_ip="127.0.0.1",
+        reach_ip="127.0.0.1",
+        *,
+        extra=(),
+        log_name="master",
+    ):
         port = free_port(listen_ip)
         self.address = f"{reach_ip}:{port}"
         self.binary = binary
-        self.log = open(tmp_path / "master.log", "w+")
+        self.log = open(tmp_path / f"{log_name}.log", "w+")
         self.proc = subprocess.Popen(
-            [str(binary), "master", "--listen", f"{listen_ip}:{port}", "--lease-ms", str(LEASE_MS)],
+            [
+                str(binary),
+                "master",
+                "--listen",
+                f"{listen_ip}:{port}",
+                "--lease-ms",
+                str(LEASE_MS),
+                *extra,
+            ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )

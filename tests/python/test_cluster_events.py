@@ -39,20 +39,12 @@ class EventMaster(tc.Master):
     """``kvtier master --etcd`` with the cluster KV-event stream on free 127.0.0.1 ports."""
 
     def __init__(self, binary, tmp_path, etcd, name):
-        port = tc.free_port()
-        self.address = f"127.0.0.1:{port}"
         self.events = f"tcp://127.0.0.1:{tc.free_port()}"
         self.replay = f"tcp://127.0.0.1:{tc.free_port()}"
-        self.binary = binary
-        self.log = open(tmp_path / f"{name}.log", "w+")
-        self.proc = subprocess.Popen(
-            [
-                str(binary),
-                "master",
-                "--listen",
-                self.address,
-                "--lease-ms",
-                str(tc.LEASE_MS),
+        super().__init__(
+            binary,
+            tmp_path,
+            extra=(
                 "--etcd",
                 etcd.endpoint,
                 "--election-ttl-s",
@@ -61,15 +53,9 @@ class EventMaster(tc.Master):
                 self.events,
                 "--events-replay-endpoint",
                 self.replay,
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
+            ),
+            log_name=name,
         )
-        deadline = time.time() + 20
-        while not tc._tcp_open(self.address):
-            assert self.proc.poll() is None, self.output()
-            assert time.time() < deadline, "kvtier master did not start"
-            time.sleep(0.02)
 
     def leads(self):
         out = subprocess.run(

@@ -15,7 +15,6 @@ oracle is kvtier itself: which node holds a block is read from each live node's 
 
 from __future__ import annotations
 
-import subprocess
 import time
 
 import msgspec
@@ -34,8 +33,6 @@ from test_vllm_tier import _no_leftover_regions  # noqa: F401
 kvtier_bin = sm.kvtier_bin
 
 NODES = (("node-a", "127.0.0.2"), ("node-b", "127.0.0.3"), ("node-c", "127.0.0.4"))
-# Node lease: a dead node's copies are dropped and re-made within a few of these.
-LEASE_MS = 1000
 
 
 class ReplicatingMaster(tc.Master):
@@ -43,34 +40,20 @@ class ReplicatingMaster(tc.Master):
     with the cluster KV-event stream on free 127.0.0.1 ports."""
 
     def __init__(self, binary, tmp_path):
-        self.address = f"127.0.0.1:{tc.free_port()}"
         self.events = f"tcp://127.0.0.1:{tc.free_port()}"
         self.replay = f"tcp://127.0.0.1:{tc.free_port()}"
-        self.binary = binary
-        self.log = open(tmp_path / "master.log", "w+")
-        self.proc = subprocess.Popen(
-            [
-                str(binary),
-                "master",
-                "--listen",
-                self.address,
-                "--lease-ms",
-                str(LEASE_MS),
+        super().__init__(
+            binary,
+            tmp_path,
+            extra=(
                 "--default-replication",
                 "2",
                 "--events-endpoint",
                 self.events,
                 "--events-replay-endpoint",
                 self.replay,
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
+            ),
         )
-        deadline = time.time() + 20
-        while not tc._tcp_open(self.address):
-            assert self.proc.poll() is None, self.output()
-            assert time.time() < deadline, "kvtier master did not start"
-            time.sleep(0.02)
 
 
 class Holders:
