@@ -10,75 +10,8 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use common::{object_bytes, wait_for, Proc};
-use kvtier_client::{Client, KvtierConfig, MemRef, PageBatch};
-
-/// A memfd mapped in this process, standing in for SGLang's shm host pool
-/// (`ShmHostTensorAllocator`: no `MFD_ALLOW_SEALING`) unless `sealable`.
-struct Memfd {
-    fd: OwnedFd,
-    ptr: *mut u8,
-    len: usize,
-}
-
-impl Memfd {
-    fn new(len: usize, sealable: bool) -> Memfd {
-        use rustix::fs::{ftruncate, memfd_create, MemfdFlags};
-        use rustix::mm::{mmap, MapFlags, ProtFlags};
-        let mut flags = MemfdFlags::CLOEXEC;
-        if sealable {
-            flags |= MemfdFlags::ALLOW_SEALING;
-        }
-        let fd = memfd_create("attack-pool", flags).unwrap();
-        ftruncate(&fd, len as u64).unwrap();
-        // SAFETY: a fresh shared mapping of a memfd of exactly `len` bytes.
-        let ptr = unsafe {
-            mmap(
-                std::ptr::null_mut(),
-                len,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::SHARED,
-                &fd,
-                0,
-            )
-        }
-        .unwrap() as *mut u8;
-        Memfd { fd, ptr, len }
-    }
-
-    /// The mapping's bytes (only while the memfd has its full size).
-    fn bytes(&mut self) -> &mut [u8] {
-        // SAFETY: the mapping lives as long as self; the tests call this only while the memfd
-        // is at its full size, from one thread.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
-    }
-
-    fn refs(&self, object: usize) -> Vec<MemRef> {
-        (0..self.len / object)
-            .map(|i| MemRef {
-                ptr: self.ptr as usize + i * object,
-                len: object,
-            })
-            .collect()
-    }
-
-    fn register(&self, client: &Client) {
-        // SAFETY: the mapping outlives the client (dropped after it in every test) and is
-        // `[0, len)` of `fd`.
-        unsafe {
-            client
-                .register_memfd(self.ptr as usize, self.len, self.fd.as_fd(), 0, "pool")
-                .unwrap();
-        }
-    }
-}
-
-impl Drop for Memfd {
-    fn drop(&mut self) {
-        // SAFETY: exactly the mapping made in new().
-        let _ = unsafe { rustix::mm::munmap(self.ptr.cast(), self.len) };
-    }
-}
+use common::{object_bytes, wait_for, Memfd, Proc};
+use kvtier_client::{Client, KvtierConfig, PageBatch};
 
 /// A `kvtier serve` on a socket in `dir`, with extra flags.
 fn serve(dir: &Path, extra: &[&str], envs: &[(&str, &str)]) -> (Proc, PathBuf) {

@@ -4,6 +4,8 @@
 #![allow(clippy::unwrap_used)]
 #![allow(unsafe_code)] // test fixtures map shared memory and register raw regions
 
+mod common;
+
 use std::io::{IoSlice, Read, Write};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, OwnedFd};
@@ -11,6 +13,7 @@ use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::Memfd;
 use kvtier_client::config::ConfigSources;
 use kvtier_client::{Client, KvtierConfig, MemRef, PageBatch};
 use kvtier_proto::frame::{FrameHeader, FLAG_ERROR, HEADER_LEN, PROTOCOL_VERSION};
@@ -23,51 +26,6 @@ use kvtier_proto::{
 };
 use kvtier_server::{RunningServer, Server, ServerConfig, ServerSources};
 use serde_json::{json, Map, Value};
-
-/// A memfd mapped in this process: stands in for SGLang's shm-allocated host pool.
-struct ShmBuf {
-    fd: OwnedFd,
-    ptr: *mut u8,
-    len: usize,
-}
-
-impl ShmBuf {
-    fn new(len: usize) -> ShmBuf {
-        use rustix::fs::{ftruncate, memfd_create, MemfdFlags};
-        use rustix::mm::{mmap, MapFlags, ProtFlags};
-        let fd = memfd_create("test-pool", MemfdFlags::CLOEXEC).unwrap();
-        ftruncate(&fd, len as u64).unwrap();
-        // SAFETY: a fresh shared mapping of a memfd of exactly `len` bytes.
-        let ptr = unsafe {
-            mmap(
-                std::ptr::null_mut(),
-                len,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::SHARED,
-                &fd,
-                0,
-            )
-        }
-        .unwrap() as *mut u8;
-        ShmBuf { fd, ptr, len }
-    }
-
-    fn bytes(&mut self) -> &mut [u8] {
-        // SAFETY: the mapping lives as long as self; tests use it from one thread.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
-    }
-
-    fn addr(&self) -> usize {
-        self.ptr as usize
-    }
-}
-
-impl Drop for ShmBuf {
-    fn drop(&mut self) {
-        // SAFETY: exactly the mapping made in new().
-        let _ = unsafe { rustix::mm::munmap(self.ptr.cast(), self.len) };
-    }
-}
 
 fn start(extra: &[(&str, Value)]) -> (tempfile::TempDir, RunningServer) {
     start_sized(extra, "64MiB")
@@ -137,7 +95,7 @@ fn zero_copy_and_staged_round_trips_are_byte_exact() {
     let reader = client(&server, json!({}));
     assert_eq!(writer.mode(), "server");
 
-    let mut src = ShmBuf::new(16 * PAGE);
+    let mut src = Memfd::new(16 * PAGE, false);
     fill(src.bytes(), 7);
     // SAFETY: src outlives both clients' use of it.
     unsafe { writer.register_memfd(src.addr(), src.len, src.fd.as_fd(), 0, "pool") }.unwrap();
@@ -179,7 +137,7 @@ fn zero_copy_and_staged_round_trips_are_byte_exact() {
     assert!(stats["staged_bytes"].as_u64().unwrap() >= 16 * PAGE as u64);
 
     // Zero-copy reads into another memfd, and exists / len / v2 queries.
-    let mut dst2 = ShmBuf::new(16 * PAGE);
+    let mut dst2 = Memfd::new(16 * PAGE, false);
     // SAFETY: dst2 outlives the writer's use of it.
     unsafe { writer.register_memfd(dst2.addr(), dst2.len, dst2.fd.as_fd(), 0, "pool2") }.unwrap();
     let dbufs2: Vec<MemRef> = (0..16)
@@ -485,7 +443,7 @@ fn buffers_outside_registered_regions_fail_that_key_with_a_clear_error() {
     let mut raw = Raw::connect(&server);
     raw.hello();
     raw.open();
-    let mut shm = ShmBuf::new(4 * PAGE);
+    let mut shm = Memfd::new(4 * PAGE, false);
     fill(shm.bytes(), 3);
     let region = raw.register(&shm.fd, 4 * PAGE as u64).unwrap();
     // A region larger than the memfd is refused.
@@ -579,7 +537,7 @@ fn server_mode_item_outcomes_arrive_typed() {
     let c = client(&server, json!({}));
     let small = vec![5u8; 4096];
     c.put_slice(b"small", &small, None).unwrap();
-    let mut shm = ShmBuf::new(3 * PAGE);
+    let mut shm = Memfd::new(3 * PAGE, false);
     fill(shm.bytes(), 9);
     // SAFETY: shm outlives the client's use of it (the client is closed first).
     unsafe { c.register_memfd(shm.addr(), shm.len, shm.fd.as_fd(), 0, "pool") }.unwrap();
@@ -639,7 +597,7 @@ fn server_mode_item_outcomes_arrive_typed() {
 fn a_client_dying_mid_session_leaks_no_mapping_and_others_keep_working() {
     let (_dir, server) = start(&[]);
     let survivor = Arc::new(client(&server, json!({})));
-    let mut shm = ShmBuf::new(32 * PAGE);
+    let mut shm = Memfd::new(32 * PAGE, false);
     fill(shm.bytes(), 1);
     {
         let doomed = client(&server, json!({}));
@@ -677,32 +635,44 @@ fn a_client_dying_mid_session_leaks_no_mapping_and_others_keep_working() {
     server.shutdown(Duration::from_secs(5));
 }
 
+/// A server on a socket in `dir` with its SSD tier in `ssd`; `[DRAM, SSD, segment]` sizes
+/// and extra server flags.
+fn ssd_server(
+    dir: &std::path::Path,
+    ssd: &std::path::Path,
+    [dram, capacity, segment]: [&str; 3],
+    extra: &[(&str, Value)],
+) -> RunningServer {
+    let mut flags = Map::new();
+    flags.insert(
+        "socket".into(),
+        json!(dir.join("kvtier.sock").display().to_string()),
+    );
+    for (k, v) in extra {
+        flags.insert((*k).into(), v.clone());
+    }
+    let mut engine_flags = Map::new();
+    engine_flags.insert("dram_capacity_bytes".into(), json!(dram));
+    engine_flags.insert("dram_prefault".into(), json!(false));
+    engine_flags.insert("ssd_enabled".into(), json!(true));
+    engine_flags.insert("ssd_storage_dir".into(), json!(ssd.display().to_string()));
+    engine_flags.insert("ssd_capacity_bytes".into(), json!(capacity));
+    engine_flags.insert("ssd_segment_size_bytes".into(), json!(segment));
+    let config = ServerConfig::load(ServerSources {
+        file: None,
+        env: Vec::new(),
+        flags,
+        engine_flags,
+    })
+    .unwrap();
+    Server::bind(config).unwrap().spawn()
+}
+
 #[test]
 fn a_restarted_server_serves_its_ssd_contents_again() {
     let dir = tempfile::tempdir().unwrap();
     let ssd = dir.path().join("ssd");
-    let open = || {
-        let mut flags = Map::new();
-        flags.insert(
-            "socket".into(),
-            json!(dir.path().join("kvtier.sock").display().to_string()),
-        );
-        let mut engine_flags = Map::new();
-        engine_flags.insert("dram_capacity_bytes".into(), json!("16MiB"));
-        engine_flags.insert("dram_prefault".into(), json!(false));
-        engine_flags.insert("ssd_enabled".into(), json!(true));
-        engine_flags.insert("ssd_storage_dir".into(), json!(ssd.display().to_string()));
-        engine_flags.insert("ssd_capacity_bytes".into(), json!("256MiB"));
-        engine_flags.insert("ssd_segment_size_bytes".into(), json!("16MiB"));
-        let config = ServerConfig::load(ServerSources {
-            file: None,
-            env: Vec::new(),
-            flags,
-            engine_flags,
-        })
-        .unwrap();
-        Server::bind(config).unwrap().spawn()
-    };
+    let open = || ssd_server(dir.path(), &ssd, ["16MiB", "256MiB", "16MiB"], &[]);
     let server = open();
     let c = client(&server, json!({}));
     let value: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
@@ -724,27 +694,12 @@ fn a_restarted_server_serves_its_ssd_contents_again() {
 fn tenant_partitions_get_their_own_ssd_directory() {
     let dir = tempfile::tempdir().unwrap();
     let ssd = dir.path().join("ssd");
-    let mut flags = Map::new();
-    flags.insert(
-        "socket".into(),
-        json!(dir.path().join("kvtier.sock").display().to_string()),
+    let server = ssd_server(
+        dir.path(),
+        &ssd,
+        ["8MiB", "64MiB", "8MiB"],
+        &[("tenant_dram_quota", json!({"team/a": "4MiB"}))],
     );
-    flags.insert("tenant_dram_quota".into(), json!({"team/a": "4MiB"}));
-    let mut engine_flags = Map::new();
-    engine_flags.insert("dram_capacity_bytes".into(), json!("8MiB"));
-    engine_flags.insert("dram_prefault".into(), json!(false));
-    engine_flags.insert("ssd_enabled".into(), json!(true));
-    engine_flags.insert("ssd_storage_dir".into(), json!(ssd.display().to_string()));
-    engine_flags.insert("ssd_capacity_bytes".into(), json!("64MiB"));
-    engine_flags.insert("ssd_segment_size_bytes".into(), json!("8MiB"));
-    let config = ServerConfig::load(ServerSources {
-        file: None,
-        env: Vec::new(),
-        flags,
-        engine_flags,
-    })
-    .unwrap();
-    let server = Server::bind(config).unwrap().spawn();
     let c = client(&server, json!({"extra_backend_tag": "team/a"}));
     c.put_slice(b"x", &[1u8; 5000], None).unwrap();
     c.flush().unwrap();

@@ -18,6 +18,7 @@ pub mod ucx;
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -692,4 +693,76 @@ pub fn object_bytes(i: u64, len: usize) -> Vec<u8> {
             state as u8
         })
         .collect()
+}
+
+/// A memfd mapped in this process, standing in for SGLang's shm host pool
+/// (`ShmHostTensorAllocator`: no `MFD_ALLOW_SEALING`) unless `sealable`.
+pub struct Memfd {
+    pub fd: OwnedFd,
+    pub ptr: *mut u8,
+    pub len: usize,
+}
+
+impl Memfd {
+    pub fn new(len: usize, sealable: bool) -> Memfd {
+        use rustix::fs::{ftruncate, memfd_create, MemfdFlags};
+        use rustix::mm::{mmap, MapFlags, ProtFlags};
+        let mut flags = MemfdFlags::CLOEXEC;
+        if sealable {
+            flags |= MemfdFlags::ALLOW_SEALING;
+        }
+        let fd = memfd_create("attack-pool", flags).unwrap();
+        ftruncate(&fd, len as u64).unwrap();
+        // SAFETY: a fresh shared mapping of a memfd of exactly `len` bytes.
+        let ptr = unsafe {
+            mmap(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED,
+                &fd,
+                0,
+            )
+        }
+        .unwrap() as *mut u8;
+        Memfd { fd, ptr, len }
+    }
+
+    /// The mapping's bytes (only while the memfd has its full size).
+    pub fn bytes(&mut self) -> &mut [u8] {
+        // SAFETY: the mapping lives as long as self; the tests call this only while the memfd
+        // is at its full size, from one thread.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
+    /// The mapping's address.
+    pub fn addr(&self) -> usize {
+        self.ptr as usize
+    }
+
+    pub fn refs(&self, object: usize) -> Vec<MemRef> {
+        (0..self.len / object)
+            .map(|i| MemRef {
+                ptr: self.ptr as usize + i * object,
+                len: object,
+            })
+            .collect()
+    }
+
+    pub fn register(&self, client: &Client) {
+        // SAFETY: the mapping outlives the client (dropped after it in every test) and is
+        // `[0, len)` of `fd`.
+        unsafe {
+            client
+                .register_memfd(self.ptr as usize, self.len, self.fd.as_fd(), 0, "pool")
+                .unwrap();
+        }
+    }
+}
+
+impl Drop for Memfd {
+    fn drop(&mut self) {
+        // SAFETY: exactly the mapping made in new().
+        let _ = unsafe { rustix::mm::munmap(self.ptr.cast(), self.len) };
+    }
 }
