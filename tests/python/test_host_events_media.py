@@ -41,6 +41,18 @@ def placements(served):
     return where
 
 
+def residencies(served, pages):
+    """Event hash -> the media kvtier holds the page on (vLLM's names), for the pages it holds."""
+    from sglang.srt.mem_cache.utils import hash_str_to_int64
+
+    where = placements(served)
+    return {
+        hash_str_to_int64(p): {m for m, on in zip(("CPU", "STORAGE"), where[p]) if on}
+        for p in pages
+        if p in where
+    }
+
+
 class Residencies:
     """A router counting residencies per (hash, medium), as vLLM's tracker does; it notes any
     page whose last residency went away (the router would stop crediting it)."""
@@ -103,13 +115,8 @@ def test_pages_are_published_with_the_tier_that_holds_them(kvtier_bin, tmp_path)
         for seq in seqs:
             credit.apply(vdec.decode(router.live[seq]))
             sdec.decode(router.live[seq])  # SGLang's classes read the same batches
-        where = placements(served)
         by_hash = {hash_str_to_int64(p): p for p in pages}
-        want = {
-            hash_str_to_int64(p): {m for m, on in zip(("CPU", "STORAGE"), where[p]) if on}
-            for p in pages
-            if p in where
-        }
+        want = residencies(served, pages)
         assert credit.held == want, {by_hash[h]: (credit.held.get(h), want.get(h)) for h in by_hash}
         demoted = [h for h, m in want.items() if m == {"STORAGE"}]
         assert len(demoted) >= 8, f"nothing demoted: {want}"
@@ -141,7 +148,6 @@ def test_a_ring_loss_is_repaired_from_what_the_store_holds(kvtier_bin, tmp_path)
     apart) loses events; the stream then re-reads what the store holds and publishes the
     difference, so the router still credits exactly the pages kvtier holds and a snapshot
     says the same. Without the resync the router would credit at most the ring's 4."""
-    from sglang.srt.mem_cache.utils import hash_str_to_int64
 
     vdec, _ = he.decoders()
     config = tmp_path / "serve.toml"
@@ -166,12 +172,7 @@ def test_a_ring_loss_is_repaired_from_what_the_store_holds(kvtier_bin, tmp_path)
         credit = Residencies()
         for seq in sorted(router.live):
             credit.apply(vdec.decode(router.live[seq]))
-        where = placements(served)
-        want = {
-            hash_str_to_int64(p): {m for m, on in zip(("CPU", "STORAGE"), where[p]) if on}
-            for p in pages
-            if p in where
-        }
+        want = residencies(served, pages)
         assert len(want) == 40, f"kvtier should hold every page: {len(want)}"
         assert credit.held == want, (len(credit.held), len(want))
         seq, payload = router.snapshot(b"")

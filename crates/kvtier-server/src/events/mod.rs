@@ -341,23 +341,28 @@ fn apply(held: &mut HostHeld, changes: Vec<Change>) -> Vec<(Option<Medium>, Even
                     out.push((None, Event::Cleared));
                     continue;
                 }
-                let mut gone: Vec<HeldKey> = held
-                    .groups
-                    .keys()
-                    .filter(|k| k.0 == store)
-                    .cloned()
-                    .collect();
-                gone.sort_by_key(|k| k.2);
-                for key in gone {
-                    let medium = key.2;
-                    if let Some(m) = held.groups.remove(&key) {
-                        push(&mut out, medium, false, m);
-                    }
-                }
+                remove_where(held, &mut out, |k| k.0 == store);
             }
         }
     }
     out
+}
+
+/// Remove every held residency `gone` selects, publishing a `BlockRemoved` for each (grouped
+/// by medium).
+fn remove_where(
+    held: &mut HostHeld,
+    out: &mut Vec<(Option<Medium>, Event)>,
+    gone: impl Fn(&HeldKey) -> bool,
+) {
+    let mut keys: Vec<HeldKey> = held.groups.keys().filter(|k| gone(k)).cloned().collect();
+    keys.sort_by_key(|k| k.2);
+    for key in keys {
+        let medium = key.2;
+        if let Some(m) = held.groups.remove(&key) {
+            push(out, medium, false, m);
+        }
+    }
 }
 
 /// Make store `store`'s part of the held set what it holds now: a `BlockRemoved` for each
@@ -379,19 +384,7 @@ fn resync(
                 .map(|g| (store, Box::<[u8]>::from(&g[..]), Medium::Ssd)),
         )
         .collect();
-    let mut gone: Vec<HeldKey> = held
-        .groups
-        .keys()
-        .filter(|k| k.0 == store && !now.contains(*k))
-        .cloned()
-        .collect();
-    gone.sort_by_key(|k| k.2);
-    for key in gone {
-        let medium = key.2;
-        if let Some(m) = held.groups.remove(&key) {
-            push(out, medium, false, m);
-        }
-    }
+    remove_where(held, out, |k| k.0 == store && !now.contains(k));
     let mut new: Vec<HeldKey> = now
         .into_iter()
         .filter(|k| !held.groups.contains_key(k))
